@@ -1,0 +1,74 @@
+"""Metrics records -> long-format DataFrames (step, value, series) for gr.LinePlot, and their summaries."""
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+MAX_POINTS = 1000  # a browser plot gains nothing from more; long runs are thinned evenly
+EMA_SPAN = 20  # logged points; smooths per-step noise while still following a falling loss
+
+# plot name -> (title, y axis title, [(metrics key, series label)])
+PLOTS: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
+    "loss": ("Loss", "loss", [("loss", "loss"), ("loss_ema", "loss (EMA)")]),
+    "lr": ("Learning rate", "learning rate", [("lr", "learning rate")]),
+    "grad": ("Gradient norm", "norm", [("grad_norm", "grad norm"), ("clip_threshold", "clip threshold")]),
+    "memory": ("Memory", "MB", [("vram_allocated_mb", "VRAM allocated"), ("vram_reserved_mb", "VRAM reserved"),
+                                ("vram_peak_mb", "VRAM peak"), ("ram_mb", "RAM")]),
+}
+
+
+def metrics_frame(metrics: list[dict[str, Any]]) -> pd.DataFrame:
+    """One row per logged step; non-numbers (the engine writes NaN/Inf as strings) become NaN."""
+    if not metrics:
+        return pd.DataFrame({"step": []})
+    frame = pd.DataFrame.from_records(metrics)
+    for column in frame.columns:
+        frame[column] = pd.to_numeric(frame[column], errors="coerce")
+    frame = frame.dropna(subset=["step"]).drop_duplicates("step", keep="last").sort_values("step")
+    if "loss" in frame:
+        frame["loss_ema"] = frame["loss"].ewm(span=EMA_SPAN, adjust=True, ignore_na=True).mean()
+    return frame
+
+
+def thin(frame: pd.DataFrame, max_points: int = MAX_POINTS) -> pd.DataFrame:
+    if len(frame) <= max_points:
+        return frame
+    stride = -(-len(frame) // max_points)
+    # Always keep the newest point: it is the one the user is watching.
+    return pd.concat([frame.iloc[::stride], frame.iloc[[-1]]]).drop_duplicates("step")
+
+
+def plot_frame(frame: pd.DataFrame, plot: str) -> pd.DataFrame:
+    """Long format for one plot: the series present in the metrics, NaN rows dropped."""
+    parts = []
+    for key, label in PLOTS[plot][2]:
+        if key in frame:
+            part = frame[["step", key]].rename(columns={key: "value"}).dropna()
+            part["series"] = label
+            parts.append(part)
+    if not parts:
+        return pd.DataFrame({"step": pd.Series(dtype=float), "value": pd.Series(dtype=float),
+                             "series": pd.Series(dtype=str)})
+    return thin(pd.concat(parts, ignore_index=True), MAX_POINTS * len(parts))
+
+
+def summary(frame: pd.DataFrame) -> str:
+    """One line under the plots: how many points, and the newest values."""
+    if frame.empty or "loss" not in frame:
+        return "No metrics yet: the plots fill in once training logs its first step."
+    last = frame.iloc[-1]
+    parts = [f"{len(frame)} logged steps", f"step {int(last['step'])}", f"loss {last['loss']:.4g}",
+             f"EMA {last['loss_ema']:.4g}"]
+    for key, name in (("lr", "lr"), ("grad_norm", "grad norm"), ("vram_peak_mb", "VRAM peak MB"),
+                      ("ram_mb", "RAM MB")):
+        if key in frame and pd.notna(last.get(key)):
+            parts.append(f"{name} {last[key]:.4g}")
+    return " · ".join(parts)
+
+
+def events_frame(events: list[dict[str, Any]], limit: int = 200) -> pd.DataFrame:
+    """The guards' decisions, newest first."""
+    rows = [{"step": e.get("step") if e.get("step") is not None else "", "kind": e.get("kind", ""),
+             "message": e.get("message", "")} for e in reversed(events[-limit:])]
+    return pd.DataFrame(rows, columns=["step", "kind", "message"])

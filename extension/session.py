@@ -1,0 +1,71 @@
+"""Which run the UI watches, and the engine processes this UI started.
+
+Shared by every browser tab of one UI process on purpose: there is one machine and usually one run, and
+after a UI restart the newest live run is attached again from its run directory alone.
+"""
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+from stabletune_core.runs.reader import RunReader, RunSummary, find_runs
+
+
+class RunHub:
+    def __init__(self, runs_dir: Path):
+        self.runs_dir = Path(runs_dir)
+        self.attached: Path | None = None
+        self._readers: dict[Path, RunReader] = {}
+        self._procs: dict[Path, subprocess.Popen] = {}
+        self._lock = threading.Lock()  # Gradio calls handlers from worker threads
+
+    def runs(self) -> list[RunSummary]:
+        return find_runs(self.runs_dir)
+
+    def reader(self, path: Path | None = None) -> RunReader | None:
+        """The cached, incremental reader of `path` (default: the attached run)."""
+        path = Path(path) if path else self.attached
+        if path is None:
+            return None
+        with self._lock:
+            if path not in self._readers:
+                self._readers[path] = RunReader(path)
+            return self._readers[path]
+
+    def attach(self, path: Path | str | None) -> None:
+        self.attached = Path(path) if path else None
+
+    def attach_default(self) -> Path | None:
+        """Re-attach after a restart: the newest live run, else the newest run, else nothing."""
+        if self.attached is None:
+            runs = self.runs()
+            live = [r for r in runs if r.alive]
+            chosen = (live or runs or [None])[0]
+            self.attached = chosen.path if chosen else None
+        return self.attached
+
+    def started(self, path: Path, process: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs[Path(path)] = process
+            self._readers.pop(Path(path), None)  # a restarted run rewrites its files: read them afresh
+        self.attached = Path(path)
+
+    def status(self, path: Path | None = None) -> dict[str, Any]:
+        """status.json plus what only this UI knows: the engine is still importing, or exited early."""
+        reader = self.reader(path)
+        if reader is None:
+            return {"state": "none"}
+        status = reader.status()
+        process = self._procs.get(reader.paths.root)
+        if process is not None:
+            code = process.poll()  # also reaps the child, so no zombie outlives it
+            if code is None and status.get("state") == "unknown":
+                status.update(state="launching", alive=True, pid=process.pid)
+            elif code not in (None, 0) and status.get("state") not in ("failed", "stopped", "finished"):
+                status.update(state="failed", alive=False, stale=False, exit_code=code)
+        return status
+
+    def is_live(self, path: Path | None = None) -> bool:
+        return bool(self.status(path).get("alive"))

@@ -1,0 +1,45 @@
+"""The one-line status of a run: state, step, speed, ETA, loss, and the last thing the engine said."""
+from __future__ import annotations
+
+from typing import Any
+
+def duration(seconds: Any) -> str:
+    try:
+        seconds = int(float(seconds))
+    except (TypeError, ValueError):
+        return "–"
+    hours, rest = divmod(max(seconds, 0), 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def speed(sec_per_step: Any) -> str:
+    """it/s above one step a second, s/it below (what users of other trainers read)."""
+    try:
+        value = float(sec_per_step)
+    except (TypeError, ValueError):
+        return "–"
+    if value <= 0:
+        return "–"
+    return f"{1 / value:.2f} it/s" if value <= 1 else f"{value:.2f} s/it"
+
+
+def status_line(name: str, status: dict[str, Any], last_event: dict[str, Any] | None) -> str:
+    state = status.get("state", "unknown")
+    if state == "none":
+        return "**No run attached.** Load a preset, choose a dataset and click **Start**, or attach a run in **Runs**."
+    if status.get("stale"):
+        state_text = f"{state} (engine process is gone: it was killed or crashed; resume from the last checkpoint)"
+    else:
+        state_text = state
+    step, max_steps = status.get("step") or 0, status.get("max_steps")
+    parts = [f"**{name}**: **{state_text}**",
+             f"step {step}/{max_steps}" if max_steps else f"step {step}",
+             speed(status.get("sec_per_step")), f"ETA {duration(status.get('eta_seconds'))}"]
+    if isinstance(status.get("loss"), (int, float)):
+        parts.append(f"loss {status['loss']:.4g}")
+    if status.get("exit_code") is not None:
+        parts.append(f"engine exited with code {status['exit_code']} (see the log below)")
+    line = " · ".join(parts)
+    if last_event:
+        line += f"\n\nLast event: *{last_event.get('kind', '')}* — {last_event.get('message', '')}"
+    return line

@@ -1,0 +1,131 @@
+"""Model & hyperparameters tab: base model source, presets, and every config field grouped by topic."""
+from __future__ import annotations
+
+from typing import Any
+
+import gradio as gr
+
+from .. import models, presets
+from ..compat import listen, make, update
+from ..context import UIContext
+from ..validation import validate
+from stabletune_core.launch import ask_engine
+
+TITLE = "Model & hyperparameters"
+# Fields laid out by other tabs (they belong to a task there, not to the generic form).
+PLACED = ("train_data_dir", "output_dir", "pretrained_model_name_or_path")
+# Values a preset never carries: they describe this machine, not a recipe.
+MACHINE_FIELDS = (*PLACED, "resume_from_checkpoint", "model_config_dir")
+GROUP_TITLES = {"model": "Model", "data": "Data & captions", "lora": "LoRA", "optimization": "Optimization",
+                "precision": "Precision & memory", "guards": "Guards (NaN, OOM, clipping)",
+                "validation": "Validation images", "diagnostics": "Diagnostics", "output": "Checkpoints & output"}
+OPEN_GROUPS = ("lora", "optimization")
+
+
+def build(ctx: UIContext) -> None:
+    p, settings = ctx.parts, ctx.settings
+    with make(gr.Row, equal_height=False):
+        with make(gr.Column, scale=2):
+            gr.Markdown("### Preset")
+            with gr.Row():
+                p["model.preset"] = make(gr.Dropdown, label="Preset", choices=presets.list_presets(settings.presets_dir),
+                                         value=None, elem_id="preset-choice", scale=3)
+                p["model.load"] = make(gr.Button, value="Load preset", elem_id="preset-load", scale=1)
+            with gr.Row():
+                p["model.preset_name"] = make(gr.Textbox, label="Save current settings as", placeholder="my-preset",
+                                              scale=3)
+                p["model.save"] = make(gr.Button, value="Save preset", scale=1)
+            p["model.preset_message"] = make(gr.Markdown, value="", elem_id="preset-message")
+        with make(gr.Column, scale=3):
+            gr.Markdown("### Base model")
+            p["model.source"] = make(gr.Radio, label="Source", choices=list(models.SOURCES), value=models.SOURCES[0])
+            p["model.found"] = make(gr.Dropdown, label="Found in the model folders (or type the path below)",
+                                    choices=models.find_models(models.SOURCES[0], settings.model_dirs), value=None)
+            ctx.form.build(["pretrained_model_name_or_path"])
+    for group in ctx.groups:
+        names = ctx.form.ui_fields(group, PLACED)
+        if names:
+            with make(gr.Accordion, label=GROUP_TITLES.get(group, group.title()), open=group in OPEN_GROUPS,
+                      elem_id=f"group-{group}"):
+                _grid(ctx, names)
+    with gr.Row():
+        p["model.check"] = make(gr.Button, value="Check settings", elem_id="check-settings")
+    p["model.problems"] = make(gr.Markdown, value="", elem_id="settings-problems")
+
+
+def _grid(ctx: UIContext, names: list[str], per_row: int = 3) -> None:
+    for start in range(0, len(names), per_row):
+        with gr.Row():
+            ctx.form.build(names[start:start + per_row])
+
+
+def problems_text(problems: list[str], notes: list[str]) -> str:
+    if not problems:
+        text = "✅ Settings are valid."
+    else:
+        text = "**Fix these before starting:**\n\n" + "\n".join(f"- ⚠ {p}" for p in problems)
+    return text + "".join(f"\n\nℹ {note}" for note in notes)
+
+
+def check(ctx: UIContext, raw: tuple[Any, ...]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """(values, problems, notes) of the form as it stands."""
+    values, problems = ctx.form.values(raw)
+    if problems:
+        return values, problems, []
+    problems, notes = validate(values, ctx.settings.engine_python)
+    return values, problems, notes
+
+
+def _check(ctx: UIContext, *raw: Any) -> list[Any]:
+    _, problems, notes = check(ctx, raw)
+    return [problems_text(problems, notes), *ctx.form.problem_updates(problems)]
+
+
+def _load(ctx: UIContext, name: str | None, *raw: Any) -> list[Any]:
+    if not name:
+        return ["Choose a preset first.", *ctx.form.updates({})]
+    current, _ = ctx.form.values(raw)
+    values = {**ctx.form.defaults(), **{k: current[k] for k in MACHINE_FIELDS if k in current}}
+    values.update(presets.load_preset(ctx.settings.presets_dir, name, ctx.aliases()))
+    message = f"Loaded preset **{name}**."
+    if name == presets.DEMO_PRESET:
+        answer = ask_engine(["demo-assets"], ctx.settings.engine_python)
+        if "error" in answer:
+            return [f"⚠ The demo model could not be built: {answer['error']}", *ctx.form.updates({})]
+        values.update(answer, output_dir=str(ctx.settings.runs_dir / "demo"))
+        message += " The tiny demo model and the drawn-shapes dataset are filled in: click **Start** in Train."
+    unknown = sorted(set(values) - set(ctx.form.names))
+    if unknown:
+        message += f" Not in this version's form (ignored): {', '.join(unknown)}."
+    return [message, *ctx.form.updates({k: v for k, v in values.items() if k in ctx.form.components})]
+
+
+def _save(ctx: UIContext, name: str, *raw: Any) -> list[Any]:
+    problem = presets.preset_name_problem(name)
+    if problem:
+        return [f"⚠ {problem}", update()]
+    values, problems = ctx.form.values(raw)
+    if problems:
+        return ["⚠ " + " ".join(problems), update()]
+    recipe = {k: v for k, v in ctx.form.non_default(values).items() if k not in MACHINE_FIELDS}
+    path = presets.save_preset(ctx.settings.presets_dir, name, recipe, comment="Saved from the StableTune UI.")
+    return [f"Saved preset **{name}** ({len(recipe)} settings) to {path}.",
+            update(choices=presets.list_presets(ctx.settings.presets_dir), value=name)]
+
+
+def _found(source: str, choice: str | None) -> Any:
+    return update(value=choice) if choice else update()
+
+
+def wire(ctx: UIContext) -> None:
+    p, form = ctx.parts, ctx.form
+    model_path = form.components["pretrained_model_name_or_path"]
+    listen(p["model.load"].click, lambda name, *raw: _load(ctx, name, *raw), [p["model.preset"], *form.inputs],
+           [p["model.preset_message"], *form.inputs])
+    listen(p["model.save"].click, lambda name, *raw: _save(ctx, name, *raw), [p["model.preset_name"], *form.inputs],
+           [p["model.preset_message"], p["model.preset"]])
+    listen(p["model.source"].change,
+           lambda source: update(choices=models.find_models(source, ctx.settings.model_dirs), value=None),
+           [p["model.source"]], [p["model.found"]])
+    listen(p["model.found"].change, _found, [p["model.source"], p["model.found"]], [model_path])
+    listen(p["model.check"].click, lambda *raw: _check(ctx, *raw), form.inputs, [p["model.problems"], *form.inputs])

@@ -1,0 +1,56 @@
+"""Samples tab: validation images per step; the same prompt and seed line up across steps."""
+from __future__ import annotations
+
+from typing import Any
+
+import gradio as gr
+
+from .. import samples
+from ..compat import listen, make, unchanged, update, user_change
+from ..context import UIContext
+
+TITLE = "Samples"
+
+
+def build(ctx: UIContext) -> None:
+    p = ctx.parts
+    p["samples.view"] = make(gr.Dropdown, label="Show", choices=[samples.ALL], value=samples.ALL,
+                             elem_id="samples-view")
+    gr.Markdown("Each row is one validation step; each column keeps its prompt and seed, so you see the same "
+                "picture change as the LoRA learns. Pick one prompt/seed above to see it across all steps in a row.")
+    p["samples.gallery"] = make(gr.Gallery, label="Validation images", columns=4, height=520, object_fit="contain",
+                                elem_id="samples-gallery")
+
+
+def _show(ctx: UIContext, view: str) -> Any:
+    reader = ctx.hub.reader()
+    if reader is None:
+        return update(value=[])
+    items, columns = samples.gallery(reader, view)
+    return update(value=items, columns=columns)
+
+
+def wire(ctx: UIContext) -> None:
+    p = ctx.parts
+    listen(user_change(p["samples.view"]), lambda view: _show(ctx, view), [p["samples.view"]], [p["samples.gallery"]])
+
+
+def live_inputs(ctx: UIContext) -> list[Any]:
+    return [ctx.parts["samples.view"]]
+
+
+def live_outputs(ctx: UIContext) -> list[Any]:
+    return [ctx.parts["samples.view"], ctx.parts["samples.gallery"]]
+
+
+def refresh(ctx: UIContext, seen: dict[str, Any], view: str) -> list[Any]:
+    reader = ctx.hub.reader()
+    key = (str(ctx.hub.attached), samples.signature(reader) if reader else ())
+    if seen.get("samples") == key:  # only a new step's images are worth re-sending the gallery
+        return [unchanged(), unchanged()]
+    seen["samples"] = key
+    if reader is None:
+        return [update(choices=[samples.ALL], value=samples.ALL), update(value=[])]
+    choices = samples.choices(reader)
+    view = view if view in choices else samples.ALL
+    return [update(choices=choices, value=view), _show(ctx, view)]

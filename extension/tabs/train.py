@@ -1,0 +1,148 @@
+"""Train tab: start a run from the form, steer it (stop, pause, continue, save now), resume an old one,
+and watch its status line and log."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from ..compat import listen, make, unchanged, update, user_change
+from ..context import UIContext
+from ..status import status_line
+from .model import check, problems_text
+from stabletune_core.launch import LaunchError, spawn, write_run_config
+from stabletune_core.runs.layout import RunPaths
+from stabletune_core.runs.reader import log_tail
+
+try:  # Python 3.11+; A1111 hosts may run 3.10 with tomli
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - depends on the host
+    import tomli as tomllib  # type: ignore[no-redef]
+
+TITLE = "Train"
+CONTROLS = (("pause", "Pause"), ("resume", "Continue"), ("save", "Save checkpoint now"), ("stop", "Stop (saves)"))
+LIVE_STATES_TEXT = "Stop, pause or save act on the attached run between two steps."
+
+
+def build(ctx: UIContext) -> None:
+    p = ctx.parts
+    p["train.status"] = make(gr.Markdown, value=status_line("", {"state": "none"}, None), elem_id="train-status")
+    with gr.Row():
+        with make(gr.Column, scale=3):
+            ctx.form.build(["output_dir"], value="", placeholder=str(ctx.settings.runs_dir / "my-lora"),
+                           info=f"The run directory. Empty = a new folder in {ctx.settings.runs_dir}; an "
+                                "existing run's folder gets a -2, -3 ... suffix (use Resume to continue it).")
+        with make(gr.Column, scale=2):
+            p["train.run"] = make(gr.Dropdown, label="Attached run (status, plots and samples follow it)",
+                                  choices=ctx.run_labels(), value=None, elem_id="train-run")
+    with gr.Row():
+        p["train.start"] = make(gr.Button, value="Start training", variant="primary", elem_id="train-start")
+        for command, label in CONTROLS:
+            p[f"train.{command}"] = make(gr.Button, value=label, variant="stop" if command == "stop" else "secondary",
+                                         elem_id=f"train-{command}")
+        p["train.continue_run"] = make(gr.Button, value="Resume run from checkpoint",
+                                       elem_id="train-resume-run")
+    p["train.message"] = make(gr.Markdown, value=LIVE_STATES_TEXT, elem_id="train-message")
+    with make(gr.Accordion, label="Engine log (train.log, last lines)", open=False):
+        p["train.log"] = make(gr.Textbox, label="train.log", lines=12, max_lines=12, interactive=False,
+                              elem_id="train-log")
+
+
+def free_run_dir(path: Path) -> Path:
+    """`path`, or path-2, path-3 ...: starting never overwrites an earlier run (resume continues one)."""
+    if not (RunPaths(path).config.exists() or RunPaths(path).status.exists()):
+        return path
+    n = 2
+    while RunPaths(Path(f"{path}-{n}")).config.exists() or RunPaths(Path(f"{path}-{n}")).status.exists():
+        n += 1
+    return Path(f"{path}-{n}")
+
+
+def _launch(ctx: UIContext, values: dict[str, Any]) -> str:
+    """Write the config into the run folder and spawn the engine; the message for the user."""
+    try:
+        run_dir = write_run_config(values, ctx.settings.engine_python)
+        process = spawn(run_dir, ctx.settings.engine_python, ctx.settings.num_processes)
+    except LaunchError as exc:
+        return "**Not started:**\n\n" + "\n".join(f"- ⚠ {p}" for p in exc.problems)
+    ctx.hub.started(run_dir, process)
+    return f"Started **{ctx.run_label(run_dir)}** (engine pid {process.pid}); log in {RunPaths(run_dir).log}."
+
+
+def _start(ctx: UIContext, *raw: Any) -> list[Any]:
+    attached = ctx.hub.attached
+    if attached and ctx.hub.is_live(attached):
+        return [f"⚠ **{ctx.run_label(attached)}** is still running; stop it first (one run per machine).",
+                unchanged(), unchanged(), *ctx.form.updates({})]
+    values, problems, notes = check(ctx, raw)
+    if not problems:
+        name = values.get("output_name") or "lora"
+        wanted = Path(values.get("output_dir") or "").expanduser()
+        if not values.get("output_dir") or str(wanted) in (".", "lora_output", "./lora_output"):
+            wanted = ctx.settings.runs_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        values["output_dir"] = str(free_run_dir(wanted.resolve()))
+        message = _launch(ctx, values)
+    else:
+        message = problems_text(problems, notes)
+    return [message, update(value=values.get("output_dir", "")) if not problems else unchanged(),
+            update(choices=ctx.run_labels(), value=ctx.run_label(ctx.hub.attached)),
+            *ctx.form.problem_updates(problems)]
+
+
+def _control(ctx: UIContext, command: str) -> str:
+    reader = ctx.hub.reader()
+    if reader is None or not ctx.hub.is_live():
+        return "⚠ No live run is attached; start one or attach a running one in **Runs**."
+    reader.send(command)
+    return f"Sent **{command}** to {ctx.run_label(ctx.hub.attached)}; the engine acts on it after the current step."
+
+
+def _continue_run(ctx: UIContext) -> list[Any]:
+    run = ctx.hub.attached
+    if run is None:
+        return ["⚠ Attach a run first (dropdown above or the **Runs** tab).", unchanged()]
+    if ctx.hub.is_live(run):
+        return [f"⚠ {ctx.run_label(run)} is still running.", unchanged()]
+    config = RunPaths(run).config
+    if not config.is_file():
+        return [f"⚠ {ctx.run_label(run)} has no config.toml to resume from.", unchanged()]
+    with open(config, "rb") as f:
+        values = tomllib.load(f)
+    values.update(resume_from_checkpoint="auto", output_dir=str(run))
+    return [_launch(ctx, values), update(choices=ctx.run_labels(), value=ctx.run_label(ctx.hub.attached))]
+
+
+def _attach(ctx: UIContext, label: str | None) -> Any:
+    ctx.hub.attach(ctx.run_path(label))
+    return f"Attached **{label}**." if label else LIVE_STATES_TEXT
+
+
+def wire(ctx: UIContext) -> None:
+    p, form = ctx.parts, ctx.form
+    listen(p["train.start"].click, lambda *raw: _start(ctx, *raw), form.inputs,
+           [p["train.message"], form.components["output_dir"], p["train.run"], *form.inputs])
+    for command, _ in CONTROLS:
+        listen(p[f"train.{command}"].click, lambda c=command: _control(ctx, c), None, [p["train.message"]])
+    listen(p["train.continue_run"].click, lambda: _continue_run(ctx), None, [p["train.message"], p["train.run"]])
+    listen(user_change(p["train.run"]), lambda label: _attach(ctx, label), [p["train.run"]], [p["train.message"]])
+
+
+def live_outputs(ctx: UIContext) -> list[Any]:
+    return [ctx.parts["train.status"], ctx.parts["train.log"], ctx.parts["train.run"]]
+
+
+def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
+    run = ctx.hub.attach_default()
+    labels = ctx.run_labels()
+    dropdown = unchanged()
+    if (labels, run) != seen.get("train.runs"):
+        seen["train.runs"] = (labels, run)
+        dropdown = update(choices=labels, value=ctx.run_label(run))
+    if run is None:
+        return [status_line("", {"state": "none"}, None), "", dropdown]
+    reader = ctx.hub.reader(run)
+    events = reader.events()
+    line = status_line(ctx.run_label(run), ctx.hub.status(run), events[-1] if events else None)
+    return [line, log_tail(run), dropdown]

@@ -1,0 +1,68 @@
+"""build_ui(settings) -> gr.Blocks: the whole StableTune UI, for app.py and for a WebUI's on_ui_tabs."""
+from __future__ import annotations
+
+from typing import Any
+
+import gradio as gr
+
+from . import compat
+from .context import UIContext
+from .form import Form
+from .schema import load_schema
+from .session import RunHub
+from .settings import UISettings
+from .tabs import dataset, diagnostics, model, monitor, runs, samples, train
+
+TABS = (dataset, model, train, monitor, samples, diagnostics, runs)
+LIVE_TABS = (train, monitor, samples, runs)
+TITLE = "StableTune: LoRA training"
+
+
+def build_ui(settings: UISettings | None = None) -> gr.Blocks:
+    settings = settings or UISettings()
+    settings.runs_dir.mkdir(parents=True, exist_ok=True)
+    groups, fields = load_schema()
+    ctx = UIContext(settings=settings, hub=RunHub(settings.runs_dir), form=Form(fields), groups=groups)
+    ctx.hub.attach_default()
+    with compat.make(gr.Blocks, title=TITLE, analytics_enabled=False) as blocks:
+        gr.Markdown(f"## {TITLE}\nRuns are saved in `{settings.runs_dir}`. Training runs in its own process: "
+                    "closing this page or restarting the UI does not stop it.")
+        with gr.Tabs():
+            for tab in TABS:
+                with make_tab(tab.TITLE):
+                    tab.build(ctx)
+        # Events are wired once every tab exists: tabs use each other's components (the form is everywhere).
+        for tab in TABS:
+            tab.wire(ctx)
+        _live(blocks, ctx)
+    blocks.stabletune_context = ctx  # for tests and hosts; Blocks accepts new attributes
+    return blocks
+
+
+def make_tab(title: str) -> Any:
+    return compat.make(gr.Tab, label=title, elem_id="tab-" + title.split()[0].lower())
+
+
+def _live(blocks: gr.Blocks, ctx: UIContext) -> None:
+    """One periodic refresh for every live tab; a per-browser `seen` state lets each tab skip sending
+    what the browser already shows."""
+    seen = gr.State({})
+    inputs = [seen]
+    outputs: list[Any] = []
+    spans = []
+    for tab in LIVE_TABS:
+        extra = tab.live_inputs(ctx) if hasattr(tab, "live_inputs") else []
+        spans.append((tab, len(inputs), len(extra)))
+        inputs.extend(extra)
+        outputs.extend(tab.live_outputs(ctx))
+
+    def refresh(state: dict[str, Any], *values: Any) -> list[Any]:
+        state = dict(state or {})
+        result: list[Any] = []
+        for tab, start, count in spans:
+            result.extend(tab.refresh(ctx, state, *values[start - 1:start - 1 + count]))
+        return [*result, state]
+
+    compat.every(blocks, ctx.settings.refresh_seconds, refresh, inputs, [*outputs, seen])
+    # First paint without waiting for the first tick.
+    compat.listen(blocks.load, refresh, inputs, [*outputs, seen], show_progress="hidden")

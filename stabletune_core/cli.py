@@ -1,0 +1,106 @@
+"""`python -m stabletune_core train|demo|export|inspect`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import ConfigError, TrainConfig, add_config_arguments, build_config, config_from_args, read_toml
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stabletune_core", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="Train a LoRA (every TrainConfig field is a flag).")
+    add_config_arguments(train)
+
+    demo = commands.add_parser("demo", help="Train a tiny model on drawn shapes: a full run, no download.")
+    demo.add_argument("--output_dir", "--output-dir", default="runs/demo", help="Run directory of the demo.")
+    demo.add_argument("--max_train_steps", "--max-train-steps", type=int, default=None)
+    demo.add_argument("--resume", action="store_true", help="Continue the demo run in --output_dir.")
+
+    export = commands.add_parser("export", help="Write the LoRA of a checkpoint (kohya/A1111 format).")
+    export.add_argument("checkpoint", help="A checkpoint folder RUN/checkpoints/step_NNNNNN.")
+    export.add_argument("--name", default=None, help="Output name (default: the run's output_name + step).")
+
+    inspect = commands.add_parser("inspect", help="Describe a LoRA file or a run directory.")
+    inspect.add_argument("path")
+
+    schema = commands.add_parser("schema", help="Print the TrainConfig JSON schema (for UIs).")
+    schema.set_defaults()
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            return run_train(config_from_args(args))
+        if args.command == "demo":
+            return run_demo(args)
+        if args.command == "export":
+            return run_export(Path(args.checkpoint), args.name)
+        if args.command == "inspect":
+            return run_inspect(Path(args.path))
+        if args.command == "schema":
+            print(json.dumps(TrainConfig.model_json_schema(), indent=1))
+            return 0
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def run_train(config: TrainConfig) -> int:
+    from .train.loop import train  # torch loads only when there is something to train
+
+    for note in config.inactive_knobs():
+        print(f"note: {note}", file=sys.stderr)
+    path = train(config)
+    if path:
+        print(f"LoRA written to {path}")
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from .demo import demo_config
+
+    config = demo_config(Path(args.output_dir), max_train_steps=args.max_train_steps, resume=args.resume)
+    print(f"Demo run in {config.output_dir}: a tiny random-weight SD model learns drawn shapes "
+          f"({config.max_train_steps} steps).")
+    return run_train(config)
+
+
+def run_export(checkpoint: Path, name: str | None) -> int:
+    from .train.loop import export, resume, setup
+
+    run_dir = checkpoint.parent.parent
+    values = read_toml(run_dir / "config.toml")
+    config = build_config({**values, "resume_from_checkpoint": str(checkpoint)})
+    session = setup(config)
+    resume(session)
+    path = export(session, name or f"{config.output_name}_step{session.state.step:06d}")
+    print(f"LoRA written to {path}")
+    return 0
+
+
+def run_inspect(path: Path) -> int:
+    if path.is_dir():
+        from .runs.reader import RunReader
+
+        reader = RunReader(path)
+        print(json.dumps(reader.status(), indent=1))
+        print(f"{len(reader.metrics())} metric lines, {len(reader.events())} events, "
+              f"{len(reader.checkpoints())} checkpoints, LoRAs: {[p.name for p in reader.loras()]}")
+        return 0
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata() or {}
+        keys = list(f.keys())
+    modules = {k.rsplit(".", 2)[0] for k in keys}
+    print(f"{path.name}: {len(keys)} tensors, {len(modules)} LoRA modules")
+    for key in sorted(metadata):
+        value = metadata[key]
+        print(f"  {key} = {value if len(value) < 120 else value[:117] + '...'}")
+    return 0

@@ -1,0 +1,212 @@
+"""Walk a dataset folder once: find images, read captions, check every file.
+
+The scan is the only place that looks at the folder. It decodes each image
+fully (to catch truncated downloads before any GPU time is spent), reports
+what it could not use with a reason, and never deletes, moves or rewrites a
+user's file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .buckets import assign_bucket
+from .images import IMAGE_EXTENSIONS, UnreadableImageError, load_image
+
+# Kohya's convention: a folder named "10_mychar" repeats its images 10 times
+# per epoch, so small concepts can be balanced against large ones.
+_REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
+
+# Folders that tools create next to real data; scanning them would train on
+# duplicates (.ipynb_checkpoints) or on macOS resource forks (__MACOSX).
+_IGNORED_FOLDERS = {"__MACOSX"}
+
+
+class DatasetError(ValueError):
+    """The dataset folder cannot be used at all; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class DataItem:
+    """One usable training image. `width`/`height` are after EXIF rotation."""
+
+    path: Path
+    caption: str
+    repeats: int
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class SkippedFile:
+    """An image-looking file the scan could not use, and why (one sentence)."""
+
+    path: Path
+    reason: str
+
+
+@dataclass
+class DatasetScan:
+    root: Path
+    items: list[DataItem] = field(default_factory=list)
+    skipped: list[SkippedFile] = field(default_factory=list)
+
+    @property
+    def total_with_repeats(self) -> int:
+        """Images seen per epoch: each image counts `repeats` times."""
+        return sum(item.repeats for item in self.items)
+
+    def bucket_counts(self, buckets: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+        """Images per bucket, counting repeats (what the batches are made of).
+
+        Only buckets that receive at least one image appear, sorted by bucket.
+        """
+        counts: dict[tuple[int, int], int] = {}
+        for item in self.items:
+            bucket = assign_bucket(item.width, item.height, buckets)
+            counts[bucket] = counts.get(bucket, 0) + item.repeats
+        return dict(sorted(counts.items()))
+
+    def tag_frequency(self) -> dict[str, dict[str, int]]:
+        """{top-level folder: {tag: images carrying it}}, kohya's `ss_tag_frequency`.
+
+        A1111 and Civitai show this from the LoRA metadata. Images directly in
+        root are listed under the root folder's name; repeats are not counted.
+        """
+        frequency: dict[str, dict[str, int]] = {}
+        for item in self.items:
+            relative = item.path.relative_to(self.root)
+            folder = relative.parts[0] if len(relative.parts) > 1 else self.root.name
+            tags = frequency.setdefault(folder, {})
+            for tag in {t.strip() for t in item.caption.split(",") if t.strip()}:
+                tags[tag] = tags.get(tag, 0) + 1
+        return frequency
+
+
+def scan_dataset(root: Path, default_caption: str = "", caption_extension: str = ".txt") -> DatasetScan:
+    """Find every usable image under `root`, in sorted, deterministic order.
+
+    Images directly in `root` get repeats 1. A subfolder named `N_name` (N >= 1)
+    gives repeats N to every image inside it, including nested folders; other
+    subfolders are scanned recursively with repeats 1. Non-image files are
+    ignored silently; images that fail to decode go to `skipped`.
+    """
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise DatasetError(f"Dataset folder {root} does not exist: choose the folder that holds your images.")
+    if not root.is_dir():
+        raise DatasetError(f"Dataset path {root} is a file, not a folder: choose the folder that holds your images.")
+    caption_extension = _normalise_extension(caption_extension)
+
+    candidates = list(_find_images(root))
+    scan = DatasetScan(root=root)
+    # Decoding is mostly C code that releases the GIL, so threads give a real
+    # speed-up on large folders; map() keeps the sorted order.
+    workers = min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = pool.map(lambda c: _check(c[0], c[1], default_caption, caption_extension), candidates)
+        for result in results:
+            (scan.items if isinstance(result, DataItem) else scan.skipped).append(result)
+
+    if not scan.items:
+        raise DatasetError(_no_images_sentence(root, scan.skipped))
+    return scan
+
+
+def write_caption(image_path: Path, caption: str, caption_extension: str = ".txt") -> Path:
+    """Write `caption` next to `image_path` atomically and return the caption path.
+
+    The text goes to a temporary file in the same folder and is renamed over
+    the old caption, so a crash never leaves a half-written caption. The image
+    itself is never opened.
+    """
+    caption_path = Path(image_path).with_suffix(_normalise_extension(caption_extension))
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{caption_path.name}.", suffix=".tmp", dir=caption_path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(caption.strip() + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, caption_path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return caption_path
+
+
+def _normalise_extension(extension: str) -> str:
+    return extension if extension.startswith(".") else f".{extension}"
+
+
+def _find_images(root: Path) -> Iterator[tuple[Path, int]]:
+    """Yield (path, repeats) for every image-extension file, sorted, depth first."""
+
+    def walk(folder: Path, repeats: int, seen: set[Path]) -> Iterator[tuple[Path, int]]:
+        real = folder.resolve()
+        if real in seen:  # a symlink loop; follow each real folder once
+            return
+        seen = seen | {real}
+        try:
+            entries = sorted(folder.iterdir(), key=lambda p: p.name)
+        except OSError:
+            return
+        for entry in entries:
+            if entry.name.startswith(".") or entry.name in _IGNORED_FOLDERS:
+                continue
+            if entry.is_dir():
+                match = _REPEAT_FOLDER.match(entry.name)
+                # Only a folder directly in root sets repeats (like kohya);
+                # everything below it inherits them.
+                sub_repeats = int(match.group(1)) if folder == root and match and int(match.group(1)) >= 1 else repeats
+                yield from walk(entry, sub_repeats, seen)
+            elif entry.suffix.lower() in IMAGE_EXTENSIONS:
+                yield entry, repeats
+
+    yield from walk(root, 1, set())
+
+
+def _check(path: Path, repeats: int, default_caption: str, caption_extension: str) -> DataItem | SkippedFile:
+    try:
+        with load_image(path) as image:
+            width, height = image.size
+    except UnreadableImageError as exc:
+        return SkippedFile(path, str(exc))
+    try:
+        caption = _read_caption(path.with_suffix(caption_extension), default_caption)
+    except UnicodeDecodeError:
+        return SkippedFile(
+            path, f"Caption file {path.with_suffix(caption_extension)} is not UTF-8 text; re-save it as UTF-8."
+        )
+    except OSError as exc:
+        return SkippedFile(path, f"Caption file {path.with_suffix(caption_extension)} cannot be read ({exc}).")
+    return DataItem(path=path, caption=caption, repeats=repeats, width=width, height=height)
+
+
+def _read_caption(caption_path: Path, default_caption: str) -> str:
+    if not caption_path.is_file():
+        return default_caption
+    # utf-8-sig: Windows Notepad writes a byte-order mark that would otherwise
+    # become part of the first tag.
+    text = caption_path.read_text(encoding="utf-8-sig").strip()
+    return text or default_caption
+
+
+def _no_images_sentence(root: Path, skipped: list[SkippedFile]) -> str:
+    extensions = " ".join(sorted(IMAGE_EXTENSIONS))
+    if not skipped:
+        return (
+            f"Dataset folder {root} holds no images ({extensions}): "
+            "put your training images in it or choose another folder."
+        )
+    examples = "; ".join(entry.reason.rstrip(".") for entry in skipped[:3])
+    more = f" (and {len(skipped) - 3} more)" if len(skipped) > 3 else ""
+    return (
+        f"Dataset folder {root} holds no usable images: all {len(skipped)} image files were skipped, "
+        f"for example: {examples}{more}."
+    )

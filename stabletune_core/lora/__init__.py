@@ -1,0 +1,1 @@
+"""LoRA: inject (peft), export (kohya/A1111 and diffusers formats), spectra."""

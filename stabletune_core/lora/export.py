@@ -1,0 +1,329 @@
+"""Write trained LoRA adapters in the formats people actually load.
+
+* kohya / A1111 format (``export_kohya_lora``): one ``.safetensors`` with
+  ``lora_unet_*`` / ``lora_te_*`` ``lora_down`` / ``lora_up`` / ``alpha`` tensors
+  and sd-scripts' ``ss_*`` + ``modelspec.*`` metadata. Loads in A1111, Forge,
+  ComfyUI and diffusers' ``load_lora_weights``.
+* diffusers / PEFT format (``export_diffusers_lora``): what
+  ``train_text_to_image_lora.py`` writes (``pytorch_lora_weights.safetensors``),
+  with the LoRA config stored so alpha != rank survives the round trip.
+
+Inputs are models with PEFT LoRA layers injected (``unet.add_adapter(LoraConfig)``
+or ``peft.inject_adapter_in_model``), exactly as the training loop holds them.
+Dropout plays no part (it only acts in the forward pass during training).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import io
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from .names import kohya_keys, kohya_te_name, kohya_unet_name
+
+#: Metadata keys every kohya export carries (filled with defaults when the caller has none).
+REQUIRED_METADATA_KEYS = (
+    "ss_network_module",
+    "ss_network_dim",
+    "ss_network_alpha",
+    "ss_v2",
+    "ss_base_model_version",
+    "ss_output_name",
+    "ss_sd_model_name",
+    "ss_resolution",
+    "ss_tag_frequency",
+    "ss_training_started_at",
+    "ss_training_finished_at",
+    "modelspec.sai_model_spec",
+    "modelspec.architecture",
+    "modelspec.implementation",
+    "modelspec.title",
+    "modelspec.date",
+    "modelspec.resolution",
+    "sshs_model_hash",
+    "sshs_legacy_hash",
+)
+
+
+class LoraExportError(Exception):
+    """The adapter cannot be written as asked; the message is one sentence."""
+
+
+# --------------------------------------------------------------------------- PEFT walk
+def _unwrap(model):
+    model = getattr(model, "_orig_mod", model)  # torch.compile
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def _clean_path(name: str) -> str:
+    for prefix in ("base_model.model.", "_orig_mod.", "module."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    return name
+
+
+def iter_lora_modules(model, adapter_name: str = "default") -> Iterable[tuple[str, torch.Tensor, torch.Tensor, float]]:
+    """Yield (module path, lora_down [r, in, ...], lora_up [out, r, ...], kohya alpha) for every LoRA layer.
+
+    The alpha is the one that reproduces PEFT's scaling under kohya's rule
+    ``scale = alpha / rank``: the configured ``lora_alpha`` (rsLoRA's
+    ``alpha / sqrt(r)`` is folded in, so it also round-trips).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in _unwrap(model).named_modules():
+        if not isinstance(module, LoraLayer) or adapter_name not in getattr(module, "lora_A", {}):
+            continue
+        if getattr(module, "use_dora", {}).get(adapter_name, False):
+            raise LoraExportError(f"'{name}' is a DoRA layer, which the kohya/A1111 LoRA format cannot express.")
+        lora_a, lora_b = module.lora_A[adapter_name], module.lora_B[adapter_name]
+        if getattr(lora_b, "bias", None) is not None:
+            raise LoraExportError(f"'{name}' has a LoRA bias (lora_bias=True), which the kohya/A1111 format cannot express.")
+        down, up = lora_a.weight, lora_b.weight
+        rank = down.shape[0]
+        scaling = float(module.scaling[adapter_name])
+        configured = float(module.lora_alpha[adapter_name])
+        alpha = configured if abs(configured / rank - scaling) <= 1e-6 * max(1.0, abs(scaling)) else scaling * rank
+        yield _clean_path(name), down, up, alpha
+
+
+# --------------------------------------------------------------------------- hashes
+def _data_region_sha256(blob: io.BufferedIOBase) -> str:
+    blob.seek(0)
+    n = int.from_bytes(blob.read(8), "little")
+    blob.seek(8 + n)
+    h = hashlib.sha256()
+    for chunk in iter(lambda: blob.read(1024 * 1024), b""):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _legacy_hash(blob: io.BufferedIOBase) -> str:
+    blob.seek(0x100000)
+    return hashlib.sha256(blob.read(0x10000)).hexdigest()[0:8]
+
+
+def precalculate_sshs_hashes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, str]:
+    """(sshs_model_hash, sshs_legacy_hash) exactly as kohya's ``precalculate_safetensors_hashes``.
+
+    The model hash is the sha256 of the tensor data region (everything after the
+    8-byte length and the JSON header), so it does not depend on metadata; the
+    legacy hash reads a fixed byte window of the file serialised with only the
+    ``ss_*`` metadata, as sd-webui-additional-networks expects.
+    """
+    from safetensors.torch import save
+
+    ss_only = {k: v for k, v in metadata.items() if k.startswith("ss_")}
+    blob = io.BytesIO(save(tensors, ss_only))
+    return _data_region_sha256(blob), _legacy_hash(blob)
+
+
+def compute_sshs_hash(path: str | Path) -> str:
+    """sha256 of a .safetensors file's tensor data region (A1111 additional-networks' "model hash")."""
+    with open(path, "rb") as f:
+        return _data_region_sha256(f)
+
+
+def read_lora_metadata(path: str | Path) -> dict[str, str]:
+    """The string metadata stored in a .safetensors header (empty dict if none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+# --------------------------------------------------------------------------- metadata
+def _as_str(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list, tuple)) and not (isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value)):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def build_kohya_metadata(
+    path: Path, family, *, rank: int, alpha: float, metadata: dict[str, Any] | None = None
+) -> dict[str, str]:
+    """Defaults from the family and the file name, overlaid with the caller's metadata; all values strings."""
+    now = time.time()
+    w, h = getattr(family, "default_resolution", (512, 512))
+    out: dict[str, str] = {
+        "ss_network_module": "networks.lora",
+        "ss_v2": str(bool(getattr(family, "is_v2", False))),
+        "ss_base_model_version": family.base_model_version,
+        "ss_output_name": path.stem,
+        "ss_sd_model_name": "",
+        "ss_resolution": f"({w}, {h})",
+        "ss_tag_frequency": "{}",
+        "ss_training_started_at": str(now),
+        "ss_training_finished_at": str(now),
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": family.modelspec_architecture,
+        "modelspec.implementation": getattr(family, "modelspec_implementation", "diffusers"),
+        "modelspec.title": path.stem,
+        "modelspec.date": _dt.datetime.fromtimestamp(now).isoformat(timespec="seconds"),
+        "modelspec.resolution": f"{w}x{h}",
+    }
+    for key, value in (metadata or {}).items():
+        if value is not None:
+            out[key] = _as_str(value)
+    # The numbers that decide how the file is applied are ours, not the caller's.
+    out["ss_network_module"] = "networks.lora"
+    out["ss_network_dim"] = str(int(rank))
+    out["ss_network_alpha"] = str(float(alpha))
+    return out
+
+
+# --------------------------------------------------------------------------- writing
+def _check_target(path: Path, overwrite: bool) -> None:
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"'{path}' already exists; choose another name or pass overwrite=True to replace it.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def kohya_state_dict(
+    unet, text_encoders: list | None, family, *, dtype: torch.dtype = torch.float16, adapter_name: str = "default"
+) -> dict[str, torch.Tensor]:
+    """The kohya tensors (no metadata): lora_down / lora_up in ``dtype``, alpha as fp32 0-dim scalars."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def add(name: str, down: torch.Tensor, up: torch.Tensor, alpha: float) -> None:
+        k_down, k_up, k_alpha = kohya_keys(name)
+        if k_down in tensors:
+            raise LoraExportError(f"Two LoRA layers map to the same kohya name '{name}'.")
+        tensors[k_down] = down.detach().to(device="cpu", dtype=dtype).contiguous().clone()
+        tensors[k_up] = up.detach().to(device="cpu", dtype=dtype).contiguous().clone()
+        tensors[k_alpha] = torch.tensor(float(alpha), dtype=torch.float32)
+
+    if unet is not None:
+        for path, down, up, alpha in iter_lora_modules(unet, adapter_name):
+            add(kohya_unet_name(path), down, up, alpha)
+    text_encoders = [te for te in (text_encoders or [])]
+    prefixes = list(family.text_encoder_kohya_prefixes)
+    for i, te in enumerate(text_encoders):
+        if te is None:
+            continue
+        if i >= len(prefixes):
+            raise LoraExportError(f"The {family.name} family has {len(prefixes)} text encoder(s), but {len(text_encoders)} were given.")
+        for path, down, up, alpha in iter_lora_modules(te, adapter_name):
+            add(kohya_te_name(path, prefixes[i]), down, up, alpha)
+    if not tensors:
+        raise LoraExportError("No LoRA layers were found in the given models, so there is nothing to export.")
+    return tensors
+
+
+def export_kohya_lora(
+    path: str | Path,
+    unet,
+    text_encoders: list | None,
+    family,
+    *,
+    rank: int,
+    alpha: float,
+    metadata: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float16,
+    overwrite: bool = False,
+    adapter_name: str = "default",
+) -> Path:
+    """Write a kohya/A1111-format LoRA ``.safetensors`` and return its path.
+
+    ``rank`` / ``alpha`` go into ``ss_network_dim`` / ``ss_network_alpha``; the
+    per-module ``.alpha`` tensors come from the PEFT layers themselves, so the
+    file always applies exactly the scale the model was trained with. The file
+    is written to a temporary name and renamed; an existing file is replaced
+    only with ``overwrite=True``.
+    """
+    path = Path(path)
+    if path.suffix.lower() != ".safetensors":
+        raise LoraExportError(f"A kohya LoRA must be a .safetensors file, not '{path.name}'.")
+    _check_target(path, overwrite)
+    tensors = kohya_state_dict(unet, text_encoders, family, dtype=dtype, adapter_name=adapter_name)
+    meta = build_kohya_metadata(path, family, rank=rank, alpha=alpha, metadata=metadata)
+    meta["sshs_model_hash"], meta["sshs_legacy_hash"] = precalculate_sshs_hashes(tensors, meta)
+    _atomic_save(tensors, path, meta)
+    return path
+
+
+def export_diffusers_lora(
+    out_dir: str | Path,
+    unet,
+    text_encoders: list | None,
+    family,
+    *,
+    dtype: torch.dtype = torch.float32,
+    overwrite: bool = False,
+    adapter_name: str = "default",
+    weight_name: str = "pytorch_lora_weights.safetensors",
+) -> Path:
+    """Write the diffusers/PEFT format (as ``train_text_to_image_lora.py`` does) and return the file's path.
+
+    The PEFT LoRA configs are stored in the file too, so diffusers restores
+    ``lora_alpha`` (and any rank/alpha patterns) instead of assuming alpha == rank.
+    """
+    import diffusers
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    out_dir = Path(out_dir)
+    target = out_dir / weight_name
+    _check_target(target, overwrite)
+    pipeline_cls = getattr(diffusers, getattr(family, "diffusers_pipeline_class", "StableDiffusionPipeline"))
+
+    def layers(model):
+        model = _unwrap(model)
+        state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+        if not state:
+            return None, None
+        state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in state.items()}
+        config = model.peft_config[adapter_name].to_dict()
+        config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+        # Dropout is a training-time knob; diffusers builds the loaded LoRA's dropout modules in train
+        # mode, so a stored p > 0 would make every later inference random.
+        config["lora_dropout"] = 0.0
+        return convert_state_dict_to_diffusers(state), config
+
+    kwargs: dict[str, Any] = {}
+    unet_layers, unet_cfg = layers(unet)
+    if unet_layers:
+        kwargs["unet_lora_layers"], kwargs["unet_lora_adapter_metadata"] = unet_layers, unet_cfg
+    names = ["text_encoder", "text_encoder_2"]
+    for i, te in enumerate(text_encoders or []):
+        if te is None:
+            continue
+        te_layers, te_cfg = layers(te)
+        if te_layers:
+            kwargs[f"{names[i]}_lora_layers"], kwargs[f"{names[i]}_lora_adapter_metadata"] = te_layers, te_cfg
+    if not any(k.endswith("_lora_layers") for k in kwargs):
+        raise LoraExportError("No LoRA layers were found in the given models, so there is nothing to export.")
+
+    tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        pipeline_cls.save_lora_weights(str(tmp_dir), weight_name=weight_name, safe_serialization=True, **kwargs)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp_dir / weight_name, target)
+    finally:
+        for leftover in tmp_dir.glob("*"):
+            leftover.unlink()
+        tmp_dir.rmdir()
+    return target

@@ -1,0 +1,78 @@
+"""Model families behind one face. Ask the registry, never ``if sdxl:``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from .base import Conditioning, ModelBundle, ModelFamily, ModelLoadError
+
+#: name -> factory. Other families (sd2, sdxl) register themselves here.
+FAMILIES: dict[str, Callable[[], ModelFamily]] = {}
+
+
+def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:
+    FAMILIES[name] = factory
+
+
+def _sd1():
+    from .sd1 import SD1
+
+    return SD1()
+
+
+register_family("sd1", _sd1)
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family object for "sd1" (and later "sd2", "sdxl")."""
+    key = (name or "").strip().lower()
+    if key not in FAMILIES:
+        raise ValueError(f"Unknown model family '{name}'; known families are: {', '.join(sorted(FAMILIES))}.")
+    return FAMILIES[key]()
+
+
+
+
+def detect_family(source: str | Path) -> str:
+    """Best-effort guess of the family from configs or checkpoint keys; "sd1" when unsure."""
+    path = Path(str(source)).expanduser()
+    try:
+        if path.is_dir():
+            index = path / "model_index.json"
+            if index.is_file():
+                data = json.loads(index.read_text())
+                if "text_encoder_2" in data or "XL" in str(data.get("_class_name", "")):
+                    return "sdxl"
+            unet_cfg = path / "unet" / "config.json"
+            if unet_cfg.is_file():
+                cfg = json.loads(unet_cfg.read_text())
+                if cfg.get("addition_embed_type") == "text_time":
+                    return "sdxl"
+                if cfg.get("cross_attention_dim") == 1024:
+                    return "sd2"
+            return "sd1"
+        if path.is_file() and path.suffix.lower() == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                keys = set(f.keys())
+            if any(k.startswith("conditioner.embedders.1.") for k in keys):
+                return "sdxl"
+            if any(k.startswith("cond_stage_model.model.") for k in keys):
+                return "sd2"
+    except (OSError, ValueError):
+        pass
+    return "sd1"
+
+
+__all__ = [
+    "Conditioning",
+    "ModelBundle",
+    "ModelFamily",
+    "ModelLoadError",
+    "FAMILIES",
+    "register_family",
+    "get_family",
+    "detect_family",
+]

@@ -1,0 +1,200 @@
+"""Stable Diffusion 1.x: one CLIP ViT-L/14 text encoder, epsilon prediction, 512px."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base import Conditioning, ModelBundle, ModelLoadError
+
+CONFIGS_DIR = Path(__file__).parent / "configs"
+SD15_CONFIG_DIR = CONFIGS_DIR / "sd15"
+
+SINGLE_FILE_SUFFIXES = {".safetensors"}
+PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin"}
+
+
+def _pipeline_parts(pipe) -> dict[str, Any]:
+    return {"unet": pipe.unet, "vae": pipe.vae, "text_encoder": pipe.text_encoder, "tokenizer": pipe.tokenizer}
+
+
+def check_source(source: str | Path, *, local_files_only: bool) -> tuple[str, Path | None]:
+    """Classify what the user pointed at: ("folder"|"file"|"hub", path). Raises ModelLoadError with one sentence."""
+    text = str(source).strip()
+    if not text:
+        raise ModelLoadError("No base model was given; point at a diffusers folder or a .safetensors checkpoint.")
+    path = Path(text).expanduser()
+    suffix = path.suffix.lower()
+    if suffix in PICKLE_SUFFIXES:
+        raise ModelLoadError(
+            f"Refusing to open '{path.name}': {suffix} files are Python pickles that can run arbitrary code when "
+            "loaded, so convert it to .safetensors with a tool you trust and point StableTune at that file."
+        )
+    if path.is_dir():
+        if not (path / "model_index.json").is_file() and not (path / "unet").is_dir():
+            raise ModelLoadError(
+                f"The folder '{path}' is not a diffusers model (it has no model_index.json and no unet/ subfolder)."
+            )
+        return "folder", path
+    if path.is_file():
+        if suffix not in SINGLE_FILE_SUFFIXES:
+            raise ModelLoadError(f"'{path.name}' is not a model StableTune can read; use a .safetensors file or a diffusers folder.")
+        return "file", path
+    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~")) and suffix == ""
+    if looks_like_hub_id and not local_files_only:
+        return "hub", None
+    hint = " (downloading from the Hugging Face hub is off)" if looks_like_hub_id else ""
+    raise ModelLoadError(f"The base model '{text}' was not found: there is no such file or folder{hint}.")
+
+
+class SD1:
+    """The Stable Diffusion 1.x family (1.4, 1.5 and their fine-tunes)."""
+
+    name = "sd1"
+    base_model_version = "sd_v1"
+    modelspec_architecture = "stable-diffusion-v1/lora"
+    modelspec_implementation = "diffusers"  # what kohya writes for LoRAs
+    default_resolution = (512, 512)
+    is_v2 = False
+    unet_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
+    text_encoder_kohya_prefixes = ["lora_te"]
+    diffusers_pipeline_class = "StableDiffusionPipeline"
+    default_config_dir = SD15_CONFIG_DIR
+
+    # ------------------------------------------------------------------ load
+    def load(
+        self,
+        source: str | Path,
+        *,
+        local_files_only: bool = True,
+        config_dir: str | Path | None = None,
+        torch_dtype: torch.dtype = torch.float32,
+    ) -> ModelBundle:
+        """Load a diffusers folder, an A1111-style single ``.safetensors`` file, or (if allowed) a hub id.
+
+        ``config_dir`` is only used for single files: a diffusers-layout folder
+        (model_index.json + component configs + tokenizer) describing the
+        architecture; default is the shipped SD 1.5 tree.
+        """
+        from diffusers import DDPMScheduler
+
+        kind, path = check_source(source, local_files_only=local_files_only)
+        try:
+            if kind == "file":
+                parts = self._load_single_file(path, config_dir, local_files_only, torch_dtype)
+                sched_config = parts.pop("scheduler_config")
+                noise_scheduler = DDPMScheduler.from_config(sched_config)
+            else:
+                where = str(path) if path is not None else str(source)
+                parts = self._load_diffusers(where, local_files_only, torch_dtype)
+                noise_scheduler = DDPMScheduler.from_pretrained(
+                    where, subfolder="scheduler", local_files_only=local_files_only
+                )
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # one sentence for the user, the cause chained for the log
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelLoadError(f"Could not load '{source}' as a Stable Diffusion 1.x model: {first}") from exc
+        for m in (parts["unet"], parts["vae"], parts["text_encoder"]):
+            m.requires_grad_(False)
+            m.eval()
+        return ModelBundle(
+            family=self,
+            unet=parts["unet"],
+            vae=parts["vae"],
+            text_encoders=[parts["text_encoder"]],
+            tokenizers=[parts["tokenizer"]],
+            noise_scheduler=noise_scheduler,
+            source=str(source),
+            extra={"source_kind": kind},
+        )
+
+    def _load_diffusers(self, where: str, local_files_only: bool, torch_dtype) -> dict[str, Any]:
+        from diffusers import AutoencoderKL, UNet2DConditionModel
+        from transformers import CLIPTextModel, CLIPTokenizer
+
+        kw = {"local_files_only": local_files_only}
+        return {
+            "unet": UNet2DConditionModel.from_pretrained(where, subfolder="unet", torch_dtype=torch_dtype, **kw),
+            "vae": AutoencoderKL.from_pretrained(where, subfolder="vae", torch_dtype=torch_dtype, **kw),
+            "text_encoder": CLIPTextModel.from_pretrained(where, subfolder="text_encoder", dtype=torch_dtype, **kw),
+            "tokenizer": CLIPTokenizer.from_pretrained(where, subfolder="tokenizer", **kw),
+        }
+
+    def _load_single_file(self, path: Path, config_dir, local_files_only: bool, torch_dtype) -> dict[str, Any]:
+        from diffusers import StableDiffusionPipeline
+
+        config_dir = Path(config_dir) if config_dir is not None else self.default_config_dir
+        if not (config_dir / "model_index.json").is_file():
+            raise ModelLoadError(f"The config folder '{config_dir}' has no model_index.json, so it cannot describe the model.")
+        pipe = StableDiffusionPipeline.from_single_file(
+            str(path),
+            config=str(config_dir),
+            local_files_only=True,  # the weights are local and the configs are ours: never touch the network
+            torch_dtype=torch_dtype,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        parts = _pipeline_parts(pipe)
+        parts["scheduler_config"] = pipe.scheduler.config
+        return parts
+
+    # ---------------------------------------------------------------- encode
+    def tokenize(self, bundle: ModelBundle, prompts: list[str]) -> torch.Tensor:
+        tok = bundle.tokenizers[0]
+        return tok(
+            list(prompts), padding="max_length", max_length=tok.model_max_length, truncation=True, return_tensors="pt"
+        ).input_ids
+
+    def encode_text(self, bundle: ModelBundle, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """The cacheable text tensors, per prompt along dim 0: {"encoder_hidden_states": [B, 77, hidden]}.
+
+        Gradients flow when the caller enables them (text encoder training).
+        """
+        te = bundle.text_encoders[0]
+        ids = self.tokenize(bundle, prompts).to(te.device)
+        hidden = te(ids, return_dict=False)[0]
+        return {"encoder_hidden_states": hidden}
+
+    def make_conditioning(self, bundle: ModelBundle, text: dict[str, torch.Tensor], sizes: Any = None) -> Conditioning:
+        """Conditioning from (possibly cached) encode_text output; SD1 has no size conditioning, so sizes are ignored."""
+        return Conditioning(encoder_hidden_states=text["encoder_hidden_states"])
+
+    def encode_prompts(
+        self, bundle: ModelBundle, prompts: list[str], *, sizes: list[dict[str, tuple[int, int]]] | None = None
+    ) -> Conditioning:
+        """Last hidden state of the CLIP text encoder, [B, 77, hidden]. Gradients flow if the caller allows them."""
+        return self.make_conditioning(bundle, self.encode_text(bundle, prompts), sizes)
+
+    def make_pipeline(self, bundle: ModelBundle, scheduler=None):
+        """A StableDiffusionPipeline over the bundle's own modules (no copies, no safety checker), for sampling."""
+        from diffusers import StableDiffusionPipeline
+
+        return StableDiffusionPipeline(
+            vae=bundle.vae,
+            text_encoder=bundle.text_encoders[0],
+            tokenizer=bundle.tokenizers[0],
+            unet=bundle.unet,
+            scheduler=scheduler if scheduler is not None else bundle.noise_scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+
+    # -------------------------------------------------------------- metadata
+    def metadata(self, bundle: ModelBundle) -> dict[str, str]:
+        name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)
+        w, h = self.default_resolution
+        return {
+            "ss_sd_model_name": name,
+            "ss_base_model_version": self.base_model_version,
+            "ss_v2": str(self.is_v2),
+            "modelspec.sai_model_spec": "1.0.0",
+            "modelspec.architecture": self.modelspec_architecture,
+            "modelspec.implementation": self.modelspec_implementation,
+            "modelspec.prediction_type": "epsilon" if bundle.prediction_type == "epsilon" else "v",
+            "modelspec.resolution": f"{w}x{h}",
+        }

@@ -1,0 +1,147 @@
+"""diffusers -> original (CompVis / A1111) Stable Diffusion 1.x checkpoint keys.
+
+A compact, layout-general port of diffusers'
+``scripts/convert_diffusers_to_original_stable_diffusion.py``: the tables are
+built from the models' configs (levels, layers per block, which levels have
+attention) rather than hard-coded for SD1.5's 4 x 2 layout, so the tiny test
+model converts exactly like the real one. Used for tests and the demo export;
+training never needs it.
+"""
+from __future__ import annotations
+
+import torch
+
+UNET_PREFIX = "model.diffusion_model."
+VAE_PREFIX = "first_stage_model."
+TEXT_ENCODER_PREFIX = "cond_stage_model.transformer."
+
+_UNET_TOP = [
+    # (original, diffusers)
+    ("time_embed.0.", "time_embedding.linear_1."),
+    ("time_embed.2.", "time_embedding.linear_2."),
+    ("input_blocks.0.0.", "conv_in."),
+    ("out.0.", "conv_norm_out."),
+    ("out.2.", "conv_out."),
+]
+_UNET_RESNET = [
+    ("in_layers.0", "norm1"),
+    ("in_layers.2", "conv1"),
+    ("out_layers.0", "norm2"),
+    ("out_layers.3", "conv2"),
+    ("emb_layers.1", "time_emb_proj"),
+    ("skip_connection", "conv_shortcut"),
+]
+
+
+def _unet_prefix_table(config) -> list[tuple[str, str]]:
+    """(original prefix, diffusers prefix) pairs for a UNet2DConditionModel config."""
+    levels = len(config["block_out_channels"])
+    lpb = config["layers_per_block"]
+    if not isinstance(lpb, int):
+        raise ValueError("Per-level layers_per_block is not supported by the SD checkpoint layout.")
+    n = lpb + 1  # input blocks per level (resnets + downsampler); output blocks per level
+    down_attn = ["CrossAttn" in t for t in config["down_block_types"]]
+    up_attn = ["CrossAttn" in t for t in config["up_block_types"]]
+    table = list(_UNET_TOP)
+    for i in range(levels):
+        for j in range(lpb):
+            table.append((f"input_blocks.{n * i + j + 1}.0.", f"down_blocks.{i}.resnets.{j}."))
+            if down_attn[i]:
+                table.append((f"input_blocks.{n * i + j + 1}.1.", f"down_blocks.{i}.attentions.{j}."))
+        for j in range(n):
+            table.append((f"output_blocks.{n * i + j}.0.", f"up_blocks.{i}.resnets.{j}."))
+            if up_attn[i]:
+                table.append((f"output_blocks.{n * i + j}.1.", f"up_blocks.{i}.attentions.{j}."))
+        if i < levels - 1:
+            table.append((f"input_blocks.{n * (i + 1)}.0.op.", f"down_blocks.{i}.downsamplers.0.conv."))
+            table.append((f"output_blocks.{n * i + n - 1}.{2 if up_attn[i] else 1}.", f"up_blocks.{i}.upsamplers.0."))
+    table.append(("middle_block.1.", "mid_block.attentions.0."))
+    table.append(("middle_block.0.", "mid_block.resnets.0."))
+    table.append(("middle_block.2.", "mid_block.resnets.1."))
+    return table
+
+
+def _rename(key: str, table: list[tuple[str, str]]) -> str:
+    for orig, diff in table:
+        if key.startswith(diff):
+            return orig + key[len(diff) :]
+    return key
+
+
+def convert_unet_state_dict(unet) -> dict[str, torch.Tensor]:
+    table = _unet_prefix_table(unet.config)
+    out = {}
+    for key, value in unet.state_dict().items():
+        new = _rename(key, table)
+        if "resnets" in key:
+            for orig, diff in _UNET_RESNET:
+                new = new.replace(diff, orig)
+        out[UNET_PREFIX + new] = value
+    return out
+
+
+def _vae_prefix_table(config) -> list[tuple[str, str]]:
+    levels = len(config["block_out_channels"])
+    lpb = config["layers_per_block"]
+    table = [("encoder.norm_out.", "encoder.conv_norm_out."), ("decoder.norm_out.", "decoder.conv_norm_out.")]
+    for part in ("encoder", "decoder"):
+        table.append((f"{part}.mid.attn_1.", f"{part}.mid_block.attentions.0."))
+        for j in range(2):
+            table.append((f"{part}.mid.block_{j + 1}.", f"{part}.mid_block.resnets.{j}."))
+    for i in range(levels):
+        for j in range(lpb):
+            table.append((f"encoder.down.{i}.block.{j}.", f"encoder.down_blocks.{i}.resnets.{j}."))
+        for j in range(lpb + 1):
+            table.append((f"decoder.up.{levels - 1 - i}.block.{j}.", f"decoder.up_blocks.{i}.resnets.{j}."))
+        if i < levels - 1:
+            table.append((f"encoder.down.{i}.downsample.", f"encoder.down_blocks.{i}.downsamplers.0."))
+            table.append((f"decoder.up.{levels - 1 - i}.upsample.", f"decoder.up_blocks.{i}.upsamplers.0."))
+    return table
+
+
+_VAE_ATTN = [
+    ("norm.", "group_norm."),
+    ("q.", "to_q."),
+    ("k.", "to_k."),
+    ("v.", "to_v."),
+    ("proj_out.", "to_out.0."),
+]
+
+
+def convert_vae_state_dict(vae) -> dict[str, torch.Tensor]:
+    table = _vae_prefix_table(vae.config)
+    out = {}
+    for key, value in vae.state_dict().items():
+        new = _rename(key, table).replace("conv_shortcut", "nin_shortcut")
+        if "mid.attn_1." in new:
+            head, tail = new.split("mid.attn_1.", 1)
+            for orig, diff in _VAE_ATTN:
+                if tail.startswith(diff):
+                    tail = orig + tail[len(diff) :]
+                    break
+            new = head + "mid.attn_1." + tail
+            if value.ndim == 2:  # the original model uses 1x1 convolutions for q, k, v, proj_out
+                value = value[:, :, None, None]
+        out[VAE_PREFIX + new] = value
+    return out
+
+
+def convert_text_encoder_state_dict(text_encoder) -> dict[str, torch.Tensor]:
+    """Always ``cond_stage_model.transformer.text_model.*``, whatever the transformers version calls it."""
+    out = {}
+    for key, value in text_encoder.state_dict().items():
+        if key.endswith("position_ids"):
+            continue
+        if not key.startswith("text_model."):
+            key = "text_model." + key
+        out[TEXT_ENCODER_PREFIX + key] = value
+    return out
+
+
+def diffusers_to_original_sd(unet, vae, text_encoder) -> dict[str, torch.Tensor]:
+    """One state dict with SD1's original checkpoint keys (what A1111/ComfyUI single files contain)."""
+    state = {}
+    state.update(convert_unet_state_dict(unet))
+    state.update(convert_vae_state_dict(vae))
+    state.update(convert_text_encoder_state_dict(text_encoder))
+    return {k: v.detach().clone().contiguous() for k, v in state.items()}

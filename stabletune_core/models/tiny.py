@@ -1,0 +1,126 @@
+"""A tiny but real Stable Diffusion 1.x, with random weights, for tests and demos.
+
+The architectures are the real diffusers/transformers classes in SD's 4-level
+block layout, just narrow, so everything that works on SD 1.5 (single-file
+conversion, LoRA key naming, the training loop) works on this model too, in
+seconds on a CPU. Everything is deterministic from ``seed``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .tokenizer import write_clip_tokenizer_files
+
+#: 64x64 images -> 8x8 latents (the VAE has 4 levels, so it downscales by 8).
+TINY_IMAGE_SIZE = 64
+
+UNET_CONFIG = dict(
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    block_out_channels=(32, 32, 64, 64),
+    layers_per_block=1,
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=32,
+    attention_head_dim=2,  # like SD1's 8: the number of heads, diffusers' historical naming
+    norm_num_groups=16,
+    use_linear_projection=False,
+)
+VAE_CONFIG = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    block_out_channels=(8, 16, 16, 16),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    layers_per_block=1,
+    norm_num_groups=8,
+    sample_size=TINY_IMAGE_SIZE,
+    scaling_factor=0.18215,
+)
+TEXT_ENCODER_CONFIG = dict(
+    vocab_size=49408,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=77,
+    hidden_act="quick_gelu",
+    projection_dim=32,
+    bos_token_id=0,
+    eos_token_id=2,  # SD1.5's config keeps CLIP's legacy value; pooling then uses argmax(ids)
+    pad_token_id=1,
+)
+SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    prediction_type="epsilon",
+    clip_sample=False,
+    steps_offset=1,
+)
+
+
+def build_tiny_components(seed: int = 0) -> dict:
+    """unet, vae, text_encoder, scheduler of the tiny SD1 model, in memory, deterministic from seed."""
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(**UNET_CONFIG)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(**VAE_CONFIG)
+    torch.manual_seed(seed + 2)
+    text_encoder = CLIPTextModel(CLIPTextConfig(**TEXT_ENCODER_CONFIG))
+    scheduler = DDPMScheduler(**SCHEDULER_CONFIG)
+    for m in (unet, vae, text_encoder):
+        m.eval()
+    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "scheduler": scheduler}
+
+
+def build_tiny_sd1(out_dir: Path, seed: int = 0) -> Path:
+    """Write a complete tiny SD1 diffusers pipeline folder (random weights) and return its path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parts = build_tiny_components(seed)
+    parts["unet"].save_pretrained(out_dir / "unet")
+    parts["vae"].save_pretrained(out_dir / "vae")
+    parts["text_encoder"].save_pretrained(out_dir / "text_encoder")
+    parts["scheduler"].save_pretrained(out_dir / "scheduler")
+    write_clip_tokenizer_files(out_dir / "tokenizer")
+    import diffusers
+
+    model_index = {
+        "_class_name": "StableDiffusionPipeline",
+        "_diffusers_version": diffusers.__version__,
+        "feature_extractor": [None, None],
+        "image_encoder": [None, None],
+        "requires_safety_checker": False,
+        "safety_checker": [None, None],
+        "scheduler": ["diffusers", "DDPMScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "unet": ["diffusers", "UNet2DConditionModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
+    (out_dir / "model_index.json").write_text(json.dumps(model_index, indent=2))
+    return out_dir
+
+
+def build_tiny_sd1_single_file(out_path: Path, seed: int = 0) -> Path:
+    """Write the same tiny model as one A1111-style ``.safetensors`` checkpoint (original SD keys)."""
+    from safetensors.torch import save_file
+
+    from .single_file import diffusers_to_original_sd
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    parts = build_tiny_components(seed)
+    state = diffusers_to_original_sd(parts["unet"], parts["vae"], parts["text_encoder"])
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out_path), metadata={"format": "pt"})
+    return out_path

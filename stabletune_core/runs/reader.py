@@ -1,0 +1,141 @@
+"""The UI's side of the run directory. Reads only; never imports torch."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .jsonfiles import read_json, read_jsonl, write_json_atomic
+from .layout import RunPaths
+
+FINAL_STATES = ("finished", "stopped", "failed")
+
+
+@dataclass
+class RunSummary:
+    path: Path
+    state: str
+    step: int
+    max_steps: int | None
+    alive: bool
+    updated_at: float | None
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); treat it as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+class RunReader:
+    """Incremental reads of one run: metrics and events are read from where the last call stopped."""
+
+    def __init__(self, root: Path | str):
+        self.paths = RunPaths(Path(root))
+        self._metrics: list[dict[str, Any]] = []
+        self._metrics_offset = 0
+        self._events: list[dict[str, Any]] = []
+        self._events_offset = 0
+
+    def status(self) -> dict[str, Any]:
+        """status.json plus `alive`, and `stale` when it claims to run but its process is gone."""
+        status = read_json(self.paths.status) or {"state": "unknown"}
+        alive = pid_alive(status.get("pid")) and status.get("host", os.uname().nodename) == os.uname().nodename
+        status["alive"] = alive and status.get("state") not in FINAL_STATES
+        status["stale"] = status.get("state") not in FINAL_STATES + ("unknown",) and not alive
+        return status
+
+    def metrics(self) -> list[dict[str, Any]]:
+        new, self._metrics_offset = read_jsonl(self.paths.metrics, self._metrics_offset)
+        self._metrics.extend(new)
+        return self._metrics
+
+    def events(self) -> list[dict[str, Any]]:
+        new, self._events_offset = read_jsonl(self.paths.events, self._events_offset)
+        self._events.extend(new)
+        return self._events
+
+    def sample_steps(self) -> list[tuple[int, list[Path]]]:
+        """Validation images per step, oldest first; file names keep prompt and seed order."""
+        if not self.paths.samples.is_dir():
+            return []
+        steps = []
+        for folder in sorted(self.paths.samples.glob("step_*")):
+            images = sorted(folder.glob("*.png"))
+            if images:
+                steps.append((int(folder.name.split("_")[1]), images))
+        return steps
+
+    def checkpoints(self) -> list[Path]:
+        if not self.paths.checkpoints.is_dir():
+            return []
+        return sorted(p for p in self.paths.checkpoints.glob("step_*") if (p / "manifest.json").exists())
+
+    def loras(self) -> list[Path]:
+        if not self.paths.output.is_dir():
+            return []
+        return sorted(self.paths.output.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+
+    def diagnostics(self, name: str) -> list[dict[str, Any]]:
+        return read_jsonl(self.paths.diagnostics / name)[0]
+
+    def summary(self) -> RunSummary:
+        status = self.status()
+        return RunSummary(self.paths.root, status.get("state", "unknown"), int(status.get("step") or 0),
+                          status.get("max_steps"), bool(status.get("alive")), status.get("updated_at"))
+
+    def send(self, command: str, **args: Any) -> None:
+        """Ask the engine to stop, save, pause or resume; it picks this up between steps."""
+        write_json_atomic(self.paths.control, {"command": command, "time": time.time(), **args})
+
+
+def list_runs(parent: Path | str) -> list[RunSummary]:
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    runs = [RunReader(p).summary() for p in parent.iterdir() if (p / "status.json").exists()]
+    return sorted(runs, key=lambda r: r.updated_at or 0, reverse=True)
+
+
+def find_runs(parent: Path | str) -> list[RunSummary]:
+    """Like list_runs, but also folders the engine has not written a status to yet (config.toml only):
+    a run that died while importing, or one still starting, must be visible to attach to."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    runs = []
+    for folder in parent.iterdir():
+        paths = RunPaths(folder)
+        if paths.status.exists():
+            runs.append(RunReader(folder).summary())
+        elif paths.config.exists():
+            runs.append(RunSummary(folder, "unknown", 0, None, False, paths.config.stat().st_mtime))
+    return sorted(runs, key=lambda r: r.updated_at or 0, reverse=True)
+
+
+def log_tail(root: Path | str, lines: int = 20) -> str:
+    """The last lines of RUN/train.log (the engine's stdout/stderr), read from the end of the file."""
+    path = RunPaths(Path(root)).log
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""
+    # tqdm redraws with carriage returns; keep only the last state of each line.
+    kept = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.rstrip("\n").split("\n")]
+    return "\n".join(kept[-lines:])

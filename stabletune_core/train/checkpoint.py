@@ -1,0 +1,159 @@
+"""Resumable checkpoints: written whole or not at all, checked by sha256 before they are trusted.
+
+A checkpoint folder holds `adapter.safetensors` (the LoRA weights), `state.pt` (optimizer, scheduler,
+scaler, RNGs, counters; tensors and plain containers only, read back with weights_only=True) and
+`manifest.json` with the sha256 of each file. It is written under a temporary name, fsynced and renamed,
+so a crash or a full disk mid-write leaves the previous checkpoint as the newest complete one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
+ADAPTER = "adapter.safetensors"
+STATE = "state.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted, with the reason in one sentence."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    adapter: dict[str, torch.Tensor]
+    state: dict[str, Any]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def estimate_size(adapter: dict[str, torch.Tensor], state: dict[str, Any]) -> int:
+    total = sum(t.numel() * t.element_size() for t in adapter.values())
+    return total * 4 + (1 << 20)  # adapter + Adam moments + slack
+
+
+def save_checkpoint(folder: Path, step: int, adapter: dict[str, torch.Tensor], state: dict[str, Any],
+                    *, extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write `folder` atomically. Raises CheckpointError (and leaves older checkpoints untouched) when the disk
+    is full or unwritable."""
+    folder = Path(folder)
+    parent = folder.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    needed = estimate_size(adapter, state)
+    free = shutil.disk_usage(parent).free
+    if free < needed:
+        raise CheckpointError(f"Not enough disk space for a checkpoint in {parent}: {free / 2**20:.0f} MB free, "
+                              f"about {needed / 2**20:.0f} MB needed; free some space. The last good checkpoint "
+                              "is kept.")
+    tmp = parent / f".tmp_{folder.name}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir()
+        save_file({k: v.detach().contiguous().cpu() for k, v in adapter.items()}, tmp / ADAPTER)
+        torch.save(state, tmp / STATE)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
+        files = sorted(p.name for p in tmp.iterdir())
+        for name in files:
+            _fsync_file(tmp / name)
+        manifest = {"step": step, "created_at": time.time(), "files": {n: sha256_file(tmp / n) for n in files}}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if folder.exists():  # a save at the same step again (e.g. "save now" then stop)
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+        _fsync_dir(parent)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"Could not write checkpoint {folder.name} ({exc.strerror or exc}); the last good "
+                              "checkpoint is kept. Check free disk space and permissions.") from exc
+    return folder
+
+
+def verify_checkpoint(folder: Path) -> dict[str, Any]:
+    """The manifest, after checking every file's hash. Raises CheckpointError saying what is wrong."""
+    manifest_path = Path(folder) / MANIFEST
+    if not manifest_path.exists():
+        raise CheckpointError(f"Checkpoint {folder} has no manifest.json: it was never finished.")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"Checkpoint {folder} has an unreadable manifest.json ({exc}).") from exc
+    for name, expected in manifest.get("files", {}).items():
+        path = Path(folder) / name
+        if not path.exists():
+            raise CheckpointError(f"Checkpoint {folder} lacks {name}.")
+        if sha256_file(path) != expected:
+            raise CheckpointError(f"Checkpoint {folder}: {name} does not match its sha256 (the file is corrupt).")
+    return manifest
+
+
+def load_checkpoint(folder: Path) -> Checkpoint:
+    manifest = verify_checkpoint(folder)
+    adapter = load_file(Path(folder) / ADAPTER)
+    state = torch.load(Path(folder) / STATE, map_location="cpu", weights_only=True)
+    return Checkpoint(Path(folder), int(manifest["step"]), adapter, state)
+
+
+def list_checkpoints(parent: Path) -> list[Path]:
+    """Finished checkpoint folders, oldest step first."""
+    if not Path(parent).is_dir():
+        return []
+    return sorted((p for p in Path(parent).glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
+
+
+def latest_good_checkpoint(parent: Path, report=lambda message: None) -> Checkpoint | None:
+    """The newest checkpoint that verifies; each bad one on the way is reported and skipped (never deleted)."""
+    for folder in reversed(list_checkpoints(parent)):
+        try:
+            return load_checkpoint(folder)
+        except (CheckpointError, RuntimeError, OSError, ValueError) as exc:
+            report(f"{exc} Falling back to the previous checkpoint.")
+    return None
+
+
+def prune_checkpoints(parent: Path, keep_last: int | None, protect: set[Path] = frozenset()) -> list[Path]:
+    """Remove all but the newest `keep_last` checkpoints (those in `protect`, e.g. the best, stay)."""
+    if not keep_last:
+        return []
+    folders = list_checkpoints(parent)
+    removed = []
+    for folder in folders[:-keep_last]:
+        if folder.resolve() not in {p.resolve() for p in protect}:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed

@@ -1,0 +1,518 @@
+"""The training loop. Read it top to bottom: set up, resume, then one optimizer step at a time.
+
+Everything that makes a run survive (non-finite losses, out-of-memory, clipping, checkpoints) lives in
+guard objects called at fixed points of the step; everything the world should know goes to the run
+directory through `RunWriter`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from ..config import ConfigError, TrainConfig, check_inputs
+from ..data.dataset import BucketBatchSampler, DatasetView, EmbeddingCache, LatentCache, collate
+from ..data.scan import scan_dataset
+from ..lora.export import export_kohya_lora
+from ..lora.inject import add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
+from ..models.loading import load_model
+from ..models.base import Conditioning, ModelBundle
+from ..runs.writer import RunWriter
+from .guards import Guard, make_guards
+from .checkpoint import latest_good_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from .loss import add_noise, diffusion_loss, target_for
+from .memory import memory_stats
+from .optim import make_lr_scheduler, make_optimizer
+from .sampling import make_validation_images
+
+
+class RunExists(ConfigError):
+    pass
+
+
+@dataclass
+class TrainState:
+    """Counters that a checkpoint must restore for a run to continue exactly."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    batch_in_epoch: int = 0  # sampler batches of `epoch` already consumed
+    images_seen: int = 0
+    micro_batch_size: int = 0  # may shrink after an out-of-memory error; the effective batch never does
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+@dataclass
+class Session:
+    """What setup builds and every part of the step uses."""
+
+    config: TrainConfig
+    accelerator: Accelerator
+    run: RunWriter
+    bundle: ModelBundle
+    data: DatasetView
+    sampler: BucketBatchSampler
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    params: list[torch.nn.Parameter]
+    trained: dict[str, torch.nn.Module]  # modules with adapters, by checkpoint prefix
+    state: TrainState
+    max_steps: int
+    generator: torch.Generator  # noise and timesteps
+    weight_dtype: torch.dtype
+    latent_cache: Any = None
+    text_cache: Any = None
+    guards: list[Guard] = field(default_factory=list)
+    batch_paths: list[str] = field(default_factory=list)  # images of the current step, for the guards' events
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+
+# ---- set up -----------------------------------------------------------------------------------------------
+def prepare_run_dir(config: TrainConfig) -> RunWriter:
+    """Refuse to write over someone else's run; freeze the config for this one."""
+    writer = RunWriter(config.output_dir, enabled=False)
+    has_run = writer.paths.checkpoints.is_dir() and any(writer.paths.checkpoints.glob("step_*"))
+    if has_run and not config.resume_from_checkpoint:
+        raise RunExists([f"Run directory {writer.paths.root} already holds a run with checkpoints; pass "
+                         "--resume auto to continue it, or choose a new --output_dir."])
+    return writer
+
+
+def weight_dtype_for(config: TrainConfig) -> torch.dtype:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
+
+
+def setup(config: TrainConfig) -> Session:
+    problems = check_inputs(config)
+    if problems:
+        raise ConfigError(problems)
+    prepare_run_dir(config)
+    accelerator = Accelerator(mixed_precision=config.mixed_precision)
+    run = RunWriter(config.output_dir, enabled=accelerator.is_main_process)
+    run.status("starting", step=0)
+    if accelerator.is_main_process:
+        config.save_toml(run.paths.config)
+    for note in config.inactive_knobs():
+        run.event("config", note)
+    set_seed(config.seed)
+
+    scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension)
+    for skipped in scan.skipped:
+        run.event("data_skipped", f"Skipped {skipped.path}: {skipped.reason}", path=str(skipped.path))
+    data = DatasetView.from_config(scan, config)
+    for note in data.notes:
+        run.event("data", note)
+    sampler = data.sampler(config.train_batch_size)
+
+    run.status("loading", step=0)
+    bundle = load_model(config)
+    if config.prediction_type:
+        bundle.noise_scheduler.register_to_config(prediction_type=config.prediction_type)
+    add_lora(bundle, config)
+    weight_dtype = weight_dtype_for(config)
+    device = accelerator.device
+    bundle.vae.to(device, dtype=torch.float32 if config.mixed_precision == "fp16" else weight_dtype)
+    bundle.unet.to(device, dtype=weight_dtype)
+    for encoder in bundle.text_encoders:
+        encoder.to(device, dtype=weight_dtype)
+    trained = {"unet": bundle.unet, **({f"te{i}": e for i, e in enumerate(bundle.text_encoders)}
+                                       if config.train_text_encoder else {})}
+    for module in trained.values():  # adapters train in fp32 whatever the base runs in
+        for p in lora_parameters(module):
+            p.data = p.data.float()
+    if config.gradient_checkpointing:
+        bundle.unet.enable_gradient_checkpointing()
+        if config.train_text_encoder:
+            for encoder in bundle.text_encoders:
+                encoder.gradient_checkpointing_enable()
+    enable_fast_attention(bundle, config, run)
+    if config.allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    groups = [{"params": lora_parameters(bundle.unet), "lr": config.learning_rate}]
+    if config.train_text_encoder:
+        te_params = [p for e in bundle.text_encoders for p in lora_parameters(e)]
+        groups.append({"params": te_params, "lr": config.text_encoder_lr or config.learning_rate})
+    effective_batch = config.train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
+    if config.scale_lr:
+        for g in groups:
+            g["lr"] *= effective_batch
+    optimizer = make_optimizer(groups, config)
+    steps_per_epoch = math.ceil(len(sampler) / (config.gradient_accumulation_steps * accelerator.num_processes))
+    max_steps = config.max_train_steps or config.num_train_epochs * steps_per_epoch
+    lr_scheduler = make_lr_scheduler(optimizer, config, max_steps)
+    prepared = accelerator.prepare(*trained.values(), optimizer)
+    trained = dict(zip(trained, prepared[:-1]))
+    optimizer = prepared[-1]
+
+    session = Session(config=config, accelerator=accelerator, run=run, bundle=bundle, data=data, sampler=sampler,
+                      optimizer=optimizer, lr_scheduler=lr_scheduler,
+                      params=[p for g in groups for p in g["params"]], trained=trained,
+                      state=TrainState(micro_batch_size=config.train_batch_size), max_steps=max_steps,
+                      generator=torch.Generator().manual_seed(config.seed), weight_dtype=weight_dtype,
+                      guards=make_guards(config))
+    build_caches(session)
+    return session
+
+
+def enable_fast_attention(bundle: ModelBundle, config: TrainConfig, run: RunWriter) -> None:
+    """PyTorch SDPA is diffusers' default; xformers only when asked for and importable."""
+    if not config.enable_xformers_memory_efficient_attention:
+        return
+    try:
+        import xformers  # noqa: F401
+
+        bundle.unet.enable_xformers_memory_efficient_attention()
+        run.event("attention", "Using xformers memory-efficient attention.")
+    except Exception as exc:  # not installed, or no kernel for this device
+        run.event("attention", f"xformers is not usable here ({type(exc).__name__}); using PyTorch SDPA, which "
+                  "is as memory-efficient on PyTorch 2.")
+
+
+def build_caches(s: Session) -> None:
+    config = s.config
+    folder = Path(config.output_dir) / "cache" if config.cache_latents_to_disk else None
+    model_id = f"{Path(config.pretrained_model_name_or_path).resolve()}|{config.mixed_precision}"
+    if config.cache_latents:
+        s.run.status("caching", step=s.state.step)
+        s.latent_cache = LatentCache(folder / "latents" if folder else None, model_id=model_id)
+        s.latent_cache.build(s.data, lambda pixels: encode_pixels(s, pixels),
+                             disable=not s.accelerator.is_main_process)
+    if config.cache_text_embeddings:
+        s.text_cache = EmbeddingCache(folder / "text" if folder else None, model_id=model_id)
+        s.text_cache.build(s.data, lambda captions: encode_text(s, captions, grad=False),
+                           disable=not s.accelerator.is_main_process)
+
+
+# ---- the pieces of a step ----------------------------------------------------------------------------------
+@torch.no_grad()
+def encode_pixels(s: Session, pixels: torch.Tensor) -> torch.Tensor:
+    vae = s.bundle.vae
+    latents = vae.encode(pixels.to(s.device, dtype=vae.dtype)).latent_dist.sample()
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    return ((latents - shift) * s.bundle.latent_scaling).float()
+
+
+def encode_text(s: Session, captions: list[str], *, grad: bool) -> dict[str, torch.Tensor]:
+    with torch.set_grad_enabled(grad), s.accelerator.autocast():
+        return s.bundle.family.encode_text(s.bundle, captions)
+
+
+def latents_for(s: Session, batch: dict[str, Any]) -> torch.Tensor:
+    if s.latent_cache is not None:
+        return s.latent_cache.get_batch(batch["index"]).to(s.device)
+    return encode_pixels(s, batch["pixel_values"])
+
+
+def conditioning_for(s: Session, batch: dict[str, Any], rows: slice) -> Conditioning:
+    captions = batch["caption"][rows]
+    if s.text_cache is not None:
+        text = {k: v.to(s.device) for k, v in s.text_cache.get_batch(captions).items()}
+    else:
+        text = encode_text(s, captions, grad=s.config.train_text_encoder)
+    return s.bundle.family.make_conditioning(s.bundle, text, batch["sizes"][rows])
+
+
+def micro_chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
+    """Mean loss over every image of one optimizer step, gradients accumulated.
+
+    Noise and timesteps are drawn per sampler batch before it is split into micro-batches, so shrinking the
+    micro-batch after an OOM changes nothing but memory use.
+    """
+    total = sum(len(b["caption"]) for b in batches)
+    unet = s.trained["unet"]
+    loss_sum = 0.0
+    work = []
+    for batch in batches:
+        latents = latents_for(s, batch)
+        noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, s.generator,
+                                            noise_offset=s.config.noise_offset)
+        target = target_for(s.bundle.noise_scheduler, s.bundle.prediction_type, latents, noise, timesteps)
+        for rows in micro_chunks(len(batch["caption"]), s.state.micro_batch_size):
+            work.append((batch, rows, noisy, target, timesteps))
+    for i, (batch, rows, noisy, target, timesteps) in enumerate(work):
+        last = i == len(work) - 1
+        with (s.accelerator.no_sync(unet) if not last else _nullcontext()):
+            cond = conditioning_for(s, batch, rows)
+            with s.accelerator.autocast():
+                pred = unet(noisy[rows].to(s.weight_dtype), timesteps[rows],
+                            encoder_hidden_states=cond.encoder_hidden_states,
+                            added_cond_kwargs=cond.added_cond_kwargs).sample
+            loss = diffusion_loss(pred, target[rows], s.bundle.noise_scheduler, timesteps[rows],
+                                  prediction_type=s.bundle.prediction_type, snr_gamma=s.config.snr_gamma).sum()
+            s.accelerator.backward(loss / total)
+        loss_sum += loss.item()
+    return loss_sum / total
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def next_batches(s: Session, count: int) -> list[dict[str, Any]]:
+    """This process's share of the next `count` x processes sampler batches; moves the data position.
+
+    Every process walks the same global order and takes every world-th batch, so the global batch of a step
+    is the same whatever the number of processes.
+    """
+    world, rank = s.accelerator.num_processes, s.accelerator.process_index
+    picked: list[tuple[int, list[int]]] = []
+    for n in range(count * world):
+        order = s.sampler.batches_for_epoch(s.state.epoch)
+        if s.state.batch_in_epoch >= len(order):
+            s.state.epoch += 1
+            s.state.batch_in_epoch = 0
+            order = s.sampler.batches_for_epoch(s.state.epoch)
+        if n % world == rank:
+            picked.append((s.state.epoch, order[s.state.batch_in_epoch]))
+        s.state.batch_in_epoch += 1
+    batches = []
+    for epoch, indices in picked:
+        batch = collate([s.data.example(i, epoch, with_pixels=s.latent_cache is None) for i in indices])
+        batch["index"] = indices
+        batches.append(batch)
+    return batches
+
+
+def clip_gradients(s: Session) -> float:
+    max_norm = s.config.max_grad_norm if s.config.clip_mode == "fixed" and s.config.max_grad_norm > 0 else math.inf
+    norm = s.accelerator.clip_grad_norm_(s.params, max_norm)
+    return float(norm) if norm is not None else float("nan")
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------
+def rng_state(s: Session) -> dict[str, Any]:
+    py_version, py_state, py_gauss = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": torch.tensor(py_state, dtype=torch.int64), "python_version": py_version,
+        "numpy": torch.from_numpy(np_state[1].astype(np.int64)), "numpy_pos": int(np_state[2]),
+        "torch": torch.get_rng_state(), "loop": s.generator.get_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng(s: Session, rng: dict[str, Any]) -> None:
+    random.setstate((rng["python_version"], tuple(int(x) for x in rng["python"].tolist()), None))
+    np.random.set_state(("MT19937", rng["numpy"].numpy().astype(np.uint32), rng["numpy_pos"], 0, 0.0))
+    torch.set_rng_state(rng["torch"])
+    s.generator.set_state(rng["loop"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def save(s: Session, reason: str) -> Path | None:
+    s.accelerator.wait_for_everyone()
+    if not s.accelerator.is_main_process:
+        return None
+    s.run.status("saving", step=s.state.step)
+    adapter = {f"{prefix}.{k}": v for prefix, module in s.trained.items()
+               for k, v in lora_state_dict(s.accelerator.unwrap_model(module)).items()}
+    scaler = s.accelerator.scaler.state_dict() if s.accelerator.scaler is not None else {}
+    state = {"train": s.state.as_dict(), "optimizer": s.optimizer.state_dict(),
+             "lr_scheduler": s.lr_scheduler.state_dict(), "scaler": scaler, "rng": rng_state(s),
+             "guards": {g.name: g.state_dict() for g in s.guards}}
+    folder = save_checkpoint(s.run.paths.checkpoint(s.state.step), s.state.step, adapter, state)
+    removed = prune_checkpoints(s.run.paths.checkpoints, s.config.checkpoints_total_limit)
+    s.run.event("checkpoint", f"Saved checkpoint at step {s.state.step} ({reason}).", step=s.state.step,
+                path=str(folder), removed=[str(p) for p in removed])
+    return folder
+
+
+def resume(s: Session) -> None:
+    target = s.config.resume_from_checkpoint
+    if not target:
+        return
+    if target in ("auto", "latest"):
+        checkpoint = latest_good_checkpoint(s.run.paths.checkpoints,
+                                            report=lambda m: s.run.event("checkpoint_bad", m))
+        if checkpoint is None:
+            s.run.event("resume", "No checkpoint to resume from; starting from step 0.")
+            return
+    else:
+        checkpoint = load_checkpoint(Path(target))
+    by_prefix: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in checkpoint.adapter.items():
+        prefix, name = key.split(".", 1)
+        by_prefix.setdefault(prefix, {})[name] = value
+    for prefix, module in s.trained.items():
+        load_lora_state_dict(s.accelerator.unwrap_model(module), by_prefix.get(prefix, {}))
+    state = checkpoint.state
+    s.optimizer.load_state_dict(state["optimizer"])
+    s.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    if s.accelerator.scaler is not None and state["scaler"]:
+        s.accelerator.scaler.load_state_dict(state["scaler"])
+    s.state = TrainState(**state["train"])
+    restore_rng(s, state["rng"])
+    for guard in s.guards:
+        guard.load_state_dict(state.get("guards", {}).get(guard.name, {}))
+    s.run.event("resumed", f"Resumed from {checkpoint.path} at step {s.state.step}.", step=s.state.step)
+
+
+# ---- export --------------------------------------------------------------------------------------------
+def export(s: Session, name: str | None = None) -> Path | None:
+    s.accelerator.wait_for_everyone()
+    if not s.accelerator.is_main_process:
+        return None
+    config = s.config
+    unet = s.accelerator.unwrap_model(s.trained["unet"])
+    encoders = [s.accelerator.unwrap_model(s.trained[k]) for k in s.trained if k.startswith("te")]
+    path = s.run.paths.output / f"{name or config.output_name}.safetensors"
+    metadata = training_metadata(s)
+    path = export_kohya_lora(path, unet, encoders, s.bundle.family, rank=config.lora_rank,
+                             alpha=config.effective_lora_alpha, metadata=metadata,
+                             dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.save_precision,
+                                                                                       torch.float32),
+                             overwrite=config.overwrite_output or path.parent == s.run.paths.output)
+    s.run.event("exported", f"Wrote LoRA {path.name} at step {s.state.step}.", step=s.state.step, path=str(path))
+    if config.export_diffusers_format:
+        from ..lora.export import export_diffusers_lora
+
+        export_diffusers_lora(s.run.paths.output / f"{name or config.output_name}_diffusers", unet, encoders,
+                              s.bundle.family)
+    return path
+
+
+def training_metadata(s: Session) -> dict[str, str]:
+    config = s.config
+    return {
+        "ss_output_name": config.output_name,
+        "ss_sd_model_name": Path(config.pretrained_model_name_or_path).name,
+        "ss_resolution": f"({config.resolution}, {config.resolution})",
+        "ss_tag_frequency": json.dumps(s.data.scan.tag_frequency()),
+        "ss_training_started_at": str(s.run._started),
+        "ss_training_finished_at": str(time.time()),
+        "ss_steps": str(s.state.step),
+        "ss_max_train_steps": str(s.max_steps),
+        "ss_epoch": str(s.state.epoch),
+        "ss_learning_rate": str(config.learning_rate),
+        "ss_text_encoder_lr": str(config.text_encoder_lr or config.learning_rate),
+        "ss_unet_lr": str(config.learning_rate),
+        "ss_batch_size_per_device": str(config.train_batch_size),
+        "ss_gradient_accumulation_steps": str(config.gradient_accumulation_steps),
+        "ss_lr_scheduler": config.lr_scheduler,
+        "ss_lr_warmup_steps": str(config.lr_warmup_steps),
+        "ss_mixed_precision": config.mixed_precision,
+        "ss_seed": str(config.seed),
+        "ss_noise_offset": str(config.noise_offset),
+        "ss_min_snr_gamma": str(config.snr_gamma),
+        "ss_network_dropout": str(config.lora_dropout),
+        "ss_num_train_images": str(len(s.data)),
+        "stabletune_config": config.model_dump_json(),
+    }
+
+
+# ---- the loop ------------------------------------------------------------------------------------------
+def train(config: TrainConfig, *, session: Session | None = None) -> Path | None:
+    """Train a LoRA as `config` says and return the exported file (None on non-main processes)."""
+    s = session or setup(config)
+    resume(s)
+    run, state = s.run, s.state
+    if s.config.validation_prompts and state.step == 0:
+        sample(s)
+    run.status("training", step=state.step, max_steps=s.max_steps)
+    progress = tqdm(total=s.max_steps, initial=state.step, desc="training", unit="step",
+                    disable=not s.accelerator.is_main_process)
+    last_time, sec_per_step = time.perf_counter(), None
+    stop_reason = "finished"
+    for module in s.trained.values():
+        module.train()
+    for guard in s.guards:
+        guard.on_start(s)
+    while state.step < s.max_steps:
+        batches = next_batches(s, s.config.gradient_accumulation_steps)
+        s.batch_paths = [str(p) for b in batches for p in b["path"]]
+        loss = forward_backward(s, batches)
+        grad_norm = clip_gradients(s)
+        verdicts = [guard.before_optimizer_step(s, loss, grad_norm) for guard in s.guards]
+        if all(verdicts):
+            s.optimizer.step()
+        s.lr_scheduler.step()
+        s.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.images_seen += sum(len(b["caption"]) for b in batches) * s.accelerator.num_processes
+
+        now = time.perf_counter()
+        sec_per_step = (now - last_time) if sec_per_step is None else 0.9 * sec_per_step + 0.1 * (now - last_time)
+        last_time = now
+        metrics = dict(loss=loss, lr=s.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                       clip_threshold=s.config.max_grad_norm if s.config.clip_mode == "fixed" else None,
+                       epoch=state.epoch, sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
+        verdicts = [guard.after_step(s, metrics) for guard in s.guards]
+        if state.step % s.config.logging_steps == 0 or state.step == s.max_steps:
+            run.metric(state.step, **metrics, **memory_stats(s.device))
+            run.status("training", step=state.step, max_steps=s.max_steps, epoch=state.epoch,
+                       sec_per_step=sec_per_step, eta_seconds=sec_per_step * (s.max_steps - state.step), loss=loss)
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss:.4f}")
+        if s.config.validation_prompts and state.step % s.config.validation_steps == 0:
+            sample(s)
+        if state.step % s.config.save_steps == 0 and state.step < s.max_steps:
+            save(s, "every save_steps")
+        if "stop" in verdicts or obey_control(s) == "stop":
+            stop_reason = "stopped"
+            break
+    progress.close()
+    save(s, stop_reason)
+    path = export(s)
+    run.status(stop_reason, step=state.step, max_steps=s.max_steps, eta_seconds=0, lora=str(path) if path else None)
+    run.event(stop_reason, f"Run {stop_reason} at step {state.step}.", step=state.step)
+    return path
+
+
+def sample(s: Session) -> None:
+    if not s.accelerator.is_main_process:
+        return
+    s.run.status("sampling", step=s.state.step, max_steps=s.max_steps)
+    paths = make_validation_images(s.bundle, s.config, s.run.paths.sample_dir(s.state.step), s.device)
+    s.run.event("samples", f"Made {len(paths)} validation images at step {s.state.step}.", step=s.state.step)
+    s.run.status("training", step=s.state.step, max_steps=s.max_steps)
+
+
+def obey_control(s: Session) -> str | None:
+    """Commands from the UI, between steps: save, stop, pause (then wait for resume or stop)."""
+    command = s.run.take_control()
+    paused = False
+    while command or paused:
+        kind = (command or {}).get("command")
+        if kind == "save":
+            save(s, "asked from the UI")
+        elif kind == "stop":
+            s.run.event("stop", f"Stop requested at step {s.state.step}; saving and exporting.", step=s.state.step)
+            return "stop"
+        elif kind == "pause" and not paused:
+            paused = True
+            s.run.status("paused", step=s.state.step, max_steps=s.max_steps)
+            s.run.event("pause", f"Paused at step {s.state.step}.", step=s.state.step)
+        elif kind == "resume" and paused:
+            s.run.event("resume_run", f"Continuing from step {s.state.step}.", step=s.state.step)
+            s.run.status("training", step=s.state.step, max_steps=s.max_steps)
+            return None
+        if paused:
+            time.sleep(0.5)
+            s.run.status("paused", step=s.state.step, max_steps=s.max_steps)  # keep the heartbeat fresh
+        command = s.run.take_control()
+    return None

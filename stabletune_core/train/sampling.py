@@ -1,0 +1,57 @@
+"""Validation images: the same prompts and seeds every time, so steps can be compared side by side."""
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import torch
+from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
+                       EulerDiscreteScheduler)
+
+from ..config import TrainConfig
+from ..models.base import ModelBundle
+
+SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "euler_a": EulerAncestralDiscreteScheduler,
+            "dpm++": DPMSolverMultistepScheduler}
+
+
+def sample_seeds(config: TrainConfig) -> list[int]:
+    return [config.seed + i for i in range(config.num_validation_images)]
+
+
+@torch.no_grad()
+def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Path, device: torch.device,
+                           *, resolution: int | None = None) -> list[Path]:
+    """Render every validation prompt with every fixed seed into `folder` as p<prompt>_s<seed>.png."""
+    prompts = config.validation_prompts
+    if not prompts:
+        return []
+    scheduler = SAMPLERS[config.validation_sampler].from_config(bundle.noise_scheduler.config)
+    pipe = bundle.family.make_pipeline(bundle, scheduler)
+    pipe.set_progress_bar_config(disable=True)
+    size = resolution or config.resolution
+    training = [m.training for m in (bundle.unet, *bundle.text_encoders)]
+    for module in (bundle.unet, *bundle.text_encoders):
+        module.eval()  # LoRA dropout off while sampling
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    extra = {"eta": config.validation_ddim_eta} if config.validation_sampler == "ddim" else {}
+    try:
+        for p, prompt in enumerate(prompts):
+            for seed in sample_seeds(config):
+                generator = torch.Generator("cpu").manual_seed(seed)
+                image = pipe(prompt, height=size, width=size, num_inference_steps=config.validation_inference_steps,
+                             guidance_scale=config.validation_guidance_scale, generator=generator, **extra).images[0]
+                path = folder / f"p{p:02d}_s{seed}.png"
+                image.save(path)
+                paths.append(path)
+        (folder / "prompts.json").write_text(json.dumps({"prompts": prompts, "seeds": sample_seeds(config)}))
+    finally:
+        for module, was_training in zip((bundle.unet, *bundle.text_encoders), training):
+            module.train(was_training)
+        del pipe
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # sampling must not leave VRAM behind for the next training step
+    return paths

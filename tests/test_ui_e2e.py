@@ -1,0 +1,175 @@
+"""End to end in a real browser: app.py, demo preset, Start, live loss plot, a sample image, Stop.
+
+Needs Debian's chromium (`apt-get install -y chromium chromium-driver`) and playwright's Python package;
+no browser is downloaded. Screenshots of every tab go to test-artifacts/ui/.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path(os.environ.get("STABLETUNE_CHROMIUM", "/usr/bin/chromium"))
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts" / "ui"
+TABS = ("Dataset", "Model & hyperparameters", "Train", "Monitor", "Samples", "Diagnostics", "Runs")
+# Small run: samples every 10 steps; Stop comes long before step 200.
+FORM = {"max_train_steps": "200", "validation_steps": "10", "save_steps": "500"}
+ENGINE_WAIT_S = 240
+GROUP_OF = {f["name"]: f["group"] for f in json.loads((ROOT / "extension" / "config_schema.json").read_text())["fields"]}  # the engine may share 2 CPU cores with other jobs
+
+sync_api = pytest.importorskip("playwright.sync_api")
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} missing (apt-get install chromium)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def app_url(tmp_path: Path):
+    runs = tmp_path / "runs"
+    port = free_port()
+    log = open(tmp_path / "app.log", "wb")
+    process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port), "--runs-dir", str(runs),
+                                "--refresh-seconds", "1"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            assert process.poll() is None, (tmp_path / "app.log").read_text()
+            time.sleep(0.5)
+    yield url, runs
+    process.terminate()
+    process.wait(20)
+    log.close()
+    stop_engines(runs)
+
+
+def stop_engines(runs: Path) -> None:
+    """The engine outlives the UI by design; a test must not leave one training."""
+    for status in runs.glob("*/status.json"):
+        pid = json.loads(status.read_text()).get("pid")
+        if pid and json.loads(status.read_text()).get("state") not in ("finished", "stopped", "failed"):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def shoot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def open_tab(page, title: str) -> None:
+    page.get_by_role("tab", name=title, exact=True).click()
+    page.wait_for_timeout(300)
+
+
+def set_field(page, name: str, value: str) -> None:
+    box = page.locator(f"#field-{name} input, #field-{name} textarea").first
+    if not box.is_visible():  # the field sits in a closed accordion: open it
+        page.locator(f"#group-{GROUP_OF[name]} .label-wrap").first.click()
+        box.wait_for(state="visible", timeout=5000)
+    box.fill(value)
+    box.press("Tab")  # blur: Gradio reads the value on change
+
+
+def settle(page, timeout_s: float = 30) -> None:
+    """Wait until no Gradio component shows its loading overlay (an event has finished)."""
+    page.wait_for_timeout(300)
+    page.wait_for_function("() => document.querySelectorAll('.pending').length === 0", timeout=timeout_s * 1000)
+
+
+def wait_text(page, selector: str, text: str, timeout_s: float) -> None:
+    page.locator(selector).filter(has_text=text).first.wait_for(timeout=timeout_s * 1000)
+
+
+def run_dir_state(run: Path) -> str:
+    try:
+        return json.loads((run / "status.json").read_text()).get("state", "")
+    except (OSError, ValueError):
+        return ""
+
+
+def test_demo_start_monitor_samples_stop(app_url) -> None:
+    url, runs = app_url
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
+            "--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(url)
+            open_tab(page, "Model & hyperparameters")
+            page.locator("#preset-choice input").click()
+            page.get_by_role("option", name="demo", exact=True).click()
+            page.locator("#preset-load").click()
+            wait_text(page, "#preset-message", "Loaded preset", 180)  # the first call builds the tiny model
+            for name, value in FORM.items():
+                set_field(page, name, value)
+            shoot(page, "2-model")
+
+            open_tab(page, "Dataset")
+            page.locator("#dataset-scan").click()
+            wait_text(page, "#dataset-counts", "usable images", 120)
+            page.locator("#dataset-gallery img").first.wait_for(timeout=30_000)
+            shoot(page, "1-dataset")
+
+            open_tab(page, "Train")
+            page.locator("#train-start").click()
+            wait_text(page, "#train-message", "Started", 60)
+            run = runs / "demo"
+            assert (run / "config.toml").exists()
+
+            open_tab(page, "Monitor")
+            wait_text(page, "#monitor-summary", "logged steps", ENGINE_WAIT_S)
+            page.locator("#plot-loss canvas, #plot-loss svg").first.wait_for(timeout=30_000)
+            open_tab(page, "Samples")
+            page.locator("#samples-gallery img").first.wait_for(timeout=ENGINE_WAIT_S * 1000)
+            page.wait_for_timeout(1500)
+            shoot(page, "5-samples")
+            open_tab(page, "Monitor")
+            page.wait_for_timeout(1500)
+            shoot(page, "4-monitor")
+
+            open_tab(page, "Train")
+            page.locator("#train-stop").click()
+            wait_text(page, "#train-message", "Sent stop", 30)
+            deadline = time.time() + ENGINE_WAIT_S
+            while run_dir_state(run) not in ("stopped", "finished", "failed") and time.time() < deadline:
+                time.sleep(1)
+            log = (run / "train.log").read_text() if (run / "train.log").exists() else ""
+            assert run_dir_state(run) == "stopped", log[-3000:]
+            wait_text(page, "#train-status", "stopped", 30)
+            shoot(page, "3-train")
+
+            open_tab(page, "Diagnostics")
+            page.locator("#diag-refresh").click()
+            settle(page)
+            shoot(page, "6-diagnostics")
+            open_tab(page, "Runs")
+            page.locator("#runs-refresh").click()
+            wait_text(page, "#runs-table", "stopped", 30)
+            settle(page)
+            shoot(page, "7-runs")
+        finally:
+            shoot(page, "last")
+            browser.close()
+
+    checkpoints = [c for c in (run / "checkpoints").glob("step_*") if (c / "manifest.json").exists()]
+    assert checkpoints, "Stop must save a checkpoint"
+    assert list((run / "output").glob("*.safetensors")), "Stop must export the LoRA"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,6 +20,11 @@ class UISettings:
     # Seconds between live refreshes of status, plots and samples.
     refresh_seconds: float = 2.0
     num_processes: int = 1
+    # Host hooks (the WebUI tab sets them; the standalone app needs none). `before_start` runs right before
+    # the engine is spawned on `run_dir` (a WebUI unloads its checkpoint to free VRAM) and returns a sentence
+    # for the user or None; `run_note(run_dir)` adds a line to the run's status (e.g. where its LoRA was copied).
+    before_start: Optional[Callable[[Path], Optional[str]]] = None
+    run_note: Optional[Callable[[Path], Optional[str]]] = None
 
     def __post_init__(self) -> None:
         self.runs_dir = Path(self.runs_dir).expanduser().resolve()

@@ -16,6 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     train = commands.add_parser("train", help="Train a LoRA (every TrainConfig field is a flag).")
     add_config_arguments(train)
 
+    preflight = commands.add_parser("preflight", help="One step at the largest bucket and one sampling pass: "
+                                    "peak memory and the largest micro-batch that fits (takes the train flags).")
+    add_config_arguments(preflight)
+
     demo = commands.add_parser("demo", help="Train a tiny model on drawn shapes: a full run, no download.")
     demo.add_argument("--output_dir", "--output-dir", default="runs/demo", help="Run directory of the demo.")
     demo.add_argument("--max_train_steps", "--max-train-steps", type=int, default=None)
@@ -35,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return run_train(config_from_args(args))
+        if args.command == "preflight":
+            return run_preflight(config_from_args(args))
         if args.command == "demo":
             return run_demo(args)
         if args.command == "export":
@@ -54,11 +60,30 @@ def main(argv: list[str] | None = None) -> int:
 def run_train(config: TrainConfig) -> int:
     from .train.loop import train  # torch loads only when there is something to train
 
+    from .train.guards import OutOfMemoryStop
+
     for note in config.inactive_knobs():
         print(f"note: {note}", file=sys.stderr)
-    path = train(config)
+    try:
+        path = train(config)
+    except OutOfMemoryStop as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     if path:
         print(f"LoRA written to {path}")
+    return 0
+
+
+def run_preflight(config: TrainConfig) -> int:
+    """Preflight in a throw-away run directory, so the real one is never touched."""
+    import tempfile
+
+    from .train.loop import setup
+    from .train.preflight import describe, preflight
+
+    with tempfile.TemporaryDirectory(prefix="stabletune-preflight-") as folder:
+        session = setup(config.model_copy(update={"output_dir": folder, "resume_from_checkpoint": None}))
+        print(describe(preflight(session)))
     return 0
 
 

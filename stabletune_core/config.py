@@ -149,6 +149,41 @@ class TrainConfig(BaseModel):
                            "guards")
     oom_guard: bool = knob(True, "On out-of-memory, halve the micro-batch and double accumulation so the "
                            "effective batch stays.", "guards")
+    nan_window: int = knob(20, "Steps the non-finite guard looks back over when counting bad steps.", "guards",
+                           ge=1, le=10000)
+    nan_max_bad: int = knob(3, "Non-finite steps within nan_window that trigger a rollback to the last good "
+                            "weights and a lower learning rate.", "guards", ge=1)
+    nan_lr_factor: float = knob(0.5, "Learning-rate multiplier applied at each non-finite rollback.", "guards",
+                                gt=0, le=1)
+    oom_retries: int = knob(3, "Micro-batch halvings tried after out-of-memory errors before the run stops "
+                            "with advice.", "guards", ge=0, le=16)
+    clip_percentile: float = knob(95.0, "Adaptive clipping: clip at this percentile of recent gradient norms.",
+                                  "guards", gt=0, le=100)
+    clip_window: int = knob(100, "Adaptive clipping: how many recent gradient norms the percentile uses "
+                            "(no clipping until 10 are seen, except max_grad_norm as a ceiling when set).",
+                            "guards", ge=10, le=100000)
+    scale_weight_norms: Optional[float] = knob(
+        None, "Max-norm regularisation (kohya's scale_weight_norms): a LoRA module whose update up@down has a "
+        "larger norm is scaled down to it after each step. Empty = off; 1.0 is typical.", "guards", gt=0)
+    down_lr_scale: float = knob(1.0, "Learning-rate multiplier of the UNet down blocks' LoRA (0 freezes them).",
+                                "guards", ge=0, le=100)
+    mid_lr_scale: float = knob(1.0, "Learning-rate multiplier of the UNet mid block's LoRA (0 freezes it).",
+                               "guards", ge=0, le=100)
+    up_lr_scale: float = knob(1.0, "Learning-rate multiplier of the UNet up blocks' LoRA (0 freezes them).",
+                              "guards", ge=0, le=100)
+    fp16_fallback: bool = knob(True, "When fp16 keeps overflowing (the loss scale collapses or fp16_max_skips "
+                               "steps in a row overflow), continue in bf16 where the GPU has it, else fp32.",
+                               "guards")
+    fp16_max_skips: int = knob(8, "Consecutive fp16-overflow steps that trigger the precision fallback.",
+                               "guards", ge=1, le=1000)
+    plateau_patience: int = knob(3, "lr_scheduler=plateau: validation evaluations without improvement before "
+                                 "the learning rate is lowered.", "guards", ge=1)
+    plateau_factor: float = knob(0.5, "lr_scheduler=plateau: learning-rate multiplier on a plateau.", "guards",
+                                 gt=0, lt=1)
+    min_lr: float = knob(1e-6, "lr_scheduler=plateau and non-finite rollbacks never lower the rate below this.",
+                         "guards", ge=0)
+    preflight: bool = knob(False, "Before training, run one step at the largest bucket and one sampling pass, "
+                           "report peak memory, and start at the largest micro-batch that fits (GPU).", "guards")
 
     # ---- checkpoints & output ------------------------------------------------------------------------
     output_dir: str = knob("./lora_output", "The run directory: config, metrics, samples, checkpoints and "
@@ -184,8 +219,48 @@ class TrainConfig(BaseModel):
     validation_ddim_eta: float = knob(0.0, "DDIM eta (0 = deterministic).", "validation", ge=0.0, le=1.0)
 
     # ---- diagnostics (overfitting control) -----------------------------------------------------------
-    perceptual_lambda: float = knob(0.0, "Weight of the LPIPS perceptual regulariser (0 = off).", "diagnostics",
-                                    ge=0.0, le=10.0, inactive="the diagnostics work")
+    perceptual_lambda: float = knob(0.0, "Weight of the LPIPS perceptual regulariser between the image decoded "
+                                    "from the predicted x0 and the training image (0 = off).", "diagnostics",
+                                    ge=0.0, le=10.0)
+    perceptual_net: Literal["alex", "vgg", "squeeze"] = knob(
+        "alex", "LPIPS backbone. Its ImageNet weights must be in the torch cache (~/.cache/torch/hub/checkpoints).",
+        "diagnostics")
+    perceptual_random_backbone: bool = knob(
+        False, "When the LPIPS backbone weights are not in the torch cache, train with a randomly initialised "
+        "backbone instead of refusing to start (that is NOT the LPIPS perceptual metric; for tests).",
+        "diagnostics")
+    perceptual_every: int = knob(1, "Add the perceptual term on every this many optimizer steps.", "diagnostics",
+                                 ge=1)
+    perceptual_timestep_max: int = knob(
+        400, "Only images noised at timesteps below this get the perceptual term (x0 predicted from very noisy "
+        "latents is a blur).", "diagnostics", ge=1, le=1000)
+    perceptual_batch: int = knob(1, "At most this many images per micro-batch get the perceptual term (each one "
+                                 "is decoded by the VAE with gradients: memory).", "diagnostics", ge=1, le=64)
+    diagnostics_every: int = knob(100, "Singular-value spectra of every LoRA module every this many steps "
+                                  "(0 = off).", "diagnostics", ge=0)
+    activation_stats_every: int = knob(200, "Statistics of the LoRA outputs on a fixed probe batch every this many "
+                                       "steps (0 = off).", "diagnostics", ge=0)
+    collapse_threshold: float = knob(
+        0.15, "Warn of rank collapse when the second singular value falls under this fraction of the first in "
+        "most LoRA modules.", "diagnostics", gt=0.0, lt=1.0)
+    validation_split: float = knob(
+        0.0, "Fraction of the images held out of training to measure validation loss on (0 = measure on a fixed "
+        "subset of the training images, which shows divergence but not overfitting).", "validation",
+        ge=0.0, lt=1.0)
+    validation_count: int = knob(4, "At most this many images are measured for validation loss.", "validation",
+                                 ge=1, le=256)
+    validation_loss_every: int = knob(100, "Validation loss (fixed noise and timesteps) every this many steps "
+                                      "(0 = off).", "validation", ge=0)
+    validation_timesteps: int = knob(2, "Fixed timesteps, evenly spread, at which each validation image is "
+                                     "measured.", "validation", ge=1, le=50)
+    early_stopping: bool = knob(False, "Stop when validation loss rises clearly above its best (use with "
+                                "validation_split > 0); the best LoRA is exported next to the last.", "validation")
+    early_stopping_window: int = knob(5, "Validation evaluations in the reference window around the best.",
+                                      "validation", ge=2, le=100)
+    early_stopping_factor: float = knob(1.3, "An evaluation triggers when it is above this factor times the upper "
+                                        "quartile of the reference window.", "validation", gt=1.0, le=10.0)
+    early_stopping_patience: int = knob(3, "Triggers since the best that stop the run.", "validation", ge=1, le=100)
+    early_stopping_min_steps: int = knob(500, "Never stop before this many steps.", "validation", ge=0)
 
     # ------------------------------------------------------------------------------------------------
     @field_validator("resolution")
@@ -220,6 +295,8 @@ class TrainConfig(BaseModel):
                                            or self.caption_tag_dropout_rate or self.train_text_encoder):
             raise ValueError("cache_text_embeddings cannot be combined with caption shuffle/dropout or "
                              "text-encoder training; turn one of them off")
+        if self.early_stopping and not self.validation_loss_every:
+            raise ValueError("early_stopping needs validation loss; set validation_loss_every above 0")
         return self
 
     # ------------------------------------------------------------------------------------------------

@@ -46,7 +46,9 @@ def train_command(config_toml: Path, engine_python: str = sys.executable, num_pr
     """The argv that trains the run described by `config_toml`; accelerate spreads it over N devices."""
     tail = ["-m", "stabletune_core", "train", "--config", str(config_toml)]
     if num_processes > 1:
-        return [engine_python, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes), *tail]
+        # --multi_gpu: one process per device through torchrun, whatever a stale default accelerate config says
+        return [engine_python, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
+                "--multi_gpu", *tail]
     return [engine_python, *tail]
 
 

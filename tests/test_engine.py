@@ -53,7 +53,7 @@ def test_train_lora_entry_reports_bad_input_before_loading(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Dataset folder" in err and "does not exist" in err
     assert "Model P does not exist" in err or "'P'" in err
-    assert "torch" not in err
+    assert "Traceback" not in err  # (a path under ~/.cache/torch may be named: the LPIPS weights check)
 
 
 @pytest.mark.parametrize("overrides, sentence", [

@@ -331,3 +331,21 @@ def test_ui_modules_do_not_shell_out() -> None:
     for path in sources:
         text = path.read_text()
         assert "shell=True" not in text and "os.system" not in text and "os.popen" not in text, path
+
+
+def test_resume_button_restarts_the_attached_run_from_its_checkpoint(tmp_path: Path, shapes_dir: Path) -> None:
+    from extension.context import UIContext
+    from extension.settings import UISettings
+    from extension.tabs import train
+
+    run = write_run_config({"pretrained_model_name_or_path": str(tmp_path), "train_data_dir": str(shapes_dir),
+                            "output_dir": str(tmp_path / "runs" / "old")})
+    RunWriter(run).status("stopped", step=7)
+    _, fields = load_schema()
+    ctx = UIContext(settings=UISettings(runs_dir=tmp_path / "runs", engine_python=fake_engine(tmp_path)),
+                    hub=RunHub(tmp_path / "runs"), form=Form(fields), groups=[])
+    ctx.hub.attach(run)
+    message, _ = train._continue_run(ctx)
+    assert message.startswith("Started **old**"), message
+    assert TrainConfig.from_toml(RunPaths(run).config).resume_from_checkpoint == "auto"
+    assert train.free_run_dir(run) == tmp_path / "runs" / "old-2"  # Start never reuses a run's folder

@@ -17,7 +17,7 @@ def _plot(ctx: UIContext, name: str) -> None:
     title, y_title, _ = plots.PLOTS[name]
     ctx.parts[f"monitor.{name}"] = make(gr.LinePlot, value=None,
                                         x="step", y="value", color="series", title=title, x_title="step",
-                                        y_title=y_title, label=title, height=300, tooltip=["step", "value", "series"],
+                                        y_title=y_title, label=title, show_label=False, color_title="", height=300, tooltip=["step", "value", "series"],
                                         elem_id=f"plot-{name}")
 
 

@@ -64,11 +64,13 @@ def _launch(ctx: UIContext, values: dict[str, Any]) -> str:
     """Write the config into the run folder and spawn the engine; the message for the user."""
     try:
         run_dir = write_run_config(values, ctx.settings.engine_python)
+        host_note = ctx.settings.before_start(run_dir) if ctx.settings.before_start else None  # WebUI: unload
         process = spawn(run_dir, ctx.settings.engine_python, ctx.settings.num_processes)
     except LaunchError as exc:
         return "**Not started:**\n\n" + "\n".join(f"- ⚠ {p}" for p in exc.problems)
     ctx.hub.started(run_dir, process)
-    return f"Started **{ctx.run_label(run_dir)}** (engine pid {process.pid}); log in {RunPaths(run_dir).log}."
+    return (f"Started **{ctx.run_label(run_dir)}** (engine pid {process.pid}); log in {RunPaths(run_dir).log}."
+            + (f"\n\n{host_note}" if host_note else ""))
 
 
 def _start(ctx: UIContext, *raw: Any) -> list[Any]:
@@ -145,4 +147,5 @@ def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
     reader = ctx.hub.reader(run)
     events = reader.events()
     line = status_line(ctx.run_label(run), ctx.hub.status(run), events[-1] if events else None)
-    return [line, log_tail(run), dropdown]
+    note = ctx.settings.run_note(run) if ctx.settings.run_note else None
+    return [line + (f"\n\n{note}" if note else ""), log_tail(run), dropdown]

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .names import kohya_keys, kohya_te_name, kohya_unet_name
+from .names import kohya_keys, kohya_sgm_unet_name, kohya_te_name, kohya_unet_name
 
 #: Metadata keys every kohya export carries (filled with defaults when the caller has none).
 REQUIRED_METADATA_KEYS = (
@@ -216,8 +216,13 @@ def kohya_state_dict(
         tensors[k_alpha] = torch.tensor(float(alpha), dtype=torch.float32)
 
     if unet is not None:
+        if getattr(family, "kohya_unet_naming", "diffusers") == "sgm":
+            config = _unwrap(unet).config
+            unet_name = lambda path: kohya_sgm_unet_name(path, config)  # noqa: E731
+        else:
+            unet_name = kohya_unet_name
         for path, down, up, alpha in iter_lora_modules(unet, adapter_name):
-            add(kohya_unet_name(path), down, up, alpha)
+            add(unet_name(path), down, up, alpha)
     text_encoders = [te for te in (text_encoders or [])]
     prefixes = list(family.text_encoder_kohya_prefixes)
     for i, te in enumerate(text_encoders):

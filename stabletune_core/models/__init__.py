@@ -21,11 +21,25 @@ def _sd1():
     return SD1()
 
 
+def _sd2():
+    from .sd2 import SD2
+
+    return SD2()
+
+
+def _sdxl():
+    from .sdxl import SDXL
+
+    return SDXL()
+
+
 register_family("sd1", _sd1)
+register_family("sd2", _sd2)
+register_family("sdxl", _sdxl)
 
 
 def get_family(name: str) -> ModelFamily:
-    """The family object for "sd1" (and later "sd2", "sdxl")."""
+    """A fresh family object for "sd1", "sd2" or "sdxl"."""
     key = (name or "").strip().lower()
     if key not in FAMILIES:
         raise ValueError(f"Unknown model family '{name}'; known families are: {', '.join(sorted(FAMILIES))}.")
@@ -51,6 +65,9 @@ def detect_family(source: str | Path) -> str:
                     return "sdxl"
                 if cfg.get("cross_attention_dim") == 1024:
                     return "sd2"
+            te_cfg = path / "text_encoder" / "config.json"
+            if te_cfg.is_file() and json.loads(te_cfg.read_text()).get("hidden_act") == "gelu":
+                return "sd2"  # OpenCLIP's gelu; SD1's CLIP uses quick_gelu (this also tells tiny test models apart)
             return "sd1"
         if path.is_file() and path.suffix.lower() == ".safetensors":
             from safetensors import safe_open

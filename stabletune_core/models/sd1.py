@@ -52,6 +52,7 @@ class SD1:
     """The Stable Diffusion 1.x family (1.4, 1.5 and their fine-tunes)."""
 
     name = "sd1"
+    display_name = "Stable Diffusion 1.x"
     base_model_version = "sd_v1"
     modelspec_architecture = "stable-diffusion-v1/lora"
     modelspec_implementation = "diffusers"  # what kohya writes for LoRAs
@@ -61,6 +62,8 @@ class SD1:
     text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
     text_encoder_kohya_prefixes = ["lora_te"]
     diffusers_pipeline_class = "StableDiffusionPipeline"
+    text_encoder_parts = ("text_encoder",)  # pipeline component names, in kohya prefix order
+    tokenizer_parts = ("tokenizer",)
     default_config_dir = SD15_CONFIG_DIR
 
     # ------------------------------------------------------------------ load
@@ -96,16 +99,17 @@ class SD1:
             raise
         except Exception as exc:  # one sentence for the user, the cause chained for the log
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ModelLoadError(f"Could not load '{source}' as a Stable Diffusion 1.x model: {first}") from exc
-        for m in (parts["unet"], parts["vae"], parts["text_encoder"]):
+            raise ModelLoadError(f"Could not load '{source}' as a {self.display_name} model: {first}") from exc
+        text_encoders = [parts[name] for name in self.text_encoder_parts]
+        for m in (parts["unet"], parts["vae"], *text_encoders):
             m.requires_grad_(False)
             m.eval()
         return ModelBundle(
             family=self,
             unet=parts["unet"],
             vae=parts["vae"],
-            text_encoders=[parts["text_encoder"]],
-            tokenizers=[parts["tokenizer"]],
+            text_encoders=text_encoders,
+            tokenizers=[parts[name] for name in self.tokenizer_parts],
             noise_scheduler=noise_scheduler,
             source=str(source),
             extra={"source_kind": kind},
@@ -126,7 +130,7 @@ class SD1:
     def _load_single_file(self, path: Path, config_dir, local_files_only: bool, torch_dtype) -> dict[str, Any]:
         from diffusers import StableDiffusionPipeline
 
-        config_dir = Path(config_dir) if config_dir is not None else self.default_config_dir
+        config_dir = Path(config_dir) if config_dir is not None else self.single_file_config_dir(path)
         if not (config_dir / "model_index.json").is_file():
             raise ModelLoadError(f"The config folder '{config_dir}' has no model_index.json, so it cannot describe the model.")
         pipe = StableDiffusionPipeline.from_single_file(
@@ -141,6 +145,10 @@ class SD1:
         parts = _pipeline_parts(pipe)
         parts["scheduler_config"] = pipe.scheduler.config
         return parts
+
+    def single_file_config_dir(self, path: Path) -> Path:
+        """The shipped config tree that describes a single-file checkpoint of this family."""
+        return self.default_config_dir
 
     # ---------------------------------------------------------------- encode
     def tokenize(self, bundle: ModelBundle, prompts: list[str]) -> torch.Tensor:

@@ -22,6 +22,8 @@ _UNET_TOP = [
     ("input_blocks.0.0.", "conv_in."),
     ("out.0.", "conv_norm_out."),
     ("out.2.", "conv_out."),
+    ("label_emb.0.0.", "add_embedding.linear_1."),  # SDXL's size + pooled-text embedding
+    ("label_emb.0.2.", "add_embedding.linear_2."),
 ]
 _UNET_RESNET = [
     ("in_layers.0", "norm1"),
@@ -145,3 +147,70 @@ def diffusers_to_original_sd(unet, vae, text_encoder) -> dict[str, torch.Tensor]
     state.update(convert_vae_state_dict(vae))
     state.update(convert_text_encoder_state_dict(text_encoder))
     return {k: v.detach().clone().contiguous() for k, v in state.items()}
+
+
+# --------------------------------------------------------------------------- SD 2.x / SDXL
+OPEN_CLIP_PREFIX_SD2 = "cond_stage_model.model."
+SDXL_TEXT_ENCODER_PREFIX = "conditioner.embedders.0.transformer."
+OPEN_CLIP_PREFIX_SDXL = "conditioner.embedders.1.model."
+
+_OPEN_CLIP_LAYER = [
+    # (original, transformers) inside one residual block
+    ("ln_1.", "layer_norm1."),
+    ("ln_2.", "layer_norm2."),
+    ("attn.out_proj.", "self_attn.out_proj."),
+    ("mlp.c_fc.", "mlp.fc1."),
+    ("mlp.c_proj.", "mlp.fc2."),
+]
+
+
+def convert_open_clip_text_encoder(text_encoder, prefix: str) -> dict[str, torch.Tensor]:
+    """A transformers CLIP text model -> OpenCLIP keys (what SD2 and SDXL's second encoder ship as).
+
+    q/k/v are fused into ``attn.in_proj_*`` and ``text_projection`` is stored transposed, as open_clip does.
+    """
+    state = {k.removeprefix("text_model."): v for k, v in text_encoder.state_dict().items()
+             if not k.endswith("position_ids")}
+    out = {
+        prefix + "token_embedding.weight": state["embeddings.token_embedding.weight"],
+        prefix + "positional_embedding": state["embeddings.position_embedding.weight"],
+        prefix + "ln_final.weight": state["final_layer_norm.weight"],
+        prefix + "ln_final.bias": state["final_layer_norm.bias"],
+    }
+    if "text_projection.weight" in state:
+        out[prefix + "text_projection"] = state["text_projection.weight"].T
+    for i in range(text_encoder.config.num_hidden_layers):
+        src, dst = f"encoder.layers.{i}.", f"{prefix}transformer.resblocks.{i}."
+        for kind in ("weight", "bias"):
+            out[f"{dst}attn.in_proj_{kind}"] = torch.cat(
+                [state[f"{src}self_attn.{p}_proj.{kind}"] for p in ("q", "k", "v")])
+            for orig, ours in _OPEN_CLIP_LAYER:
+                out[f"{dst}{orig}{kind}"] = state[f"{src}{ours}{kind}"]
+    return out
+
+
+def diffusers_to_original_sd2(unet, vae, text_encoder) -> dict[str, torch.Tensor]:
+    """SD 2.x checkpoint keys: the SD1 UNet/VAE layout plus an OpenCLIP text encoder."""
+    state = {}
+    state.update(convert_unet_state_dict(unet))
+    state.update(convert_vae_state_dict(vae))
+    state.update(convert_open_clip_text_encoder(text_encoder, OPEN_CLIP_PREFIX_SD2))
+    return {k: v.detach().clone().contiguous() for k, v in state.items()}
+
+
+def diffusers_to_original_sdxl(unet, vae, text_encoder, text_encoder_2) -> dict[str, torch.Tensor]:
+    """SDXL (SGM) checkpoint keys: CLIP-L under conditioner.embedders.0, OpenCLIP-G under embedders.1."""
+    state = {}
+    state.update(convert_unet_state_dict(unet))
+    state.update(convert_vae_state_dict(vae))
+    for key, value in convert_text_encoder_state_dict(text_encoder).items():
+        state[SDXL_TEXT_ENCODER_PREFIX + key.removeprefix(TEXT_ENCODER_PREFIX)] = value
+    state.update(convert_open_clip_text_encoder(text_encoder_2, OPEN_CLIP_PREFIX_SDXL))
+    return {k: v.detach().clone().contiguous() for k, v in state.items()}
+
+
+def sgm_unet_module_path(module_path: str, unet_config) -> str:
+    """A diffusers UNet module path in the original (SGM / CompVis) layout, e.g.
+    ``down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`` -> ``input_blocks.4.1.transformer_blocks.0.attn1.to_q``
+    for SDXL. This is how kohya names SDXL LoRA modules."""
+    return _rename(module_path + ".", _unet_prefix_table(unet_config))[:-1]

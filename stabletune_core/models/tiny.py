@@ -124,3 +124,143 @@ def build_tiny_sd1_single_file(out_path: Path, seed: int = 0) -> Path:
     state = diffusers_to_original_sd(parts["unet"], parts["vae"], parts["text_encoder"])
     save_file({k: v.contiguous() for k, v in state.items()}, str(out_path), metadata={"format": "pt"})
     return out_path
+
+
+# --------------------------------------------------------------------------- SD 2.x
+#: SD2's differences from SD1, kept: linear projections in the transformers, attention upcast, a gelu
+#: (OpenCLIP) text encoder, v-prediction, and a tokenizer that pads with "!".
+SD2_UNET_CONFIG = dict(UNET_CONFIG, attention_head_dim=(2, 4, 8, 8), use_linear_projection=True,
+                       upcast_attention=True)
+SD2_TEXT_ENCODER_CONFIG = dict(TEXT_ENCODER_CONFIG, hidden_act="gelu")
+SD2_SCHEDULER_CONFIG = dict(SCHEDULER_CONFIG, prediction_type="v_prediction")
+
+# --------------------------------------------------------------------------- SDXL
+#: SDXL's 3-level layout (no attention in the first level, several transformer blocks deeper down),
+#: size conditioning through addition_embed_type "text_time", and two text encoders whose
+#: penultimate hidden states are concatenated (32 + 48 = cross_attention_dim 80). The encoders must differ
+#: in width, as in the real model (768 vs 1280): diffusers' single-file loader tells them apart by it.
+SDXL_TIME_EMBED_DIM = 8
+SDXL_UNET_CONFIG = dict(
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    block_out_channels=(32, 64, 64),
+    layers_per_block=2,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    transformer_layers_per_block=(1, 1, 2),
+    cross_attention_dim=80,
+    attention_head_dim=(2, 4, 4),
+    norm_num_groups=16,
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=SDXL_TIME_EMBED_DIM,
+    projection_class_embeddings_input_dim=6 * SDXL_TIME_EMBED_DIM + 48,  # 6 time ids + pooled text (te2 projection)
+)
+SDXL_VAE_CONFIG = dict(VAE_CONFIG, scaling_factor=0.13025, force_upcast=True)
+SDXL_TEXT_ENCODER_2_CONFIG = dict(TEXT_ENCODER_CONFIG, hidden_act="gelu", hidden_size=48, intermediate_size=96,
+                                  projection_dim=48)
+
+
+def _save_pipeline(out_dir: Path, parts: dict, model_index: dict, pads: dict[str, str]) -> Path:
+    import diffusers
+
+    from .tokenizer import EOS
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, module in parts.items():
+        module.save_pretrained(out_dir / name)
+    for folder, pad in pads.items():
+        write_clip_tokenizer_files(out_dir / folder, pad_token=pad or EOS)
+    (out_dir / "model_index.json").write_text(
+        json.dumps({"_diffusers_version": diffusers.__version__, **model_index}, indent=2))
+    return out_dir
+
+
+def build_tiny_sd2_components(seed: int = 0) -> dict:
+    """unet, vae, text_encoder, scheduler of the tiny SD 2.x (v-prediction) model."""
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(**SD2_UNET_CONFIG)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(**VAE_CONFIG)
+    torch.manual_seed(seed + 2)
+    text_encoder = CLIPTextModel(CLIPTextConfig(**SD2_TEXT_ENCODER_CONFIG))
+    for m in (unet, vae, text_encoder):
+        m.eval()
+    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "scheduler": DDPMScheduler(**SD2_SCHEDULER_CONFIG)}
+
+
+def build_tiny_sd2(out_dir: Path, seed: int = 0) -> Path:
+    """Write a complete tiny SD 2.x (v-prediction) diffusers folder and return its path."""
+    from .tokenizer import OPEN_CLIP_PAD
+
+    index = {"_class_name": "StableDiffusionPipeline", "feature_extractor": [None, None], "image_encoder": [None, None],
+             "requires_safety_checker": False, "safety_checker": [None, None],
+             "scheduler": ["diffusers", "DDPMScheduler"], "text_encoder": ["transformers", "CLIPTextModel"],
+             "tokenizer": ["transformers", "CLIPTokenizer"], "unet": ["diffusers", "UNet2DConditionModel"],
+             "vae": ["diffusers", "AutoencoderKL"]}
+    return _save_pipeline(out_dir, build_tiny_sd2_components(seed), index, {"tokenizer": OPEN_CLIP_PAD})
+
+
+def build_tiny_sd2_single_file(out_path: Path, seed: int = 0) -> Path:
+    """The tiny SD 2.x model as one A1111-style checkpoint (OpenCLIP text encoder keys)."""
+    from .single_file import diffusers_to_original_sd2
+
+    parts = build_tiny_sd2_components(seed)
+    return _save_single_file(out_path, diffusers_to_original_sd2(parts["unet"], parts["vae"], parts["text_encoder"]))
+
+
+def build_tiny_sdxl_components(seed: int = 0) -> dict:
+    """unet, vae, text_encoder, text_encoder_2, scheduler of the tiny SDXL model."""
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(**SDXL_UNET_CONFIG)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(**SDXL_VAE_CONFIG)
+    torch.manual_seed(seed + 2)
+    text_encoder = CLIPTextModel(CLIPTextConfig(**TEXT_ENCODER_CONFIG))
+    torch.manual_seed(seed + 3)
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**SDXL_TEXT_ENCODER_2_CONFIG))
+    scheduler = EulerDiscreteScheduler(**{k: v for k, v in SCHEDULER_CONFIG.items() if k != "clip_sample"},
+                                       timestep_spacing="leading")
+    for m in (unet, vae, text_encoder, text_encoder_2):
+        m.eval()
+    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "text_encoder_2": text_encoder_2,
+            "scheduler": scheduler}
+
+
+def build_tiny_sdxl(out_dir: Path, seed: int = 0) -> Path:
+    """Write a complete tiny SDXL diffusers folder (random weights) and return its path."""
+    from .tokenizer import OPEN_CLIP_PAD
+
+    index = {"_class_name": "StableDiffusionXLPipeline", "force_zeros_for_empty_prompt": True,
+             "scheduler": ["diffusers", "EulerDiscreteScheduler"], "text_encoder": ["transformers", "CLIPTextModel"],
+             "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+             "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "CLIPTokenizer"],
+             "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"]}
+    return _save_pipeline(out_dir, build_tiny_sdxl_components(seed), index,
+                          {"tokenizer": "", "tokenizer_2": OPEN_CLIP_PAD})
+
+
+def build_tiny_sdxl_single_file(out_path: Path, seed: int = 0) -> Path:
+    """The tiny SDXL model as one checkpoint with SGM keys (conditioner.embedders.0/1, label_emb, ...)."""
+    from .single_file import diffusers_to_original_sdxl
+
+    parts = build_tiny_sdxl_components(seed)
+    return _save_single_file(out_path, diffusers_to_original_sdxl(parts["unet"], parts["vae"], parts["text_encoder"],
+                                                                  parts["text_encoder_2"]))
+
+
+def _save_single_file(out_path: Path, state: dict) -> Path:
+    from safetensors.torch import save_file
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out_path), metadata={"format": "pt"})
+    return out_path

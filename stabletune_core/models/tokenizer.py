@@ -74,7 +74,12 @@ def clip_vocab_and_merges() -> tuple[dict[str, int], list[str]]:
     return {t: i for i, t in enumerate(tokens)}, merges
 
 
-def write_clip_tokenizer_files(out_dir: Path) -> Path:
+#: SD 2.x's OpenCLIP tokenizer and SDXL's tokenizer_2 use the same BPE vocabulary but pad with "!" (id 0),
+#: as open_clip does; SD1 and SDXL's first tokenizer pad with <|endoftext|>.
+OPEN_CLIP_PAD = "!"
+
+
+def write_clip_tokenizer_files(out_dir: Path, *, pad_token: str = EOS) -> Path:
     """Write vocab.json, merges.txt, tokenizer_config.json and special_tokens_map.json into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -82,8 +87,8 @@ def write_clip_tokenizer_files(out_dir: Path) -> Path:
     files = {
         "vocab.json": json.dumps(vocab, ensure_ascii=False),
         "merges.txt": "#version: 0.2\n" + "\n".join(merges) + "\n",
-        "tokenizer_config.json": json.dumps(TOKENIZER_CONFIG, indent=2),
-        "special_tokens_map.json": json.dumps(SPECIAL_TOKENS_MAP, indent=2),
+        "tokenizer_config.json": json.dumps({**TOKENIZER_CONFIG, "pad_token": pad_token}, indent=2),
+        "special_tokens_map.json": json.dumps({**SPECIAL_TOKENS_MAP, "pad_token": pad_token}, indent=2),
     }
     for name, text in files.items():
         target = out_dir / name

@@ -40,6 +40,21 @@ def pid_alive(pid: int | None) -> bool:
         return True
 
 
+def latest_timeline(records: list[dict[str, Any]], into: list[dict[str, Any]] | None = None
+                    ) -> list[dict[str, Any]]:
+    """metrics.jsonl is append-only: a process that died after step 7 with its newest checkpoint at step 4
+    left lines 5..7 behind, and the resumed process writes 5, 6, 7 again. A record whose step is not above
+    the previous one starts a new timeline: the lines it supersedes (same step or later) are dropped."""
+    kept: list[dict[str, Any]] = [] if into is None else into
+    for record in records:
+        step = record.get("step")
+        if kept and isinstance(step, int) and step <= kept[-1].get("step", -1):
+            while kept and kept[-1].get("step", -1) >= step:
+                kept.pop()
+        kept.append(record)
+    return kept
+
+
 class RunReader:
     """Incremental reads of one run: metrics and events are read from where the last call stopped."""
 
@@ -59,8 +74,9 @@ class RunReader:
         return status
 
     def metrics(self) -> list[dict[str, Any]]:
+        """One record per step, in step order, across resumes (see `latest_timeline`)."""
         new, self._metrics_offset = read_jsonl(self.paths.metrics, self._metrics_offset)
-        self._metrics.extend(new)
+        latest_timeline(new, into=self._metrics)
         return self._metrics
 
     def events(self) -> list[dict[str, Any]]:

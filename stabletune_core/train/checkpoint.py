@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from . import faults
+
 MANIFEST = "manifest.json"
 ADAPTER = "adapter.safetensors"
 STATE = "state.pt"
@@ -81,6 +83,8 @@ def save_checkpoint(folder: Path, step: int, adapter: dict[str, torch.Tensor], s
     try:
         tmp.mkdir()
         save_file({k: v.detach().contiguous().cpu() for k, v in adapter.items()}, tmp / ADAPTER)
+        if faults.ACTIVE:
+            faults.during_checkpoint_write(step)
         torch.save(state, tmp / STATE)
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
@@ -93,10 +97,12 @@ def save_checkpoint(folder: Path, step: int, adapter: dict[str, torch.Tensor], s
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        if folder.exists():  # a save at the same step again (e.g. "save now" then stop)
-            shutil.rmtree(folder)
+        old = parent / f".old_{folder.name}_{os.getpid()}"
+        if folder.exists():  # a save at the same step again (e.g. "save now" then stop): swap, then delete
+            os.replace(folder, old)
         os.replace(tmp, folder)
         _fsync_dir(parent)
+        shutil.rmtree(old, ignore_errors=True)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"Could not write checkpoint {folder.name} ({exc.strerror or exc}); the last good "
@@ -129,6 +135,14 @@ def load_checkpoint(folder: Path) -> Checkpoint:
     return Checkpoint(Path(folder), int(manifest["step"]), adapter, state)
 
 
+def _verifies(folder: Path) -> bool:
+    try:
+        verify_checkpoint(folder)
+        return True
+    except CheckpointError:
+        return False
+
+
 def list_checkpoints(parent: Path) -> list[Path]:
     """Finished checkpoint folders, oldest step first."""
     if not Path(parent).is_dir():
@@ -146,14 +160,44 @@ def latest_good_checkpoint(parent: Path, report=lambda message: None) -> Checkpo
     return None
 
 
+def remove_stale_temporaries(parent: Path) -> list[Path]:
+    """Delete half-written checkpoint folders (.tmp_* / .old_*) left by processes that are gone."""
+    removed = []
+    for folder in Path(parent).glob(".*_step_*") if Path(parent).is_dir() else []:
+        pid = folder.name.rsplit("_", 1)[-1]
+        if folder.name.startswith((".tmp_", ".old_")) and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def prune_checkpoints(parent: Path, keep_last: int | None, protect: set[Path] = frozenset()) -> list[Path]:
-    """Remove all but the newest `keep_last` checkpoints (those in `protect`, e.g. the best, stay)."""
+    """Remove all but the newest `keep_last` checkpoints; those in `protect` (the best) stay on top of them.
+
+    Only checkpoints older than the newest one that verifies are removed, so pruning can never leave a run
+    without a good checkpoint."""
     if not keep_last:
         return []
     folders = list_checkpoints(parent)
+    keep = {p.resolve() for p in protect}
+    newest_good = next((f for f in reversed(folders) if _verifies(f)), None)
     removed = []
     for folder in folders[:-keep_last]:
-        if folder.resolve() not in {p.resolve() for p in protect}:
+        if newest_good is None or int(folder.name.split("_")[1]) >= int(newest_good.name.split("_")[1]):
+            continue
+        if folder.resolve() not in keep:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed

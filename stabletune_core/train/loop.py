@@ -21,19 +21,24 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from ..config import ConfigError, TrainConfig, check_inputs
-from ..data.dataset import BucketBatchSampler, DatasetView, EmbeddingCache, LatentCache, collate
+from ..data.dataset import BucketBatchSampler, DatasetView, EmbeddingCache, LatentCache, collate, derive_seed
 from ..data.scan import scan_dataset
 from ..lora.export import export_kohya_lora
 from ..lora.inject import add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
 from ..models.loading import load_model
 from ..models.base import Conditioning, ModelBundle
+from ..runs.reader import RunReader
 from ..runs.writer import RunWriter
+from . import faults
 from .guards import Guard, make_guards
-from .checkpoint import latest_good_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from .checkpoint import (CheckpointError, latest_good_checkpoint, load_checkpoint, prune_checkpoints,
+                         remove_stale_temporaries, save_checkpoint)
 from .loss import add_noise, diffusion_loss, target_for
 from .memory import memory_stats
-from .optim import make_lr_scheduler, make_optimizer
+from .optim import make_lr_scheduler, make_optimizer, unet_param_groups
+from .perceptual import Perceptual, perceptual_problems
 from .sampling import make_validation_images
+from .validation import split_validation
 
 
 class RunExists(ConfigError):
@@ -76,10 +81,16 @@ class Session:
     text_cache: Any = None
     guards: list[Guard] = field(default_factory=list)
     batch_paths: list[str] = field(default_factory=list)  # images of the current step, for the guards' events
+    best_checkpoint: Path | None = None  # set by the guard that judges "best"; pruning always keeps it
+    validation_items: list[Any] = field(default_factory=list)  # images held out of training (validation_split)
+    perceptual: Any = None  # the LPIPS regulariser (perceptual.py) when perceptual_lambda > 0
 
     @property
     def device(self) -> torch.device:
         return self.accelerator.device
+
+    def guard(self, name: str) -> Guard | None:
+        return next((g for g in self.guards if g.name == name), None)
 
 
 # ---- set up -----------------------------------------------------------------------------------------------
@@ -98,13 +109,18 @@ def weight_dtype_for(config: TrainConfig) -> torch.dtype:
 
 
 def setup(config: TrainConfig) -> Session:
-    problems = check_inputs(config)
+    problems = check_inputs(config) + perceptual_problems(config)
     if problems:
         raise ConfigError(problems)
     prepare_run_dir(config)
     accelerator = Accelerator(mixed_precision=config.mixed_precision)
+    previous = RunReader(config.output_dir).status()  # read before our own heartbeat replaces it
     run = RunWriter(config.output_dir, enabled=accelerator.is_main_process)
     run.status("starting", step=0)
+    if previous.get("stale"):
+        run.event("previous_died", f"The previous process {previous.get('pid')} died at step "
+                  f"{previous.get('step', 0)} (it was {previous.get('state')}; status.json went stale).",
+                  step=previous.get("step"), pid=previous.get("pid"))
     if accelerator.is_main_process:
         config.save_toml(run.paths.config)
     for note in config.inactive_knobs():
@@ -114,6 +130,7 @@ def setup(config: TrainConfig) -> Session:
     scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension)
     for skipped in scan.skipped:
         run.event("data_skipped", f"Skipped {skipped.path}: {skipped.reason}", path=str(skipped.path))
+    scan, held_out = split_validation(scan, config)  # held-out images never reach the sampler
     data = DatasetView.from_config(scan, config)
     for note in data.notes:
         run.event("data", note)
@@ -144,11 +161,14 @@ def setup(config: TrainConfig) -> Session:
     if config.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
 
-    groups = [{"params": lora_parameters(bundle.unet), "lr": config.learning_rate}]
+    groups = unet_param_groups(bundle.unet, config)  # block-wise rates; a block at rate 0 is frozen
     if config.train_text_encoder:
         te_params = [p for e in bundle.text_encoders for p in lora_parameters(e)]
         groups.append({"params": te_params, "lr": config.text_encoder_lr or config.learning_rate})
     effective_batch = config.train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
+    if accelerator.num_processes > 1:
+        run.event("processes", f"Training on {accelerator.num_processes} processes ({accelerator.distributed_type}); "
+                  f"effective batch {effective_batch}.", processes=accelerator.num_processes)
     if config.scale_lr:
         for g in groups:
             g["lr"] *= effective_batch
@@ -165,8 +185,12 @@ def setup(config: TrainConfig) -> Session:
                       params=[p for g in groups for p in g["params"]], trained=trained,
                       state=TrainState(micro_batch_size=config.train_batch_size), max_steps=max_steps,
                       generator=torch.Generator().manual_seed(config.seed), weight_dtype=weight_dtype,
-                      guards=make_guards(config))
+                      guards=make_guards(config), validation_items=held_out)
+    if config.perceptual_lambda > 0:
+        session.perceptual = Perceptual(config, device, run)
     build_caches(session)
+    if faults.ACTIVE:
+        faults.arm_oom(session)
     return session
 
 
@@ -201,9 +225,9 @@ def build_caches(s: Session) -> None:
 
 # ---- the pieces of a step ----------------------------------------------------------------------------------
 @torch.no_grad()
-def encode_pixels(s: Session, pixels: torch.Tensor) -> torch.Tensor:
+def encode_pixels(s: Session, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     vae = s.bundle.vae
-    latents = vae.encode(pixels.to(s.device, dtype=vae.dtype)).latent_dist.sample()
+    latents = vae.encode(pixels.to(s.device, dtype=vae.dtype)).latent_dist.sample(generator=generator)
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     return ((latents - shift) * s.bundle.latent_scaling).float()
 
@@ -216,7 +240,7 @@ def encode_text(s: Session, captions: list[str], *, grad: bool) -> dict[str, tor
 def latents_for(s: Session, batch: dict[str, Any]) -> torch.Tensor:
     if s.latent_cache is not None:
         return s.latent_cache.get_batch(batch["index"]).to(s.device)
-    return encode_pixels(s, batch["pixel_values"])
+    return encode_pixels(s, batch["pixel_values"], noise_generator(s, batch, "vae"))
 
 
 def conditioning_for(s: Session, batch: dict[str, Any], rows: slice) -> Conditioning:
@@ -236,15 +260,17 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
     """Mean loss over every image of one optimizer step, gradients accumulated.
 
     Noise and timesteps are drawn per sampler batch before it is split into micro-batches, so shrinking the
-    micro-batch after an OOM changes nothing but memory use.
+    micro-batch after an OOM changes nothing but memory use; they come from a generator seeded by the batch's
+    place in the global order, so they do not depend on the number of processes either. With several
+    processes the returned loss is the mean over all of them (every rank then takes the same decisions).
     """
     total = sum(len(b["caption"]) for b in batches)
     unet = s.trained["unet"]
-    loss_sum = 0.0
+    loss_sum = torch.zeros((), device=s.device)
     work = []
     for batch in batches:
         latents = latents_for(s, batch)
-        noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, s.generator,
+        noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, noise_generator(s, batch),
                                             noise_offset=s.config.noise_offset)
         target = target_for(s.bundle.noise_scheduler, s.bundle.prediction_type, latents, noise, timesteps)
         for rows in micro_chunks(len(batch["caption"]), s.state.micro_batch_size):
@@ -259,9 +285,21 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
                             added_cond_kwargs=cond.added_cond_kwargs).sample
             loss = diffusion_loss(pred, target[rows], s.bundle.noise_scheduler, timesteps[rows],
                                   prediction_type=s.bundle.prediction_type, snr_gamma=s.config.snr_gamma).sum()
-            s.accelerator.backward(loss / total)
-        loss_sum += loss.item()
-    return loss_sum / total
+            # The perceptual term joins the gradients, not the reported loss (that stays comparable).
+            extra = s.perceptual.term(s, batch, rows, pred, noisy[rows], timesteps[rows]) if s.perceptual else 0.0
+            s.accelerator.backward((loss + extra) / total)
+        loss_sum += loss.detach().float()  # no .item() here: one device sync per step, not per micro-batch
+    if s.accelerator.num_processes > 1:
+        both = s.accelerator.reduce(torch.stack([loss_sum, torch.tensor(float(total), device=s.device)]), "sum")
+        return float(both[0] / both[1])
+    return float(loss_sum) / total
+
+
+def noise_generator(s: Session, batch: dict[str, Any], purpose: str = "noise") -> torch.Generator:
+    """The generator of one sampler batch's noise and timesteps (or its VAE posterior sample), seeded by
+    (seed, epoch, place in the epoch): never by how many batches this process drew before."""
+    epoch, place = batch.get("position", (s.state.epoch, s.state.batch_in_epoch))
+    return torch.Generator().manual_seed(derive_seed(purpose, s.config.seed, epoch, place) % 2**63)
 
 
 class _nullcontext:
@@ -279,7 +317,7 @@ def next_batches(s: Session, count: int) -> list[dict[str, Any]]:
     is the same whatever the number of processes.
     """
     world, rank = s.accelerator.num_processes, s.accelerator.process_index
-    picked: list[tuple[int, list[int]]] = []
+    picked: list[tuple[int, int, list[int]]] = []
     for n in range(count * world):
         order = s.sampler.batches_for_epoch(s.state.epoch)
         if s.state.batch_in_epoch >= len(order):
@@ -287,20 +325,45 @@ def next_batches(s: Session, count: int) -> list[dict[str, Any]]:
             s.state.batch_in_epoch = 0
             order = s.sampler.batches_for_epoch(s.state.epoch)
         if n % world == rank:
-            picked.append((s.state.epoch, order[s.state.batch_in_epoch]))
+            picked.append((s.state.epoch, s.state.batch_in_epoch, order[s.state.batch_in_epoch]))
         s.state.batch_in_epoch += 1
     batches = []
-    for epoch, indices in picked:
+    for epoch, place, indices in picked:
         batch = collate([s.data.example(i, epoch, with_pixels=s.latent_cache is None) for i in indices])
         batch["index"] = indices
+        batch["position"] = (epoch, place)  # seeds this batch's noise (see noise_generator)
         batches.append(batch)
     return batches
 
 
 def clip_gradients(s: Session) -> float:
-    max_norm = s.config.max_grad_norm if s.config.clip_mode == "fixed" and s.config.max_grad_norm > 0 else math.inf
-    norm = s.accelerator.clip_grad_norm_(s.params, max_norm)
-    return float(norm) if norm is not None else float("nan")
+    """Clip to the clipping guard's threshold (fixed or adaptive); returns the norm before clipping.
+
+    A non-finite norm leaves the gradients as they are, so the non-finite guard can name the bad tensors.
+    """
+    clip = s.guard("clipping")
+    max_norm = clip.threshold() if clip else math.inf
+    s.accelerator.unscale_gradients()  # fp16: clip and check the true gradients, not the scaled ones
+    grads = [p.grad for p in s.params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if math.isfinite(max_norm) and torch.isfinite(norm):
+        torch.nn.utils.clip_grads_with_norm_(s.params, max_norm, norm)
+    return float(norm)
+
+
+def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[float, float]:
+    """Forward, backward, clip, ask the guards, optimizer step. Returns (loss, gradient norm before clipping)."""
+    memory = s.guard("memory")  # out-of-memory: retried with a smaller micro-batch
+    loss = memory.run(s, lambda: forward_backward(s, batches)) if memory else forward_backward(s, batches)
+    if faults.ACTIVE:
+        loss = faults.corrupt_step(s, loss)
+    grad_norm = clip_gradients(s)
+    verdicts = [guard.before_optimizer_step(s, loss, grad_norm) for guard in s.guards]
+    if all(verdicts):
+        s.optimizer.step()
+    s.lr_scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------
@@ -335,8 +398,14 @@ def save(s: Session, reason: str) -> Path | None:
     state = {"train": s.state.as_dict(), "optimizer": s.optimizer.state_dict(),
              "lr_scheduler": s.lr_scheduler.state_dict(), "scaler": scaler, "rng": rng_state(s),
              "guards": {g.name: g.state_dict() for g in s.guards}}
-    folder = save_checkpoint(s.run.paths.checkpoint(s.state.step), s.state.step, adapter, state)
-    removed = prune_checkpoints(s.run.paths.checkpoints, s.config.checkpoints_total_limit)
+    try:
+        folder = save_checkpoint(s.run.paths.checkpoint(s.state.step), s.state.step, adapter, state)
+    except CheckpointError as exc:  # a full disk: report it, keep training, keep the last good checkpoint
+        s.run.event("checkpoint_failed", str(exc), step=s.state.step)
+        s.run.status("training", step=s.state.step, max_steps=s.max_steps, error=str(exc))
+        return None
+    protect = {s.best_checkpoint} if s.best_checkpoint else set()
+    removed = prune_checkpoints(s.run.paths.checkpoints, s.config.checkpoints_total_limit, protect=protect)
     s.run.event("checkpoint", f"Saved checkpoint at step {s.state.step} ({reason}).", step=s.state.step,
                 path=str(folder), removed=[str(p) for p in removed])
     return folder
@@ -354,12 +423,9 @@ def resume(s: Session) -> None:
             return
     else:
         checkpoint = load_checkpoint(Path(target))
-    by_prefix: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in checkpoint.adapter.items():
-        prefix, name = key.split(".", 1)
-        by_prefix.setdefault(prefix, {})[name] = value
-    for prefix, module in s.trained.items():
-        load_lora_state_dict(s.accelerator.unwrap_model(module), by_prefix.get(prefix, {}))
+    for leftover in remove_stale_temporaries(s.run.paths.checkpoints):
+        s.run.event("checkpoint_bad", f"Removed {leftover.name}: a checkpoint whose writing was interrupted.")
+    restore_adapter(s, checkpoint.adapter)
     state = checkpoint.state
     s.optimizer.load_state_dict(state["optimizer"])
     s.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -369,7 +435,19 @@ def resume(s: Session) -> None:
     restore_rng(s, state["rng"])
     for guard in s.guards:
         guard.load_state_dict(state.get("guards", {}).get(guard.name, {}))
-    s.run.event("resumed", f"Resumed from {checkpoint.path} at step {s.state.step}.", step=s.state.step)
+    s.run.event("resumed", f"Resumed from {checkpoint.path} at step {s.state.step} ({s.state.images_seen} images "
+                f"seen, micro-batch {s.state.micro_batch_size}).", step=s.state.step, path=str(checkpoint.path),
+                images_seen=s.state.images_seen)
+
+
+def restore_adapter(s: Session, adapter: dict[str, torch.Tensor]) -> None:
+    """Load checkpoint adapter tensors ('<prefix>.<peft key>') into the trained modules."""
+    by_prefix: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in adapter.items():
+        prefix, name = key.split(".", 1)
+        by_prefix.setdefault(prefix, {})[name] = value
+    for prefix, module in s.trained.items():
+        load_lora_state_dict(s.accelerator.unwrap_model(module), by_prefix.get(prefix, {}))
 
 
 # ---- export --------------------------------------------------------------------------------------------
@@ -381,7 +459,8 @@ def export(s: Session, name: str | None = None) -> Path | None:
     unet = s.accelerator.unwrap_model(s.trained["unet"])
     encoders = [s.accelerator.unwrap_model(s.trained[k]) for k in s.trained if k.startswith("te")]
     path = s.run.paths.output / f"{name or config.output_name}.safetensors"
-    metadata = training_metadata(s)
+    # The family knows its version strings (SD2's follow the prediction type); the run knows the rest.
+    metadata = {**s.bundle.family.metadata(s.bundle), **training_metadata(s)}
     path = export_kohya_lora(path, unet, encoders, s.bundle.family, rank=config.lora_rank,
                              alpha=config.effective_lora_alpha, metadata=metadata,
                              dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.save_precision,
@@ -431,6 +510,10 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     s = session or setup(config)
     resume(s)
     run, state = s.run, s.state
+    if s.config.preflight:
+        from .preflight import apply_preflight
+
+        apply_preflight(s)
     if s.config.validation_prompts and state.step == 0:
         sample(s)
     run.status("training", step=state.step, max_steps=s.max_steps)
@@ -445,13 +528,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     while state.step < s.max_steps:
         batches = next_batches(s, s.config.gradient_accumulation_steps)
         s.batch_paths = [str(p) for b in batches for p in b["path"]]
-        loss = forward_backward(s, batches)
-        grad_norm = clip_gradients(s)
-        verdicts = [guard.before_optimizer_step(s, loss, grad_norm) for guard in s.guards]
-        if all(verdicts):
-            s.optimizer.step()
-        s.lr_scheduler.step()
-        s.optimizer.zero_grad(set_to_none=True)
+        loss, grad_norm = training_step(s, batches)
         state.step += 1
         state.images_seen += sum(len(b["caption"]) for b in batches) * s.accelerator.num_processes
 
@@ -459,8 +536,8 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
         sec_per_step = (now - last_time) if sec_per_step is None else 0.9 * sec_per_step + 0.1 * (now - last_time)
         last_time = now
         metrics = dict(loss=loss, lr=s.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
-                       clip_threshold=s.config.max_grad_norm if s.config.clip_mode == "fixed" else None,
-                       epoch=state.epoch, sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
+                       clip_threshold=None, epoch=state.epoch, images_seen=state.images_seen,
+                       sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
         verdicts = [guard.after_step(s, metrics) for guard in s.guards]
         if state.step % s.config.logging_steps == 0 or state.step == s.max_steps:
             run.metric(state.step, **metrics, **memory_stats(s.device))
@@ -494,7 +571,7 @@ def sample(s: Session) -> None:
 
 def obey_control(s: Session) -> str | None:
     """Commands from the UI, between steps: save, stop, pause (then wait for resume or stop)."""
-    command = s.run.take_control()
+    command = take_control(s)
     paused = False
     while command or paused:
         kind = (command or {}).get("command")
@@ -514,5 +591,16 @@ def obey_control(s: Session) -> str | None:
         if paused:
             time.sleep(0.5)
             s.run.status("paused", step=s.state.step, max_steps=s.max_steps)  # keep the heartbeat fresh
-        command = s.run.take_control()
+        command = take_control(s)
     return None
+
+
+def take_control(s: Session) -> dict[str, Any] | None:
+    """The main process reads control.json; with several processes every rank must get the same command,
+    or the others would train on (or wait in a save) while the main one stops."""
+    command = s.run.take_control()
+    if s.accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        command = broadcast_object_list([command])[0]
+    return command

@@ -1,36 +1,246 @@
-"""Loss on a fixed batch with fixed noise and timesteps: a number that is comparable across steps and resumes."""
+"""Validation loss that means something from one step to the next, and across resumes.
+
+Every number here is a pure function of the adapter weights: the images are fixed (a held-out split, or a
+fixed subset of the training images), encoded once with the VAE's mean (no sampling), and each image is
+measured at the same evenly spread timesteps with the same noise, drawn from seeds derived from the run seed
+and the image's path. LoRA dropout is off while measuring and the loop's own generator is never touched, so
+measuring never changes the training trajectory.
+"""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
+from ..config import ConfigError, TrainConfig
+from ..data.dataset import DatasetView, derive_seed
+from ..data.scan import DataItem, DatasetScan
+from .guards.base import Guard
 from .loss import add_noise, diffusion_loss, target_for
+
+VAL_LOSS_FILE = "val_loss.jsonl"
+
+
+# ---- which images ---------------------------------------------------------------------------------------
+def split_validation(scan: DatasetScan, config: TrainConfig) -> tuple[DatasetScan, list[DataItem]]:
+    """(training scan, held-out items). The held-out images are chosen by the seed alone and never trained."""
+    if config.validation_split <= 0:
+        return scan, []
+    items = sorted(scan.items, key=lambda item: str(item.path))
+    if len(items) < 2:
+        raise ConfigError([f"validation_split {config.validation_split} holds images out, but the dataset has "
+                           f"only {len(items)} image; set validation_split to 0."])
+    count = min(len(items) - 1, max(1, math.ceil(config.validation_split * len(items))))
+    random.Random(derive_seed("holdout", config.seed)).shuffle(items)
+    held = {item.path for item in items[:count]}
+    kept = [item for item in scan.items if item.path not in held]
+    return DatasetScan(scan.root, kept, list(scan.skipped)), [item for item in items[:count]]
+
+
+def validation_items(s: Any) -> tuple[list[DataItem], bool]:
+    """The images measured (at most validation_count) and whether they are held out of training."""
+    held = list(getattr(s, "validation_items", None) or [])
+    if held:
+        return held[: s.config.validation_count], True
+    return list(s.data.items[: s.config.validation_count]), False
+
+
+# ---- the fixed set ---------------------------------------------------------------------------------------
+@dataclass
+class FixedSet:
+    """Latents, captions, sizes, noise and timesteps of a fixed validation set, on the training device."""
+
+    latents: list[torch.Tensor] = field(default_factory=list)  # per image: 1 x C x h x w
+    noise: list[torch.Tensor] = field(default_factory=list)  # per image: K x C x h x w
+    captions: list[str] = field(default_factory=list)
+    sizes: list[dict[str, tuple[int, int]]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    timesteps: torch.Tensor | None = None  # K
+
+    def __len__(self) -> int:
+        return len(self.latents)
+
+
+def fixed_timesteps(num_train_timesteps: int, count: int) -> torch.Tensor:
+    """`count` timesteps evenly spread over the schedule, centred in their bins (no 0, no T-1 extremes)."""
+    return torch.tensor([int((k + 0.5) * num_train_timesteps / count) for k in range(count)], dtype=torch.long)
+
+
+@torch.no_grad()
+def build_fixed_set(s: Any, items: list[DataItem], timesteps: torch.Tensor, *, purpose: str = "val") -> FixedSet:
+    """Encode `items` once (center crop, no flip, the caption as written) with fixed noise per image."""
+    config = s.config
+    view = DatasetView(DatasetScan(Path(config.train_data_dir), list(items)), config.resolution,
+                       enable_bucket=config.enable_bucket, bucket_step=config.bucket_step,
+                       min_bucket_size=config.min_bucket_reso, max_bucket_size=config.max_bucket_reso,
+                       random_crop=False, flip_prob=0.0, seed=config.seed)
+    vae = s.bundle.vae
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    out = FixedSet(timesteps=timesteps.to(s.device))
+    for i, item in enumerate(items):
+        example = view.example(i, 0)
+        pixels = example["pixel_values"][None].to(s.device, dtype=vae.dtype)
+        latents = ((vae.encode(pixels).latent_dist.mean - shift) * s.bundle.latent_scaling).float()
+        generator = torch.Generator().manual_seed(derive_seed(purpose, config.seed, Path(item.path).name) % 2**63)
+        noise = torch.randn((len(timesteps), *latents.shape[1:]), generator=generator)
+        out.latents.append(latents)
+        out.noise.append(noise.to(s.device))
+        out.captions.append(item.caption)
+        out.sizes.append({k: example[k] for k in ("original_size", "crop_top_left", "target_size")})
+        out.paths.append(str(item.path))
+    return out
+
+
+_MODE_DEPENDENT = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                   torch.nn.AlphaDropout, torch.nn.modules.batchnorm._BatchNorm)
+_mode_modules: dict[int, list[torch.nn.Module]] = {}
+
+
+@contextlib.contextmanager
+def eval_mode(s: Any) -> Iterator[None]:
+    """LoRA dropout (and any other mode-dependent layer) off in every trained module, restored afterwards.
+
+    Only the modules whose behaviour depends on the mode are flipped: module.eval() on a whole UNet walks
+    thousands of modules and costs more than a small forward pass.
+    """
+    found = []
+    for module in s.trained.values():
+        key = id(module)
+        if key not in _mode_modules:
+            _mode_modules[key] = [m for m in module.modules() if isinstance(m, _MODE_DEPENDENT)]
+        found.extend(_mode_modules[key])
+    was = [m.training for m in found]
+    for m in found:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, training in zip(found, was):
+            m.training = training
+
+
+def _conditioning(s: Any, captions: list[str], sizes: list[dict]) -> Any:
+    with s.accelerator.autocast():
+        text = s.bundle.family.encode_text(s.bundle, captions)
+    return s.bundle.family.make_conditioning(s.bundle, text, sizes)
+
+
+@torch.no_grad()
+def fixed_set_loss(s: Any, fixed: FixedSet) -> float:
+    """Mean diffusion loss (no SNR weighting) over every image and fixed timestep of `fixed`.
+
+    Rows (image x timestep) of the same latent size go through the UNet together, in chunks of twice the
+    training micro-batch (no gradients, so that fits wherever training fits).
+    """
+    scheduler = s.bundle.noise_scheduler
+    k = len(fixed.timesteps)
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, latents in enumerate(fixed.latents):
+        by_shape.setdefault(tuple(latents.shape), []).append(i)
+    chunk = max(k, 2 * max(1, s.state.micro_batch_size))
+    total, count = 0.0, 0
+    with eval_mode(s):
+        for indices in by_shape.values():
+            clean = torch.cat([fixed.latents[i].expand(k, *fixed.latents[i].shape[1:]) for i in indices])
+            noise = torch.cat([fixed.noise[i] for i in indices])
+            timesteps = fixed.timesteps.repeat(len(indices))
+            cond = _conditioning(s, [fixed.captions[i] for i in indices], [fixed.sizes[i] for i in indices])
+            cond = cond.index(torch.arange(len(indices), device=s.device).repeat_interleave(k))
+            for rows in (slice(a, a + chunk) for a in range(0, len(timesteps), chunk)):
+                loss = _loss_of(s, scheduler, clean[rows], noise[rows], timesteps[rows], cond.index(rows))
+                total += float(loss.sum())
+                count += loss.numel()
+    return total / max(count, 1)
+
+
+def _loss_of(s: Any, scheduler: Any, clean: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+             cond: Any) -> torch.Tensor:
+    noisy = scheduler.add_noise(clean, noise, timesteps)
+    target = target_for(scheduler, s.bundle.prediction_type, clean, noise, timesteps)
+    with s.accelerator.autocast():
+        pred = s.trained["unet"](noisy.to(s.weight_dtype), timesteps, encoder_hidden_states=cond.encoder_hidden_states,
+                                 added_cond_kwargs=cond.added_cond_kwargs).sample
+    return diffusion_loss(pred, target, scheduler, timesteps, prediction_type=s.bundle.prediction_type,
+                          snr_gamma=None)
 
 
 @torch.no_grad()
 def fixed_batch_loss(s: Any, batch: dict[str, Any], *, seed: int = 1234) -> float:
-    """Mean loss of `batch` with noise and timesteps drawn from `seed` alone (LoRA dropout off).
-
-    The loop's own generator is not touched, so measuring never changes the training trajectory.
-    """
+    """Mean loss of a collated `batch` with noise and timesteps drawn from `seed` alone (LoRA dropout off)."""
     from .loop import conditioning_for, latents_for
 
     unet = s.trained["unet"]
-    was_training = unet.training
-    unet.eval()
-    try:
+    with eval_mode(s):
         latents = latents_for(s, batch)
         generator = torch.Generator().manual_seed(seed)
         noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, generator)
         target = target_for(s.bundle.noise_scheduler, s.bundle.prediction_type, latents, noise, timesteps)
-        rows = slice(0, latents.shape[0])
-        cond = conditioning_for(s, batch, rows)
+        cond = conditioning_for(s, batch, slice(0, latents.shape[0]))
         with s.accelerator.autocast():
             pred = unet(noisy.to(s.weight_dtype), timesteps, encoder_hidden_states=cond.encoder_hidden_states,
                         added_cond_kwargs=cond.added_cond_kwargs).sample
         loss = diffusion_loss(pred, target, s.bundle.noise_scheduler, timesteps,
                               prediction_type=s.bundle.prediction_type, snr_gamma=None)
         return float(loss.mean())
-    finally:
-        unet.train(was_training)
+
+
+# ---- the guard -------------------------------------------------------------------------------------------
+class ValidationLossGuard(Guard):
+    """Every `validation_loss_every` steps: the fixed-set loss, into diagnostics/val_loss.jsonl and into the
+    step's metrics as `val_loss` (which early stopping and the plateau scheduler read)."""
+
+    name = "validation_loss"
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.every = config.validation_loss_every
+        self.history: list[tuple[int, float]] = []
+        self.fixed: FixedSet | None = None
+        self.held_out = False
+        self.seconds = 0.0  # time spent measuring, for the overhead benchmark
+
+    def on_start(self, s: Any) -> None:
+        import time
+
+        start = time.perf_counter()
+        items, self.held_out = validation_items(s)
+        timesteps = fixed_timesteps(s.bundle.noise_scheduler.config.num_train_timesteps,
+                                    s.config.validation_timesteps)
+        self.fixed = build_fixed_set(s, items, timesteps)
+        what = "held-out" if self.held_out else "training (not held out: this shows divergence, not overfitting)"
+        s.run.event("validation", f"Validation loss every {self.every} steps on {len(items)} {what} images at "
+                    f"timesteps {timesteps.tolist()} with fixed noise.", step=s.state.step, held_out=self.held_out,
+                    paths=self.fixed.paths)
+        self.seconds += time.perf_counter() - start
+
+    def measure(self, s: Any) -> float:
+        assert self.fixed is not None, "on_start builds the validation set"
+        return fixed_set_loss(s, self.fixed)
+
+    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
+        if not self.every or s.state.step % self.every:
+            return None
+        import time
+
+        start = time.perf_counter()
+        value = self.measure(s)
+        self.history.append((s.state.step, value))
+        metrics["val_loss"] = value
+        if s.run.enabled:
+            from ..runs.jsonfiles import append_jsonl
+
+            append_jsonl(s.run.paths.diagnostics / VAL_LOSS_FILE,
+                         {"step": s.state.step, "val_loss": value, "held_out": self.held_out,
+                          "images": len(self.fixed), "timesteps": self.fixed.timesteps.tolist()})
+        self.seconds += time.perf_counter() - start
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [[step, value] for step, value in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = [(int(step), float(value)) for step, value in state.get("history", [])]

@@ -1,0 +1,181 @@
+"""Diagnostics guards: LoRA singular-value spectra and LoRA output statistics, every N steps.
+
+Files under RUN/diagnostics/, one JSON object per line (the UI's Diagnostics tab reads spectra.jsonl):
+
+spectra.jsonl      one line per LoRA module per evaluation:
+                   {"step", "module", "block", "singular_values", "normalized", "effective_rank", "stable_rank",
+                    "frobenius", "up_down_ratio"}   (module = "unet.<peft module name>" or "te0.<...>")
+activations.jsonl  one line per LoRA module per evaluation, on a fixed probe (the first validation image, fixed
+                   noise, timestep T/2, dropout off):
+                   {"step", "module", "mean", "var", "zero_fraction", "near_zero_fraction", "relative_rms"}
+                   of the LoRA path's output (scale * B A x); near zero = under 1e-3 x the RMS of the layer's
+                   full output; relative_rms = RMS(LoRA output) / RMS(full output).
+
+A "collapse" event is written when the second normalised singular value falls under collapse_threshold in
+most modules, naming the first module (in network order) and its block; once, until it recovers.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..config import TrainConfig
+from ..lora.svd import Spectrum, block_of, detect_collapse, lora_factors, spectra
+from ..runs.jsonfiles import append_jsonl
+from .guards.base import Guard
+
+SPECTRA_FILE = "spectra.jsonl"
+ACTIVATIONS_FILE = "activations.jsonl"
+NEAR_ZERO = 1e-3
+
+
+def all_spectra(s: Any) -> list[Spectrum]:
+    """Spectra of every adapter of the run, UNet first, in network order."""
+    factors = []
+    for prefix, module in s.trained.items():
+        factors.extend(lora_factors(s.accelerator.unwrap_model(module), prefix=f"{prefix}."))
+    return spectra(factors)
+
+
+class SpectralMonitor(Guard):
+    name = "spectra"
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.every = config.diagnostics_every
+        self.threshold = config.collapse_threshold
+        self.collapsed = False  # a warning was given and the adapters have not recovered since
+        self.seconds = 0.0
+
+    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
+        if not self.every or s.state.step % self.every:
+            return None
+        start = time.perf_counter()
+        self.check(s)
+        self.seconds += time.perf_counter() - start
+        return None
+
+    def check(self, s: Any) -> list[Spectrum]:
+        found = all_spectra(s)
+        step = s.state.step
+        if s.run.enabled:
+            path = s.run.paths.diagnostics / SPECTRA_FILE
+            for sp in found:
+                append_jsonl(path, {"step": step, **sp.as_record(), "block": block_of(sp.module)})
+        collapse = detect_collapse(found, self.threshold)
+        if collapse and not self.collapsed:
+            s.run.event("collapse", f"Rank collapse at step {step}: in {collapse.collapsed} of {collapse.considered} "
+                        f"LoRA modules the second singular value is under {self.threshold} of the first; it starts "
+                        f"in block {collapse.first_block} ({collapse.first_module}). Lower the learning rate or "
+                        "the rank, or raise alpha less.", step=step, module=collapse.first_module,
+                        block=collapse.first_block, fraction=collapse.fraction)
+        elif self.collapsed and not collapse:
+            s.run.event("collapse_recovered", f"LoRA spectra recovered at step {step}: most modules have a second "
+                        f"direction above {self.threshold} again.", step=step)
+        self.collapsed = collapse is not None
+        return found
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"collapsed": self.collapsed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.collapsed = bool(state.get("collapsed", False))
+
+
+class ActivationMonitor(Guard):
+    """Statistics of each LoRA layer's adapter output on a fixed probe, through forward hooks on one forward."""
+
+    name = "activations"
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.every = config.activation_stats_every
+        self.probe = None
+        self.seconds = 0.0
+
+    def on_start(self, s: Any) -> None:
+        from .validation import build_fixed_set, validation_items
+
+        start = time.perf_counter()
+        items, _ = validation_items(s)
+        t = s.bundle.noise_scheduler.config.num_train_timesteps // 2
+        self.probe = build_fixed_set(s, items[:1], torch.tensor([t]), purpose="probe")
+        self.seconds += time.perf_counter() - start
+
+    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
+        if not self.every or s.state.step % self.every or not self.probe:
+            return None
+        start = time.perf_counter()
+        records = self.measure(s)
+        if s.run.enabled:
+            path = s.run.paths.diagnostics / ACTIVATIONS_FILE
+            for record in records:
+                append_jsonl(path, {"step": s.state.step, **record})
+        self.seconds += time.perf_counter() - start
+        return None
+
+    @torch.no_grad()
+    def measure(self, s: Any) -> list[dict[str, Any]]:
+        from .validation import _conditioning, eval_mode
+
+        layers = []
+        for prefix, module in s.trained.items():
+            for name, layer in s.accelerator.unwrap_model(module).named_modules():
+                lora_b = getattr(layer, "lora_B", None)
+                if isinstance(lora_b, torch.nn.ModuleDict) and "default" in lora_b:
+                    layers.append((f"{prefix}.{name}", layer, lora_b["default"], float(layer.scaling["default"])))
+        captured: dict[str, dict[str, torch.Tensor]] = {}
+        handles = []
+        for name, layer, lora_b, scale in layers:
+            def on_delta(_m, _i, out, name=name, scale=scale):
+                captured.setdefault(name, {})["delta"] = out.detach().float() * scale
+
+            def on_full(_m, _i, out, name=name):
+                captured.setdefault(name, {})["full"] = out.detach().float()
+
+            handles += [lora_b.register_forward_hook(on_delta), layer.register_forward_hook(on_full)]
+        probe, scheduler = self.probe, s.bundle.noise_scheduler
+        try:
+            with eval_mode(s):
+                noisy = scheduler.add_noise(probe.latents[0], probe.noise[0], probe.timesteps)
+                cond = _conditioning(s, probe.captions[:1], probe.sizes[:1])
+                with s.accelerator.autocast():
+                    s.trained["unet"](noisy.to(s.weight_dtype), probe.timesteps,
+                                      encoder_hidden_states=cond.encoder_hidden_states,
+                                      added_cond_kwargs=cond.added_cond_kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        names, rows = [], []
+        for name, _, _, _ in layers:
+            got = captured.get(name, {})
+            if "delta" not in got or "full" not in got:
+                continue  # a text-encoder layer when only the UNet ran, or a layer the probe did not reach
+            delta, full = got["delta"], got["full"]
+            full_rms = full.pow(2).mean().sqrt()
+            rows.append(torch.stack([delta.mean(), delta.var(unbiased=False), (delta == 0).float().mean(),
+                                     (delta.abs() < NEAR_ZERO * full_rms).float().mean(),
+                                     delta.pow(2).mean().sqrt() / full_rms.clamp_min(1e-30)]))
+            names.append(name)
+        if not rows:
+            return []
+        table = torch.stack(rows).cpu().tolist()  # one transfer
+        keys = ("mean", "var", "zero_fraction", "near_zero_fraction", "relative_rms")
+        return [{"module": name, "block": block_of(name), **dict(zip(keys, row))} for name, row in zip(names, table)]
+
+
+def measuring_guards(config: TrainConfig) -> list[Guard]:
+    """The guards that measure, in order: validation loss first (plateau and early stopping read it)."""
+    from .perceptual import PerceptualReport
+    from .validation import ValidationLossGuard
+
+    guards: list[Guard] = []
+    if config.validation_loss_every:
+        guards.append(ValidationLossGuard(config))
+    if config.perceptual_lambda > 0:
+        guards.append(PerceptualReport())
+    if config.diagnostics_every:
+        guards.append(SpectralMonitor(config))
+    if config.activation_stats_every:
+        guards.append(ActivationMonitor(config))
+    return guards

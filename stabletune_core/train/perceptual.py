@@ -1,0 +1,148 @@
+"""LPIPS perceptual regulariser: the image decoded from the predicted x0 against the training image.
+
+Decoding through the VAE with gradients is the expensive part (activation memory of the decoder), so the
+term is added only on every `perceptual_every`-th step, only for images noised below
+`perceptual_timestep_max` (from very noisy latents the predicted x0 is a blur and LPIPS says nothing), and for
+at most `perceptual_batch` images per micro-batch.
+
+LPIPS = an ImageNet backbone (AlexNet/VGG/SqueezeNet from torchvision) + linear layers calibrated on human
+judgements. The linear layers ship inside the lpips package; the backbone weights come from torchvision's
+download into the torch hub cache. With `local_files_only` (the default) and that file missing, the run
+refuses to start (one sentence saying which file goes where), unless `perceptual_random_backbone` asks for
+a random backbone; then the event log and the console say, once, that the term is NOT the LPIPS perceptual
+metric. With `local_files_only` off, torchvision downloads the weights as usual.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import TrainConfig
+from .guards.base import Guard
+
+_WEIGHTS = {"alex": "AlexNet_Weights", "vgg": "VGG16_Weights", "squeeze": "SqueezeNet1_1_Weights"}
+
+
+def backbone_weights_file(net: str) -> Path:
+    """Where torchvision looks for (and would download) the backbone's ImageNet weights."""
+    from torchvision import models
+
+    url = getattr(models, _WEIGHTS[net]).IMAGENET1K_V1.url
+    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url)
+
+
+def perceptual_problems(config: TrainConfig) -> list[str]:
+    """Why the perceptual term cannot run as asked (empty when it can); checked before any model loads."""
+    if config.perceptual_lambda <= 0 or config.perceptual_random_backbone or not config.local_files_only:
+        return []  # (with local_files_only off, torchvision downloads the weights on first use)
+    path = backbone_weights_file(config.perceptual_net)
+    if path.is_file():
+        return []
+    return [f"perceptual_lambda needs the ImageNet weights of the LPIPS {config.perceptual_net} backbone, which "
+            f"are not at {path} and local_files_only forbids downloading them; copy {path.name} there, set "
+            "local_files_only false, or set perceptual_lambda 0 (perceptual_random_backbone true trains with a "
+            "random backbone, which is NOT the perceptual metric)."]
+
+
+def predicted_x0(scheduler: Any, prediction_type: str, noisy: torch.Tensor, pred: torch.Tensor,
+                 timesteps: torch.Tensor) -> torch.Tensor:
+    """The clean latents the model's prediction implies, from the scheduler's alphas."""
+    alphas = scheduler.alphas_cumprod.to(noisy.device)[timesteps].float()
+    a = alphas.sqrt().view(-1, 1, 1, 1)
+    b = (1 - alphas).sqrt().view(-1, 1, 1, 1)
+    noisy, pred = noisy.float(), pred.float()
+    if prediction_type == "epsilon":
+        return (noisy - b * pred) / a
+    if prediction_type == "v_prediction":
+        return a * noisy - b * pred
+    if prediction_type == "sample":
+        return pred
+    raise ValueError(f"Unknown prediction type {prediction_type!r}.")
+
+
+class Perceptual:
+    """The LPIPS network and the per-step term the loop adds to the loss."""
+
+    def __init__(self, config: TrainConfig, device: torch.device, run: Any) -> None:
+        import lpips
+
+        path = backbone_weights_file(config.perceptual_net)
+        self.real = path.is_file() or not config.local_files_only  # torchvision downloads when allowed
+        self.config = config
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torchvision's 'pretrained is deprecated' chatter
+            # With the file in the cache torchvision loads it from there and never touches the network.
+            self.net = lpips.LPIPS(net=config.perceptual_net, pnet_rand=not self.real, verbose=False)
+        self.net = self.net.to(device).eval().requires_grad_(False)
+        if self.real:
+            message = (f"Perceptual regulariser on: LPIPS ({config.perceptual_net}, backbone weights from {path}), "
+                       f"lambda {config.perceptual_lambda}.")
+        else:
+            message = (f"LPIPS backbone weights {path.name} are not in {path.parent}, so the perceptual term uses a "
+                       f"RANDOM {config.perceptual_net} backbone (perceptual_random_backbone): it is NOT the LPIPS "
+                       "perceptual metric.")
+        run.event("perceptual", message, real_lpips=self.real)
+        print(message, file=sys.stderr)
+        self.total = 0.0
+        self.count = 0
+
+    def term(self, s: Any, batch: dict[str, Any], rows: slice, pred: torch.Tensor, noisy: torch.Tensor,
+             timesteps: torch.Tensor) -> torch.Tensor | float:
+        """lambda x the sum of LPIPS over the chosen images of this micro-batch (0.0 when none qualifies)."""
+        config = self.config
+        if (s.state.step + 1) % config.perceptual_every:
+            return 0.0
+        chosen = torch.nonzero(timesteps < config.perceptual_timestep_max).flatten()[: config.perceptual_batch]
+        if chosen.numel() == 0:
+            return 0.0
+        bundle = s.bundle
+        x0 = predicted_x0(bundle.noise_scheduler, bundle.prediction_type, noisy[chosen], pred[chosen],
+                          timesteps[chosen])
+        vae = bundle.vae
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        with s.accelerator.autocast():
+            decoded = vae.decode((x0 / bundle.latent_scaling + shift).to(vae.dtype)).sample.float()
+        target = self.training_pixels(s, batch, rows, chosen.tolist()).to(decoded.device)
+        expected = tuple(d * bundle.vae_scale_factor for d in x0.shape[-2:])
+        if tuple(target.shape[-2:]) != expected:  # never assume the VAE scale: ask the bundle
+            target = torch.nn.functional.interpolate(target, size=expected, mode="bilinear", antialias=True)
+        distance = self.net(decoded, target, normalize=False).flatten()  # both in [-1, 1]
+        self.total += float(distance.detach().sum())
+        self.count += distance.numel()
+        return config.perceptual_lambda * distance.sum()
+
+    @staticmethod
+    def training_pixels(s: Any, batch: dict[str, Any], rows: slice, chosen: list[int]) -> torch.Tensor:
+        """The training images of the chosen rows in [-1, 1]; with cached latents, their center crop (what
+        the cache encoded)."""
+        if "pixel_values" in batch:
+            return batch["pixel_values"][rows][chosen].float()
+        indices = batch["index"][rows]
+        return torch.stack([s.data.center_pixel_values(indices[i]) for i in chosen]).float()
+
+    def take_mean(self) -> float | None:
+        """Mean LPIPS since the last call (None when the term was not computed)."""
+        if not self.count:
+            return None
+        mean = self.total / self.count
+        self.total, self.count = 0.0, 0
+        return mean
+
+
+class PerceptualReport(Guard):
+    """Puts the step's mean LPIPS into the metrics as `perceptual` (the loss itself stays the diffusion loss)."""
+
+    name = "perceptual"
+
+    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
+        perceptual = getattr(s, "perceptual", None)
+        if perceptual is not None:
+            value = perceptual.take_mean()
+            if value is not None:
+                metrics["perceptual"] = value
+        return None

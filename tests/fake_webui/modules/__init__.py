@@ -1,0 +1,1 @@
+"""Fake of the WebUI's `modules` package (see tests/fake_webui/README.md)."""

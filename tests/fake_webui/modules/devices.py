@@ -1,0 +1,5 @@
+from _log import record
+
+
+def torch_gc():
+    record("devices.torch_gc")

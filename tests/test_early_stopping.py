@@ -1,0 +1,142 @@
+"""Deterministic validation loss, the held-out split, and early stopping that keeps and exports the best LoRA."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from stabletune_core.train.early_stopping import judge
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model is dispatch-bound: on 2 shared cores, 2 intra-op threads are many times slower than 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+# ---- the rule -------------------------------------------------------------------------------------------
+def _history(values):
+    return [(10 * (i + 1), v) for i, v in enumerate(values)]
+
+
+def test_rule_stops_after_patience_triggers_above_the_best_window():
+    falling = [1.0, 0.8, 0.6, 0.5, 0.48, 0.47, 0.46, 0.47]
+    rule = dict(window=4, factor=1.3, patience=3, min_steps=0)
+    assert not judge(_history(falling), **rule).stop
+    # Best window {0.46, 0.47, 0.47, 0.48}: upper quartile ~0.4725, threshold ~0.614.
+    rising = falling + [0.62, 0.55, 0.70, 0.80]
+    verdicts = [judge(_history(rising[:n]), **rule) for n in range(len(falling) + 1, len(rising) + 1)]
+    assert [v.triggered for v in verdicts] == [True, False, True, True]
+    assert [v.stop for v in verdicts] == [False, False, False, True]
+    assert verdicts[-1].best_step == 70 and verdicts[-1].threshold == pytest.approx(1.3 * 0.4725, rel=1e-3)
+    assert not judge(_history(rising), **{**rule, "min_steps": 1000}).stop  # never before min_steps
+    # A new best resets the count.
+    assert not judge(_history(rising[:-1] + [0.40, 0.70, 0.80]), **rule).stop
+
+
+# ---- deterministic validation loss ----------------------------------------------------------------------
+def test_held_out_images_never_train(tiny_config):
+    from stabletune_core.train.loop import setup
+
+    s = setup(tiny_config(validation_split=0.25, validation_loss_every=5))
+    held = {str(item.path) for item in s.validation_items}
+    trained = {str(s.data.items[i].path) for i, _ in s.data.entries()}
+    assert len(held) == 2 and not held & trained and len(trained) == 6
+
+
+def test_validation_loss_is_identical_twice_and_after_a_resume(tiny_config):
+    from stabletune_core.train.loop import setup, train
+
+    config = tiny_config(max_train_steps=4, save_steps=4, validation_split=0.25, validation_loss_every=2,
+                         diagnostics_every=0, activation_stats_every=0, lora_dropout=0.3)
+    s = setup(config)
+    train(config, session=s)
+    guard = s.guard("validation_loss")
+    first, second = guard.measure(s), guard.measure(s)
+    assert first == second
+    logged = _lines(Path(config.output_dir) / "diagnostics" / "val_loss.jsonl")
+    assert [r["step"] for r in logged] == [2, 4] and logged[-1]["val_loss"] == first and logged[0]["held_out"]
+    assert logged[0]["val_loss"] != logged[1]["val_loss"]
+
+    resumed = config.model_copy(update={"resume_from_checkpoint": "auto"})
+    s2 = setup(resumed)
+    from stabletune_core.train.loop import resume
+
+    resume(s2)
+    assert s2.state.step == 4
+    guard2 = s2.guard("validation_loss")
+    guard2.on_start(s2)
+    assert guard2.measure(s2) == first
+    assert guard2.history == guard.history  # the curve travels in the checkpoint
+
+
+# ---- early stopping on an overfitting run ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def textures(tmp_path_factory) -> Path:
+    """Three random 16x16-pixel textures (upscaled to 64): two train, one is held out."""
+    import numpy as np
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("textures")
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        pixels = (rng.random((16, 16, 3)) * 255).astype(np.uint8)
+        Image.fromarray(pixels).resize((64, 64), Image.NEAREST).save(folder / f"t{i}.png")
+        (folder / f"t{i}.txt").write_text("a texture")
+    return folder
+
+
+def test_overfitting_run_stops_early_and_exports_the_best(tiny_config, textures):
+    """Two training images, a learning rate ramped far too high: held-out loss falls, then climbs.
+
+    The tiny model's loss lives in a narrow band (a random model scores ~1.0), so the factor is 1.15 here
+    instead of the default 1.3; the rule and the code path are the same.
+    """
+    from safetensors.torch import load_file
+
+    from stabletune_core.train.checkpoint import load_checkpoint
+    from stabletune_core.train.loop import setup, train
+
+    window = 4
+    config = tiny_config(train_data_dir=str(textures), train_batch_size=2, max_train_steps=72, lora_rank=8,
+                         lora_alpha=16, learning_rate=6e-2, lr_scheduler="constant_with_warmup",
+                         lr_warmup_steps=60, validation_split=0.34, validation_loss_every=4, validation_timesteps=4,
+                         unet_lora_targets=["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out",
+                                            "ff.net.0.proj", "ff.net.2"],
+                         early_stopping=True, early_stopping_window=window, early_stopping_factor=1.15,
+                         early_stopping_patience=3, early_stopping_min_steps=0, diagnostics_every=0,
+                         activation_stats_every=0, checkpoints_total_limit=1)
+    s = setup(config)
+    last = train(config, session=s)
+    run = Path(config.output_dir)
+    curve = _lines(run / "diagnostics" / "val_loss.jsonl")
+    values = [r["val_loss"] for r in curve]
+    best = min(range(len(values)), key=values.__getitem__)
+    assert values[-1] > 1.15 * values[best] and best < len(values) - 1, values  # it rose after its minimum
+    assert s.state.step < config.max_train_steps, "early stopping never fired"
+    assert len(values) - 1 - best <= 2 * window, (values, best)  # within 2 evaluation windows of the minimum
+
+    events = _lines(run / "events.jsonl")
+    stop = [e for e in events if e["kind"] == "early_stop"]
+    assert len(stop) == 1 and stop[0]["best_step"] == curve[best]["step"] and "above 1.15" in stop[0]["message"]
+    assert events[-1]["kind"] == "stopped"
+
+    best_file = run / "output" / "lora_best.safetensors"
+    assert last == run / "output" / "lora.safetensors" and last.exists() and best_file.exists()
+    best_checkpoint = run / "checkpoints" / f"step_{curve[best]['step']:06d}"
+    assert best_checkpoint.exists(), "pruning removed the best checkpoint"
+    # The exported best LoRA holds the best checkpoint's weights, not the last ones.
+    adapter = load_checkpoint(best_checkpoint).adapter
+    exported, final = load_file(best_file), load_file(last)
+    down = next(k for k in exported if k.endswith("lora_down.weight"))
+    assert not torch.equal(exported[down], final[down])
+    assert any(torch.equal(exported[down], v) for v in adapter.values() if v.shape == exported[down].shape)

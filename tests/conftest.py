@@ -54,3 +54,14 @@ def transformers_peft_gate(monkeypatch):
         tpeft.check_peft_version(min_version=tpeft.MIN_PEFT_VERSION)
     except ValueError:
         monkeypatch.setattr(tpeft, "check_peft_version", lambda *a, **k: None)
+
+
+@pytest.fixture
+def one_thread():
+    """The tiny model is dispatch-bound: on 2 shared cores, 2 intra-op threads are many times slower than 1."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

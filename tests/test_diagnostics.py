@@ -19,13 +19,7 @@ def _events(run: Path) -> list[dict]:
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny model is dispatch-bound: on 2 shared cores, 2 intra-op threads are many times slower than 1."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---- spectra --------------------------------------------------------------------------------------------
 def test_spectra_match_a_full_svd_of_delta_w():

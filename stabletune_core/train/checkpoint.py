@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..runs.reader import pid_alive
 from . import faults
 
 MANIFEST = "manifest.json"
@@ -165,22 +166,10 @@ def remove_stale_temporaries(parent: Path) -> list[Path]:
     removed = []
     for folder in Path(parent).glob(".*_step_*") if Path(parent).is_dir() else []:
         pid = folder.name.rsplit("_", 1)[-1]
-        if folder.name.startswith((".tmp_", ".old_")) and pid.isdigit() and not _pid_alive(int(pid)):
+        if folder.name.startswith((".tmp_", ".old_")) and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def prune_checkpoints(parent: Path, keep_last: int | None, protect: set[Path] = frozenset()) -> list[Path]:

@@ -1,4 +1,4 @@
-"""`python -m stabletune_core train|demo|export|inspect`."""
+"""`python -m stabletune_core train|preflight|demo|export|inspect|schema`."""
 from __future__ import annotations
 
 import argparse
@@ -97,15 +97,28 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def run_export(checkpoint: Path, name: str | None) -> int:
+    """Rebuild the run's model in a scratch run directory (so the real run's status, config and events stay
+    as they are), load the checkpoint, and place the LoRA next to the run's other outputs."""
+    import shutil
+    import tempfile
+
     from .train.loop import export, resume, setup
 
+    checkpoint = checkpoint.resolve()
     run_dir = checkpoint.parent.parent
     values = read_toml(run_dir / "config.toml")
-    config = build_config({**values, "resume_from_checkpoint": str(checkpoint)})
-    session = setup(config)
-    resume(session)
-    path = export(session, name or f"{config.output_name}_step{session.state.step:06d}")
-    print(f"LoRA written to {path}")
+    with tempfile.TemporaryDirectory(prefix="stabletune-export-") as scratch:
+        config = build_config({**values, "output_dir": scratch, "resume_from_checkpoint": str(checkpoint),
+                               "validation_prompt": "", "perceptual_lambda": 0.0, "early_stopping": False})
+        session = setup(config)
+        resume(session)
+        name = name or f"{config.output_name}_step{session.state.step:06d}"
+        target = run_dir / "output" / f"{name}.safetensors"
+        if target.exists():
+            raise ConfigError([f"{target} already exists; pass --name to write the LoRA under another name."])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(export(session, name)), target)
+    print(f"LoRA written to {target}")
     return 0
 
 

@@ -209,3 +209,21 @@ def test_demo_runs_from_the_command_line(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "demo" / "output" / "demo_lora.safetensors").exists()
     assert "LoRA written to" in result.stdout
+
+
+def test_export_command_writes_a_checkpoints_lora_and_leaves_the_run_alone(trained_run):
+    from safetensors.torch import load_file
+
+    config, _, lora_path = trained_run
+    run = Path(config.output_dir)
+    status_before = (run / "status.json").read_bytes()
+    events_before = (run / "events.jsonl").read_bytes()
+    assert cli_main(["export", str(run / "checkpoints" / "step_000008"), "--name", "again"]) == 0
+    again = load_file(run / "output" / "again.safetensors")
+    final = load_file(lora_path)
+    assert again.keys() == final.keys()
+    for key in final:
+        torch.testing.assert_close(again[key], final[key])
+    assert (run / "status.json").read_bytes() == status_before
+    assert (run / "events.jsonl").read_bytes() == events_before
+    assert cli_main(["export", str(run / "checkpoints" / "step_000008"), "--name", "again"]) == 2  # no overwrite

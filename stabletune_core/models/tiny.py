@@ -66,21 +66,25 @@ SCHEDULER_CONFIG = dict(
 )
 
 
-def build_tiny_components(seed: int = 0) -> dict:
-    """unet, vae, text_encoder, scheduler of the tiny SD1 model, in memory, deterministic from seed."""
+def _tiny_components(seed: int, unet_config: dict, text_config: dict, scheduler_config: dict) -> dict:
+    """unet, vae, text_encoder, scheduler of a one-encoder tiny SD model, deterministic from seed."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(seed)
-    unet = UNet2DConditionModel(**UNET_CONFIG)
+    unet = UNet2DConditionModel(**unet_config)
     torch.manual_seed(seed + 1)
     vae = AutoencoderKL(**VAE_CONFIG)
     torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModel(CLIPTextConfig(**TEXT_ENCODER_CONFIG))
-    scheduler = DDPMScheduler(**SCHEDULER_CONFIG)
+    text_encoder = CLIPTextModel(CLIPTextConfig(**text_config))
     for m in (unet, vae, text_encoder):
         m.eval()
-    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "scheduler": scheduler}
+    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "scheduler": DDPMScheduler(**scheduler_config)}
+
+
+def build_tiny_components(seed: int = 0) -> dict:
+    """unet, vae, text_encoder, scheduler of the tiny SD1 model, in memory, deterministic from seed."""
+    return _tiny_components(seed, UNET_CONFIG, TEXT_ENCODER_CONFIG, SCHEDULER_CONFIG)
 
 
 def build_tiny_sd1(out_dir: Path, seed: int = 0) -> Path:
@@ -180,18 +184,7 @@ def _save_pipeline(out_dir: Path, parts: dict, model_index: dict, pads: dict[str
 
 def build_tiny_sd2_components(seed: int = 0) -> dict:
     """unet, vae, text_encoder, scheduler of the tiny SD 2.x (v-prediction) model."""
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(**SD2_UNET_CONFIG)
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(**VAE_CONFIG)
-    torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModel(CLIPTextConfig(**SD2_TEXT_ENCODER_CONFIG))
-    for m in (unet, vae, text_encoder):
-        m.eval()
-    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "scheduler": DDPMScheduler(**SD2_SCHEDULER_CONFIG)}
+    return _tiny_components(seed, SD2_UNET_CONFIG, SD2_TEXT_ENCODER_CONFIG, SD2_SCHEDULER_CONFIG)
 
 
 def build_tiny_sd2(out_dir: Path, seed: int = 0) -> Path:

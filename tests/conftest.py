@@ -25,20 +25,26 @@ def shapes_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return draw_demo_dataset(tmp_path_factory.mktemp("shapes") / "data", count=8, size=64, seed=0)
 
 
-@pytest.fixture
-def tiny_config(tiny_model: Path, shapes_dataset: Path, tmp_path: Path):
-    """A factory of small, fast configs on the tiny model; keyword arguments override."""
+@pytest.fixture(scope="session")
+def small_config(shapes_dataset: Path):
+    """A factory of small, fast configs for any tiny model: small_config(model, output_dir, **overrides)."""
     from stabletune_core.config import build_config
 
-    def make(**overrides):
-        values = dict(pretrained_model_name_or_path=str(tiny_model), train_data_dir=str(shapes_dataset),
-                      output_dir=str(tmp_path / "run"), resolution=64, bucket_step=8, min_bucket_reso=32,
+    def make(model: Path, output_dir: Path, /, **overrides):
+        values = dict(pretrained_model_name_or_path=str(model), train_data_dir=str(shapes_dataset),
+                      output_dir=str(output_dir), resolution=64, bucket_step=8, min_bucket_reso=32,
                       max_bucket_reso=128, train_batch_size=4, learning_rate=1e-3, max_train_steps=10,
                       lora_rank=4, lora_alpha=8, save_steps=1000, seed=3, save_precision="fp32")
         values.update(overrides)
         return build_config(values)
 
     return make
+
+
+@pytest.fixture
+def tiny_config(tiny_model: Path, small_config, tmp_path: Path):
+    """A factory of small, fast configs on the tiny SD1 model; keyword arguments override."""
+    return lambda **overrides: small_config(tiny_model, tmp_path / "run", **overrides)
 
 
 @pytest.fixture

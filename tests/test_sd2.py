@@ -92,15 +92,11 @@ def test_shipped_sd21_config_trees():
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_sd2, shapes_dataset, tmp_path_factory):
-    from stabletune_core.config import build_config
+def trained(tiny_sd2, small_config, tmp_path_factory):
     from stabletune_core.train.loop import setup, train
 
-    config = build_config(dict(
-        pretrained_model_name_or_path=str(tiny_sd2), train_data_dir=str(shapes_dataset),
-        output_dir=str(tmp_path_factory.mktemp("sd2run") / "run"), resolution=64, bucket_step=8, min_bucket_reso=32,
-        max_bucket_reso=128, train_batch_size=2, learning_rate=5e-3, max_train_steps=3, lora_rank=4, lora_alpha=8,
-        train_text_encoder=True, save_steps=1000, seed=3, save_precision="fp32"))
+    config = small_config(tiny_sd2, tmp_path_factory.mktemp("sd2run") / "run", train_batch_size=2, learning_rate=5e-3,
+                          max_train_steps=3, train_text_encoder=True)
     session = setup(config)
     return session, train(config, session=session)
 

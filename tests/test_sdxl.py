@@ -100,16 +100,12 @@ def test_shipped_sdxl_config_tree():
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_sdxl, shapes_dataset, tmp_path_factory):
+def trained(tiny_sdxl, small_config, tmp_path_factory):
     """Four steps of the real loop on the tiny SDXL, UNet and both text encoders."""
-    from stabletune_core.config import build_config
     from stabletune_core.train.loop import setup, train
 
-    config = build_config(dict(
-        pretrained_model_name_or_path=str(tiny_sdxl), train_data_dir=str(shapes_dataset),
-        output_dir=str(tmp_path_factory.mktemp("xlrun") / "run"), resolution=64, bucket_step=8, min_bucket_reso=32,
-        max_bucket_reso=128, train_batch_size=2, learning_rate=5e-3, max_train_steps=4, lora_rank=4, lora_alpha=8,
-        train_text_encoder=True, save_steps=1000, seed=3, save_precision="fp32"))
+    config = small_config(tiny_sdxl, tmp_path_factory.mktemp("xlrun") / "run", train_batch_size=2, learning_rate=5e-3,
+                          max_train_steps=4, train_text_encoder=True)
     session = setup(config)
     path = train(config, session=session)
     return session, path

@@ -91,9 +91,16 @@ def run_demo(args: argparse.Namespace) -> int:
     from .demo import demo_config
 
     config = demo_config(Path(args.output_dir), max_train_steps=args.max_train_steps, resume=args.resume)
-    print(f"Demo run in {config.output_dir}: a tiny random-weight SD model learns drawn shapes "
-          f"({config.max_train_steps} steps).")
-    return run_train(config)
+    print(f"Demo run in {config.output_dir}: the toy base model, which draws red, yellow, green and cyan shapes, "
+          f"learns purple from {config.train_data_dir} ({config.max_train_steps} steps).")
+    code = run_train(config)
+    if code == 0:
+        from .demo import make_gallery
+
+        gallery = make_gallery(Path(config.output_dir))
+        if gallery:
+            print(f"Before/after gallery (same prompts and seeds at every sampling): {gallery}")
+    return code
 
 
 def run_export(checkpoint: Path, name: str | None) -> int:

@@ -41,6 +41,10 @@ def knob(default: Any, doc: str, group: str, *, aliases: tuple[str, ...] = (), i
     return Field(default, description=doc, json_schema_extra=extra, **limits)
 
 
+#: The held-out split used when validation_split is left empty (overfitting needs unseen images to show).
+AUTO_VALIDATION_SPLIT = 0.1
+AUTO_SPLIT_MIN_IMAGES = 8
+
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial", "plateau")
 
 
@@ -217,6 +221,10 @@ class TrainConfig(BaseModel):
     validation_sampler: Literal["ddim", "euler", "euler_a", "dpm++"] = knob(
         "ddim", "Sampler for validation images.", "validation")
     validation_ddim_eta: float = knob(0.0, "DDIM eta (0 = deterministic).", "validation", ge=0.0, le=1.0)
+    sample_judge: Literal["none", "toy_colors"] = knob(
+        "none", "Score every set of validation images with a built-in judge. 'toy_colors': each image of a toy-world "
+        "prompt ('a purple circle') must show the prompt's colour; the run ends with a learning summary (the demo).",
+        "validation")
 
     # ---- diagnostics (overfitting control) -----------------------------------------------------------
     perceptual_lambda: float = knob(0.0, "Weight of the LPIPS perceptual regulariser between the image decoded "
@@ -243,10 +251,11 @@ class TrainConfig(BaseModel):
     collapse_threshold: float = knob(
         0.15, "Warn of rank collapse when the second singular value falls under this fraction of the first in "
         "most LoRA modules.", "diagnostics", gt=0.0, lt=1.0)
-    validation_split: float = knob(
-        0.0, "Fraction of the images held out of training to measure validation loss on (0 = measure on a fixed "
-        "subset of the training images, which shows divergence but not overfitting).", "validation",
-        ge=0.0, lt=1.0)
+    validation_split: Optional[float] = knob(
+        None, "Fraction of the images held out of training to measure validation loss on. Empty = automatic: "
+        f"{AUTO_VALIDATION_SPLIT:.0%} (at least one image) when the dataset has {AUTO_SPLIT_MIN_IMAGES} images or "
+        "more and validation loss is on, else none. 0 = measure on a fixed subset of the training images, which "
+        "shows divergence but not overfitting.", "validation", ge=0.0, lt=1.0)
     validation_count: int = knob(4, "At most this many images are measured for validation loss.", "validation",
                                  ge=1, le=256)
     validation_loss_every: int = knob(100, "Validation loss (fixed noise and timesteps) every this many steps "

@@ -71,3 +71,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def toy_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private STABLETUNE_CACHE, so tests never touch the user's cache."""
+    return tmp_path_factory.mktemp("stabletune-cache")
+
+
+@pytest.fixture(scope="session")
+def toy_base(toy_cache: Path) -> Path:
+    """The shipped pretrained toy base model (stabletune_core/toy), as a diffusers folder."""
+    from stabletune_core.toy import WEIGHTS, materialize
+
+    return materialize(WEIGHTS, toy_cache / "toy-base")

@@ -84,6 +84,7 @@ class Session:
     best_checkpoint: Path | None = None  # set by the guard that judges "best"; pruning always keeps it
     validation_items: list[Any] = field(default_factory=list)  # images held out of training (validation_split)
     perceptual: Any = None  # the LPIPS regulariser (perceptual.py) when perceptual_lambda > 0
+    sample_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # sample_judge: first and last
 
     @property
     def device(self) -> torch.device:
@@ -131,6 +132,11 @@ def setup(config: TrainConfig) -> Session:
     for skipped in scan.skipped:
         run.event("data_skipped", f"Skipped {skipped.path}: {skipped.reason}", path=str(skipped.path))
     scan, held_out = split_validation(scan, config)  # held-out images never reach the sampler
+    if held_out:
+        how = "validation_split empty: automatic" if config.validation_split is None else "validation_split"
+        run.event("validation_split", f"Held {len(held_out)} of {len(held_out) + len(scan.items)} images out of "
+                  f"training to measure validation loss on ({how}; set validation_split = 0 to train on all).",
+                  held_out=[str(item.path) for item in held_out])
     data = DatasetView.from_config(scan, config)
     for note in data.notes:
         run.event("data", note)
@@ -555,17 +561,38 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     progress.close()
     save(s, stop_reason)
     path = export(s)
-    run.status(stop_reason, step=state.step, max_steps=s.max_steps, eta_seconds=0, lora=str(path) if path else None)
+    summary = learning_summary(s.sample_scores) if s.sample_scores else None
+    run.status(stop_reason, step=state.step, max_steps=s.max_steps, eta_seconds=0, lora=str(path) if path else None,
+               summary=summary)
     run.event(stop_reason, f"Run {stop_reason} at step {state.step}.", step=state.step)
+    if summary and s.accelerator.is_main_process:
+        run.event("learning", summary, step=state.step)
+        tqdm.write(summary)
     return path
+
+
+def learning_summary(scores: dict[str, dict[str, float]]) -> str:
+    from ..toy.judge import learning_summary as colours
+
+    return f"Learning summary (validation images showing their colour, first -> last sampling): " \
+           f"{colours(scores['first'], scores['last'])}."
 
 
 def sample(s: Session) -> None:
     if not s.accelerator.is_main_process:
         return
     s.run.status("sampling", step=s.state.step, max_steps=s.max_steps)
-    paths = make_validation_images(s.bundle, s.config, s.run.paths.sample_dir(s.state.step), s.device)
+    folder = s.run.paths.sample_dir(s.state.step)
+    paths = make_validation_images(s.bundle, s.config, folder, s.device)
     s.run.event("samples", f"Made {len(paths)} validation images at step {s.state.step}.", step=s.state.step)
+    if s.config.sample_judge == "toy_colors" and paths:
+        from ..toy.judge import judge_samples
+
+        scores = judge_samples(folder)
+        s.sample_scores.setdefault("first", scores)
+        s.sample_scores["last"] = scores
+        s.run.event("sample_score", "Validation images showing their prompt's colour: " + ", ".join(
+            f"{color} {value:.0%}" for color, value in scores.items()) + ".", step=s.state.step, scores=scores)
     s.run.status("training", step=s.state.step, max_steps=s.max_steps)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..config import ConfigError, TrainConfig
+from ..config import AUTO_SPLIT_MIN_IMAGES, AUTO_VALIDATION_SPLIT, ConfigError, TrainConfig
 from ..data.dataset import DatasetView, derive_seed
 from ..data.scan import DataItem, DatasetScan
 from .guards.base import Guard
@@ -29,17 +29,27 @@ VAL_LOSS_FILE = "val_loss.jsonl"
 # ---- which images ---------------------------------------------------------------------------------------
 def split_validation(scan: DatasetScan, config: TrainConfig) -> tuple[DatasetScan, list[DataItem]]:
     """(training scan, held-out items). The held-out images are chosen by the seed alone and never trained."""
-    if config.validation_split <= 0:
+    split = effective_validation_split(config, len(scan.items))
+    if split <= 0:
         return scan, []
     items = sorted(scan.items, key=lambda item: str(item.path))
     if len(items) < 2:
         raise ConfigError([f"validation_split {config.validation_split} holds images out, but the dataset has "
                            f"only {len(items)} image; set validation_split to 0."])
-    count = min(len(items) - 1, max(1, math.ceil(config.validation_split * len(items))))
+    count = min(len(items) - 1, max(1, math.ceil(split * len(items))))
     random.Random(derive_seed("holdout", config.seed)).shuffle(items)
     held = {item.path for item in items[:count]}
     kept = [item for item in scan.items if item.path not in held]
     return DatasetScan(scan.root, kept, list(scan.skipped)), [item for item in items[:count]]
+
+
+def effective_validation_split(config: TrainConfig, image_count: int) -> float:
+    """The configured split, or (left empty) the automatic one for datasets big enough to spare images."""
+    if config.validation_split is not None:
+        return config.validation_split
+    if config.validation_loss_every and image_count >= AUTO_SPLIT_MIN_IMAGES:
+        return AUTO_VALIDATION_SPLIT
+    return 0.0
 
 
 def validation_items(s: Any) -> tuple[list[DataItem], bool]:

@@ -1,0 +1,39 @@
+"""`python -m stabletune_core.toy build|score`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stabletune_core.toy")
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build", help="Train the toy base model (about 25 minutes on 2 CPU cores).")
+    build.add_argument("--out", type=Path, default=None, help="Folder for the weights (default: the shipped one).")
+    build.add_argument("--vae-steps", type=int, default=600)
+    build.add_argument("--unet-steps", type=int, default=1600)
+    score = commands.add_parser("score", help="Score a toy-base model folder (and optionally a LoRA on it).")
+    score.add_argument("model", type=Path, nargs="?", default=None)
+    score.add_argument("--lora", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    if args.command == "build":
+        from .build import build as run_build, default_out
+
+        out = args.out or default_out()
+        run_build(out, vae_steps=args.vae_steps, unet_steps=args.unet_steps, log=lambda m: print(m, flush=True))
+        return 0
+    from . import load_toy_pipeline, toy_base_model
+    from .evaluate import base_report
+
+    pipe = load_toy_pipeline(args.model or toy_base_model())
+    if args.lora:
+        pipe.load_lora_weights(str(args.lora.parent), weight_name=args.lora.name)
+    print(json.dumps(base_report(pipe), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -199,8 +199,10 @@ class TrainConfig(BaseModel):
         None, "Continue a run: 'auto'/'latest' (newest good checkpoint in the run directory) or a checkpoint path.",
         "output", aliases=("resume",))
     logging_steps: int = knob(1, "Write metrics every this many steps.", "output", ge=1)
-    report_to: str = knob("tensorboard", "Accepted for compatibility; metrics always go to metrics.jsonl.",
-                          "output", ui=False)
+    report_to: str = knob(
+        "jsonl", "Where metrics go besides metrics.jsonl (always written): 'jsonl' (nowhere else) or 'tensorboard' "
+        "(event files under RUN/tensorboard: loss, lr, grad norm, memory, validation loss, sample images; open "
+        "with `tensorboard --logdir RUN/tensorboard`). 'none' = jsonl, 'all' = tensorboard.", "output")
     overwrite_output: bool = knob(False, "Allow replacing an existing LoRA file of the same name.", "output")
 
     # ---- validation ----------------------------------------------------------------------------------
@@ -276,6 +278,12 @@ class TrainConfig(BaseModel):
         if not v or any(c in v for c in '/\\:*?"<>|') or v.startswith("."):
             raise ValueError(f"'{v}' is not a plain file name; use letters, digits, '-' and '_'")
         return v
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_names(cls, v: Any) -> Any:
+        # accelerate's spellings (diffusers' scripts pass them through): 'none' and 'all'.
+        return {"none": "jsonl", "": "jsonl", "all": "tensorboard"}.get(str(v).strip().lower(), v)
 
     @field_validator("unet_lora_targets")
     @classmethod

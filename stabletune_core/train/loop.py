@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from .memory import memory_stats
 from .optim import make_lr_scheduler, make_optimizer, unet_param_groups
 from .perceptual import Perceptual, perceptual_problems
 from .sampling import make_validation_images
+from .tensorboard import make_tensorboard_log
 from .validation import split_validation
 
 
@@ -84,6 +86,7 @@ class Session:
     best_checkpoint: Path | None = None  # set by the guard that judges "best"; pruning always keeps it
     validation_items: list[Any] = field(default_factory=list)  # images held out of training (validation_split)
     perceptual: Any = None  # the LPIPS regulariser (perceptual.py) when perceptual_lambda > 0
+    tensorboard: Any = None  # report_to=tensorboard: an observer of the logged metrics and samples
 
     @property
     def device(self) -> torch.device:
@@ -188,6 +191,11 @@ def setup(config: TrainConfig) -> Session:
                       guards=make_guards(config), validation_items=held_out)
     if config.perceptual_lambda > 0:
         session.perceptual = Perceptual(config, device, run)
+    if accelerator.is_main_process:  # report_to: observers fed by the loop, never deciding anything
+        session.tensorboard, note = make_tensorboard_log(config, run.paths.root)
+        if note:
+            run.event("config", note)
+            print(f"note: {note}", file=sys.stderr)
     build_caches(session)
     if faults.ACTIVE:
         faults.arm_oom(session)
@@ -540,7 +548,10 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                        sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
         verdicts = [guard.after_step(s, metrics) for guard in s.guards]
         if state.step % s.config.logging_steps == 0 or state.step == s.max_steps:
-            run.metric(state.step, **metrics, **memory_stats(s.device))
+            logged = {**metrics, **memory_stats(s.device)}
+            run.metric(state.step, **logged)
+            if s.tensorboard:
+                s.tensorboard.log_metrics(state.step, logged)
             run.status("training", step=state.step, max_steps=s.max_steps, epoch=state.epoch,
                        sec_per_step=sec_per_step, eta_seconds=sec_per_step * (s.max_steps - state.step), loss=loss)
         progress.update(1)
@@ -555,6 +566,8 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     progress.close()
     save(s, stop_reason)
     path = export(s)
+    if s.tensorboard:
+        s.tensorboard.close()
     run.status(stop_reason, step=state.step, max_steps=s.max_steps, eta_seconds=0, lora=str(path) if path else None)
     run.event(stop_reason, f"Run {stop_reason} at step {state.step}.", step=state.step)
     return path
@@ -566,6 +579,8 @@ def sample(s: Session) -> None:
     s.run.status("sampling", step=s.state.step, max_steps=s.max_steps)
     paths = make_validation_images(s.bundle, s.config, s.run.paths.sample_dir(s.state.step), s.device)
     s.run.event("samples", f"Made {len(paths)} validation images at step {s.state.step}.", step=s.state.step)
+    if s.tensorboard:
+        s.tensorboard.log_images(s.state.step, paths)
     s.run.status("training", step=s.state.step, max_steps=s.max_steps)
 
 

@@ -128,6 +128,18 @@ class TrainConfig(BaseModel):
                                       "optimization", gt=0)
     noise_offset: float = knob(0.0, "Noise offset (0.05-0.1 helps very dark/bright images).", "optimization",
                                ge=0, le=1)
+    multires_noise_iterations: int = knob(
+        0, "Multi-resolution (pyramid) noise levels, as kohya's sd-scripts (0 = off; the community uses 6-10). "
+        "Adds low-frequency noise so the LoRA can shift overall colour and contrast.", "optimization", ge=0, le=64)
+    multires_noise_discount: float = knob(
+        0.3, "Weight decay per pyramid-noise level (the community uses 0.3-0.8; lower = gentler).", "optimization",
+        ge=0.0, le=1.0)
+    ip_noise_gamma: float = knob(
+        0.0, "Input perturbation: the noised input gets this much extra noise the target does not have (0 = off; "
+        "the community uses 0.1).", "optimization", ge=0.0, le=1.0)
+    debiased_estimation_loss: bool = knob(
+        False, "Debiased estimation loss: weight each sample by 1/sqrt(SNR) of its timestep (v-prediction: "
+        "1/(SNR+1)), as kohya's sd-scripts.", "optimization")
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = knob(
         None, "Override the model's prediction type. Empty = the model's own.", "optimization")
     seed: int = knob(42, "Seed of everything random: the same seed gives the same run.", "optimization")

@@ -279,7 +279,10 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
     for batch in batches:
         latents = latents_for(s, batch)
         noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, noise_generator(s, batch),
-                                            noise_offset=s.config.noise_offset)
+                                            noise_offset=s.config.noise_offset,
+                                            multires_noise_iterations=s.config.multires_noise_iterations,
+                                            multires_noise_discount=s.config.multires_noise_discount,
+                                            ip_noise_gamma=s.config.ip_noise_gamma)
         target = target_for(s.bundle.noise_scheduler, s.bundle.prediction_type, latents, noise, timesteps)
         for rows in micro_chunks(len(batch["caption"]), s.state.micro_batch_size):
             work.append((batch, rows, noisy, target, timesteps))
@@ -292,7 +295,8 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
                             encoder_hidden_states=cond.encoder_hidden_states,
                             added_cond_kwargs=cond.added_cond_kwargs).sample
             loss = diffusion_loss(pred, target[rows], s.bundle.noise_scheduler, timesteps[rows],
-                                  prediction_type=s.bundle.prediction_type, snr_gamma=s.config.snr_gamma).sum()
+                                  prediction_type=s.bundle.prediction_type, snr_gamma=s.config.snr_gamma,
+                                  debiased=s.config.debiased_estimation_loss).sum()
             # The perceptual term joins the gradients, not the reported loss (that stays comparable).
             extra = s.perceptual.term(s, batch, rows, pred, noisy[rows], timesteps[rows]) if s.perceptual else 0.0
             s.accelerator.backward((loss + extra) / total)
@@ -506,6 +510,10 @@ def training_metadata(s: Session) -> dict[str, str]:
         "ss_seed": str(config.seed),
         "ss_noise_offset": str(config.noise_offset),
         "ss_min_snr_gamma": str(config.snr_gamma),
+        "ss_multires_noise_iterations": str(config.multires_noise_iterations or None),
+        "ss_multires_noise_discount": str(config.multires_noise_discount),
+        "ss_ip_noise_gamma": str(config.ip_noise_gamma or None),
+        "ss_debiased_estimation": str(config.debiased_estimation_loss),
         "ss_network_dropout": str(config.lora_dropout),
         "ss_num_train_images": str(len(s.data)),
         "stabletune_config": config.model_dump_json(),

@@ -116,9 +116,11 @@ class TrainConfig(BaseModel):
     max_train_steps: Optional[int] = knob(None, "Optimizer steps to train. Empty = num_train_epochs decides.",
                                           "optimization", ge=1)
     num_train_epochs: int = knob(1, "Passes over the dataset when max_train_steps is empty.", "optimization", ge=1)
-    optimizer: Literal["adamw", "adamw8bit", "prodigy"] = knob(
+    optimizer: Literal["adamw", "adamw8bit", "prodigy", "lion", "adafactor", "adamw_schedulefree"] = knob(
         "adamw", "Optimizer. adamw8bit needs bitsandbytes and a GPU; prodigy picks its own step size "
-        "(use learning_rate 1.0).", "optimization")
+        "(use learning_rate 1.0); lion (lion-pytorch) wants a 3-10x smaller learning rate than adamw; adafactor "
+        "(transformers) runs at the fixed learning_rate; adamw_schedulefree (schedulefree) needs "
+        "lr_scheduler=constant, warms up with lr_warmup_steps and exports its averaged weights.", "optimization")
     use_8bit_adam: bool = knob(False, "Same as optimizer=adamw8bit (diffusers' flag).", "optimization", ui=False)
     adam_beta1: float = knob(0.9, "Adam beta1.", "optimization", ge=0, lt=1)
     adam_beta2: float = knob(0.999, "Adam beta2.", "optimization", ge=0, lt=1)
@@ -315,6 +317,9 @@ class TrainConfig(BaseModel):
                                            or self.caption_tag_dropout_rate or self.train_text_encoder):
             raise ValueError("cache_text_embeddings cannot be combined with caption shuffle/dropout or "
                              "text-encoder training; turn one of them off")
+        if self.optimizer == "adamw_schedulefree" and self.lr_scheduler != "constant":
+            raise ValueError(f"optimizer=adamw_schedulefree replaces the learning-rate schedule; set "
+                             f"lr_scheduler=constant instead of {self.lr_scheduler} (lr_warmup_steps still warms up)")
         if self.early_stopping and not self.validation_loss_every:
             raise ValueError("early_stopping needs validation loss; set validation_loss_every above 0")
         return self

@@ -36,7 +36,7 @@ from .checkpoint import (CheckpointError, latest_good_checkpoint, load_checkpoin
                          remove_stale_temporaries, save_checkpoint)
 from .loss import add_noise, diffusion_loss, target_for
 from .memory import memory_stats
-from .optim import make_lr_scheduler, make_optimizer, unet_param_groups
+from .optim import evaluation_weights, make_lr_scheduler, make_optimizer, optimizer_problems, unet_param_groups
 from .perceptual import Perceptual, perceptual_problems
 from .sampling import make_validation_images
 from .tensorboard import make_tensorboard_log
@@ -112,7 +112,7 @@ def weight_dtype_for(config: TrainConfig) -> torch.dtype:
 
 
 def setup(config: TrainConfig) -> Session:
-    problems = check_inputs(config) + perceptual_problems(config)
+    problems = check_inputs(config) + perceptual_problems(config) + optimizer_problems(config)
     if problems:
         raise ConfigError(problems)
     prepare_run_dir(config)
@@ -464,6 +464,11 @@ def restore_adapter(s: Session, adapter: dict[str, torch.Tensor]) -> None:
 
 # ---- export --------------------------------------------------------------------------------------------
 def export(s: Session, name: str | None = None) -> Path | None:
+    with evaluation_weights(s.optimizer):  # schedule-free: export the averaged weights, not the training point
+        return _export(s, name)
+
+
+def _export(s: Session, name: str | None = None) -> Path | None:
     s.accelerator.wait_for_everyone()
     if not s.accelerator.is_main_process:
         return None
@@ -585,7 +590,8 @@ def sample(s: Session) -> None:
     if not s.accelerator.is_main_process:
         return
     s.run.status("sampling", step=s.state.step, max_steps=s.max_steps)
-    paths = make_validation_images(s.bundle, s.config, s.run.paths.sample_dir(s.state.step), s.device)
+    with evaluation_weights(s.optimizer):
+        paths = make_validation_images(s.bundle, s.config, s.run.paths.sample_dir(s.state.step), s.device)
     s.run.event("samples", f"Made {len(paths)} validation images at step {s.state.step}.", step=s.state.step)
     if s.tensorboard:
         s.tensorboard.log_images(s.state.step, paths)

@@ -83,6 +83,10 @@ class TrainConfig(BaseModel):
     cache_latents_to_disk: bool = knob(False, "Keep the latent cache on disk so later runs reuse it.", "data")
     cache_text_embeddings: bool = knob(False, "Encode every caption once (only without caption shuffle/dropout "
                                        "and without text-encoder training).", "data")
+    masked_loss: bool = knob(
+        True, "Use loss masks where they exist: NAME.mask.png beside an image, or masks/NAME.png in its folder "
+        "(white = train, black = ignore; resized, cropped and flipped with the image). Images without one train "
+        "everywhere. Mask files and masks/ folders are never training images.", "data")
     dataloader_num_workers: int = knob(0, "Worker processes that load images (0 = in the training process).",
                                        "data", ge=0, le=64)
 

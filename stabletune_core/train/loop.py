@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ..config import ConfigError, TrainConfig, check_inputs
 from ..data.dataset import BucketBatchSampler, DatasetView, EmbeddingCache, LatentCache, collate, derive_seed
+from ..data.masks import batch_loss_mask, masks_note
 from ..data.scan import scan_dataset
 from ..lora.export import export_kohya_lora
 from ..lora.inject import add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
@@ -136,6 +137,8 @@ def setup(config: TrainConfig) -> Session:
     scan, held_out = split_validation(scan, config)  # held-out images never reach the sampler
     data = DatasetView.from_config(scan, config)
     for note in data.notes:
+        run.event("data", note)
+    if config.masked_loss and (note := masks_note(data.items)):
         run.event("data", note)
     sampler = data.sampler(config.train_batch_size)
 
@@ -278,6 +281,8 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
     work = []
     for batch in batches:
         latents = latents_for(s, batch)
+        # masked loss: None when masks are off or no image of the batch has one
+        batch["latent_mask"] = batch_loss_mask(batch, latents.shape[-2:]) if s.config.masked_loss else None
         noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, noise_generator(s, batch),
                                             noise_offset=s.config.noise_offset,
                                             multires_noise_iterations=s.config.multires_noise_iterations,
@@ -296,7 +301,8 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
                             added_cond_kwargs=cond.added_cond_kwargs).sample
             loss = diffusion_loss(pred, target[rows], s.bundle.noise_scheduler, timesteps[rows],
                                   prediction_type=s.bundle.prediction_type, snr_gamma=s.config.snr_gamma,
-                                  debiased=s.config.debiased_estimation_loss).sum()
+                                  debiased=s.config.debiased_estimation_loss,
+                                  mask=None if batch["latent_mask"] is None else batch["latent_mask"][rows]).sum()
             # The perceptual term joins the gradients, not the reported loss (that stays comparable).
             extra = s.perceptual.term(s, batch, rows, pred, noisy[rows], timesteps[rows]) if s.perceptual else 0.0
             s.accelerator.backward((loss + extra) / total)

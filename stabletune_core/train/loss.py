@@ -59,9 +59,19 @@ def snr(scheduler, timesteps: torch.Tensor) -> torch.Tensor:
 
 
 def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, scheduler, timesteps: torch.Tensor, *,
-                   prediction_type: str, snr_gamma: float | None, debiased: bool = False) -> torch.Tensor:
-    """Per-sample loss (shape [B]) so callers can weight micro-batches by their size."""
-    per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+                   prediction_type: str, snr_gamma: float | None, debiased: bool = False,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample loss (shape [B]) so callers can weight micro-batches by their size.
+
+    `mask` (B, 1, h, w) in [0, 1] weights each latent position (masked loss); the weighted mean is divided by
+    the mask's mean, so a half-masked image does not count half as much. An all-black mask gives 0.
+    """
+    per_element = F.mse_loss(pred.float(), target.float(), reduction="none")
+    if mask is None:
+        per_sample = per_element.mean(dim=(1, 2, 3))
+    else:
+        mask = mask.to(per_element.device, torch.float32)
+        per_sample = (per_element * mask).mean(dim=(1, 2, 3)) / mask.mean(dim=(1, 2, 3)).clamp_min(1e-8)
     if snr_gamma is not None:
         # Min-SNR weighting (Hang et al. 2023): cap the weight of easy, low-noise timesteps.
         ratio = snr(scheduler, timesteps)

@@ -10,6 +10,7 @@ it; images without a mask weigh 1 everywhere, as without this feature.
 """
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,10 @@ def is_mask_file(path: Path) -> bool:
     return path.name.lower().endswith(MASK_SUFFIX)
 
 
+@functools.lru_cache(maxsize=None)
 def mask_path(image: Path) -> Path | None:
+    """The mask of an image, looked up once per process (a file system lookup per example costs more than
+    the rest of the example on a slow disk); like the scan, masks added during a run count from the next."""
     for candidate in (image.with_name(image.stem + MASK_SUFFIX), image.parent / MASK_FOLDER / f"{image.stem}.png"):
         if candidate.is_file():
             return candidate
@@ -40,12 +44,12 @@ def load_loss_mask(item: Any, bucket: tuple[int, int], view: Any, epoch: int, in
     The crop and flip come from fresh generators with the example's own seeds (dataset.py), so they match the
     image's and leave the image's random streams untouched.
     """
-    from .buckets import crop_geometry
-    from .dataset import derive_seed
-
-    path = mask_path(Path(item.path))
+    path = mask_path(item.path)  # a Path already (DataItem)
     if path is None:
         return None
+    from .buckets import crop_geometry
+    from .dataset import derive_seed  # dataset.py imports this module
+
     with Image.open(path) as raw:
         mask = ImageOps.exif_transpose(raw).convert("L")
     if mask.size != (item.width, item.height):
@@ -76,7 +80,7 @@ def batch_loss_mask(batch: dict[str, Any], latent_size: tuple[int, int]) -> torc
 
 def masks_note(items: list[Any]) -> str | None:
     """How many training images have a mask (for events.jsonl); None when none has."""
-    found = sum(mask_path(Path(item.path)) is not None for item in items)
+    found = sum(mask_path(item.path) is not None for item in items)
     if not found:
         return None
     return f"{found} of {len(items)} images have a loss mask (white = trained, black = ignored)."

@@ -1,4 +1,4 @@
-"""`python -m stabletune_core train|preflight|demo|export|inspect|schema`."""
+"""`python -m stabletune_core train|preflight|demo|export|inspect|resize|schema`."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     inspect = commands.add_parser("inspect", help="Describe a LoRA file or a run directory.")
     inspect.add_argument("path")
 
+    resize = commands.add_parser("resize", help="Lower a LoRA file's rank by SVD; writes NAME-rN.safetensors "
+                                 "beside it (the input is never changed).")
+    resize.add_argument("lora", help="A kohya/A1111 LoRA .safetensors file.")
+    resize.add_argument("--rank", type=int, default=None, help="New rank of every module (at most the current).")
+    resize.add_argument("--energy", type=float, default=None,
+                        help="Per module, the smallest rank keeping this fraction of ||dW||^2 (e.g. 0.95); "
+                        "with --rank, that rank is the ceiling.")
+
     schema = commands.add_parser("schema", help="Print the TrainConfig JSON schema (for UIs).")
     schema.set_defaults()
 
@@ -47,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_export(Path(args.checkpoint), args.name)
         if args.command == "inspect":
             return run_inspect(Path(args.path))
+        if args.command == "resize":
+            return run_resize(Path(args.lora), args.rank, args.energy)
         if args.command == "schema":
             print(json.dumps(TrainConfig.model_json_schema(), indent=1))
             return 0
@@ -126,6 +136,18 @@ def run_export(checkpoint: Path, name: str | None) -> int:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(export(session, name)), target)
     print(f"LoRA written to {target}")
+    return 0
+
+
+def run_resize(path: Path, rank: int | None, energy: float | None) -> int:
+    from .lora.resize import ResizeError, report_table, resize_file
+
+    try:
+        target, report = resize_file(path, rank=rank, energy=energy)
+    except ResizeError as exc:
+        raise ConfigError([str(exc)]) from None
+    print(report_table(report))
+    print(f"Resized LoRA written to {target}")
     return 0
 
 

@@ -87,6 +87,10 @@ class TrainConfig(BaseModel):
     cache_latents_to_disk: bool = knob(False, "Keep the latent cache on disk so later runs reuse it.", "data")
     cache_text_embeddings: bool = knob(False, "Encode every caption once (only without caption shuffle/dropout "
                                        "and without text-encoder training).", "data")
+    masked_loss: bool = knob(
+        True, "Use loss masks where they exist: NAME.mask.png beside an image, or masks/NAME.png in its folder "
+        "(white = train, black = ignore; resized, cropped and flipped with the image). Images without one train "
+        "everywhere. Mask files and masks/ folders are never training images.", "data")
     dataloader_num_workers: int = knob(0, "Worker processes that load images (0 = in the training process).",
                                        "data", ge=0, le=64)
 
@@ -120,9 +124,11 @@ class TrainConfig(BaseModel):
     max_train_steps: Optional[int] = knob(None, "Optimizer steps to train. Empty = num_train_epochs decides.",
                                           "optimization", ge=1)
     num_train_epochs: int = knob(1, "Passes over the dataset when max_train_steps is empty.", "optimization", ge=1)
-    optimizer: Literal["adamw", "adamw8bit", "prodigy"] = knob(
+    optimizer: Literal["adamw", "adamw8bit", "prodigy", "lion", "adafactor", "adamw_schedulefree"] = knob(
         "adamw", "Optimizer. adamw8bit needs bitsandbytes and a GPU; prodigy picks its own step size "
-        "(use learning_rate 1.0).", "optimization")
+        "(use learning_rate 1.0); lion (lion-pytorch) wants a 3-10x smaller learning rate than adamw; adafactor "
+        "(transformers) runs at the fixed learning_rate; adamw_schedulefree (schedulefree) needs "
+        "lr_scheduler=constant, warms up with lr_warmup_steps and exports its averaged weights.", "optimization")
     use_8bit_adam: bool = knob(False, "Same as optimizer=adamw8bit (diffusers' flag).", "optimization", ui=False)
     adam_beta1: float = knob(0.9, "Adam beta1.", "optimization", ge=0, lt=1)
     adam_beta2: float = knob(0.999, "Adam beta2.", "optimization", ge=0, lt=1)
@@ -132,6 +138,18 @@ class TrainConfig(BaseModel):
                                       "optimization", gt=0)
     noise_offset: float = knob(0.0, "Noise offset (0.05-0.1 helps very dark/bright images).", "optimization",
                                ge=0, le=1)
+    multires_noise_iterations: int = knob(
+        0, "Multi-resolution (pyramid) noise levels, as kohya's sd-scripts (0 = off; the community uses 6-10). "
+        "Adds low-frequency noise so the LoRA can shift overall colour and contrast.", "optimization", ge=0, le=64)
+    multires_noise_discount: float = knob(
+        0.3, "Weight decay per pyramid-noise level (the community uses 0.3-0.8; lower = gentler).", "optimization",
+        ge=0.0, le=1.0)
+    ip_noise_gamma: float = knob(
+        0.0, "Input perturbation: the noised input gets this much extra noise the target does not have (0 = off; "
+        "the community uses 0.1).", "optimization", ge=0.0, le=1.0)
+    debiased_estimation_loss: bool = knob(
+        False, "Debiased estimation loss: weight each sample by 1/sqrt(SNR) of its timestep (v-prediction: "
+        "1/(SNR+1)), as kohya's sd-scripts.", "optimization")
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = knob(
         None, "Override the model's prediction type. Empty = the model's own.", "optimization")
     seed: int = knob(42, "Seed of everything random: the same seed gives the same run.", "optimization")
@@ -203,8 +221,10 @@ class TrainConfig(BaseModel):
         None, "Continue a run: 'auto'/'latest' (newest good checkpoint in the run directory) or a checkpoint path.",
         "output", aliases=("resume",))
     logging_steps: int = knob(1, "Write metrics every this many steps.", "output", ge=1)
-    report_to: str = knob("tensorboard", "Accepted for compatibility; metrics always go to metrics.jsonl.",
-                          "output", ui=False)
+    report_to: str = knob(
+        "jsonl", "Where metrics go besides metrics.jsonl (always written): 'jsonl' (nowhere else) or 'tensorboard' "
+        "(event files under RUN/tensorboard: loss, lr, grad norm, memory, validation loss, sample images; open "
+        "with `tensorboard --logdir RUN/tensorboard`). 'none' = jsonl, 'all' = tensorboard.", "output")
     overwrite_output: bool = knob(False, "Allow replacing an existing LoRA file of the same name.", "output")
 
     # ---- validation ----------------------------------------------------------------------------------
@@ -286,6 +306,12 @@ class TrainConfig(BaseModel):
             raise ValueError(f"'{v}' is not a plain file name; use letters, digits, '-' and '_'")
         return v
 
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_names(cls, v: Any) -> Any:
+        # accelerate's spellings (diffusers' scripts pass them through): 'none' and 'all'.
+        return {"none": "jsonl", "": "jsonl", "all": "tensorboard"}.get(str(v).strip().lower(), v)
+
     @field_validator("unet_lora_targets")
     @classmethod
     def _some_targets(cls, v: list[str]) -> list[str]:
@@ -304,6 +330,9 @@ class TrainConfig(BaseModel):
                                            or self.caption_tag_dropout_rate or self.train_text_encoder):
             raise ValueError("cache_text_embeddings cannot be combined with caption shuffle/dropout or "
                              "text-encoder training; turn one of them off")
+        if self.optimizer == "adamw_schedulefree" and self.lr_scheduler != "constant":
+            raise ValueError(f"optimizer=adamw_schedulefree replaces the learning-rate schedule; set "
+                             f"lr_scheduler=constant instead of {self.lr_scheduler} (lr_warmup_steps still warms up)")
         if self.early_stopping and not self.validation_loss_every:
             raise ValueError("early_stopping needs validation loss; set validation_loss_every above 0")
         return self

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from .buckets import assign_bucket, crop_geometry, make_buckets, maybe_flip, resize_and_crop
 from .captions import process_caption
 from .images import load_image
+from .masks import load_loss_mask
 from .scan import DataItem, DatasetScan
 
 Bucket = tuple[int, int]
@@ -218,6 +219,7 @@ class DatasetView:
         out["original_size"] = original_size
         out["crop_top_left"] = crop_top_left
         out["target_size"] = (bucket[1], bucket[0])
+        out["loss_mask"] = load_loss_mask(item, bucket, self, epoch, index)  # None when the image has no mask
         return out
 
     def center_pixel_values(self, index: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .buckets import assign_bucket
 from .images import IMAGE_EXTENSIONS, UnreadableImageError, load_image
+from .masks import MASK_FOLDER, is_mask_file
 
 # Kohya's convention: a folder named "10_mychar" repeats its images 10 times
 # per epoch, so small concepts can be balanced against large ones.
@@ -159,6 +160,8 @@ def _find_images(root: Path) -> Iterator[tuple[Path, int]]:
         for entry in entries:
             if entry.name.startswith(".") or entry.name in _IGNORED_FOLDERS:
                 continue
+            if is_mask_file(entry) or (entry.name == MASK_FOLDER and entry.is_dir()):
+                continue  # loss masks (masks.py), not training images
             if entry.is_dir():
                 match = _REPEAT_FOLDER.match(entry.name)
                 # Only a folder directly in root sets repeats (like kohya);

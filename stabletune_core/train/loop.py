@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ..config import ConfigError, TrainConfig, check_inputs
 from ..data.dataset import BucketBatchSampler, DatasetView, EmbeddingCache, LatentCache, collate, derive_seed
+from ..data.masks import batch_loss_mask, masks_note
 from ..data.scan import scan_dataset
 from ..lora.export import export_kohya_lora
 from ..lora.inject import add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
@@ -35,9 +37,10 @@ from .checkpoint import (CheckpointError, latest_good_checkpoint, load_checkpoin
                          remove_stale_temporaries, save_checkpoint)
 from .loss import add_noise, diffusion_loss, target_for
 from .memory import memory_stats
-from .optim import make_lr_scheduler, make_optimizer, unet_param_groups
+from .optim import evaluation_weights, make_lr_scheduler, make_optimizer, optimizer_problems, unet_param_groups
 from .perceptual import Perceptual, perceptual_problems
 from .sampling import make_validation_images
+from .tensorboard import make_tensorboard_log
 from .validation import split_validation
 
 
@@ -85,6 +88,7 @@ class Session:
     validation_items: list[Any] = field(default_factory=list)  # images held out of training (validation_split)
     perceptual: Any = None  # the LPIPS regulariser (perceptual.py) when perceptual_lambda > 0
     sample_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # sample_judge: first and last
+    tensorboard: Any = None  # report_to=tensorboard: an observer of the logged metrics and samples
 
     @property
     def device(self) -> torch.device:
@@ -110,7 +114,7 @@ def weight_dtype_for(config: TrainConfig) -> torch.dtype:
 
 
 def setup(config: TrainConfig) -> Session:
-    problems = check_inputs(config) + perceptual_problems(config)
+    problems = check_inputs(config) + perceptual_problems(config) + optimizer_problems(config)
     if problems:
         raise ConfigError(problems)
     prepare_run_dir(config)
@@ -139,6 +143,8 @@ def setup(config: TrainConfig) -> Session:
                   held_out=[str(item.path) for item in held_out])
     data = DatasetView.from_config(scan, config)
     for note in data.notes:
+        run.event("data", note)
+    if config.masked_loss and (note := masks_note(data.items)):
         run.event("data", note)
     sampler = data.sampler(config.train_batch_size)
 
@@ -194,6 +200,11 @@ def setup(config: TrainConfig) -> Session:
                       guards=make_guards(config), validation_items=held_out)
     if config.perceptual_lambda > 0:
         session.perceptual = Perceptual(config, device, run)
+    if accelerator.is_main_process:  # report_to: observers fed by the loop, never deciding anything
+        session.tensorboard, note = make_tensorboard_log(config, run.paths.root)
+        if note:
+            run.event("config", note)
+            print(f"note: {note}", file=sys.stderr)
     build_caches(session)
     if faults.ACTIVE:
         faults.arm_oom(session)
@@ -276,8 +287,13 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
     work = []
     for batch in batches:
         latents = latents_for(s, batch)
+        # masked loss: None when masks are off or no image of the batch has one
+        batch["latent_mask"] = batch_loss_mask(batch, latents.shape[-2:]) if s.config.masked_loss else None
         noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, noise_generator(s, batch),
-                                            noise_offset=s.config.noise_offset)
+                                            noise_offset=s.config.noise_offset,
+                                            multires_noise_iterations=s.config.multires_noise_iterations,
+                                            multires_noise_discount=s.config.multires_noise_discount,
+                                            ip_noise_gamma=s.config.ip_noise_gamma)
         target = target_for(s.bundle.noise_scheduler, s.bundle.prediction_type, latents, noise, timesteps)
         for rows in micro_chunks(len(batch["caption"]), s.state.micro_batch_size):
             work.append((batch, rows, noisy, target, timesteps))
@@ -290,7 +306,9 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
                             encoder_hidden_states=cond.encoder_hidden_states,
                             added_cond_kwargs=cond.added_cond_kwargs).sample
             loss = diffusion_loss(pred, target[rows], s.bundle.noise_scheduler, timesteps[rows],
-                                  prediction_type=s.bundle.prediction_type, snr_gamma=s.config.snr_gamma).sum()
+                                  prediction_type=s.bundle.prediction_type, snr_gamma=s.config.snr_gamma,
+                                  debiased=s.config.debiased_estimation_loss,
+                                  mask=None if batch["latent_mask"] is None else batch["latent_mask"][rows]).sum()
             # The perceptual term joins the gradients, not the reported loss (that stays comparable).
             extra = s.perceptual.term(s, batch, rows, pred, noisy[rows], timesteps[rows]) if s.perceptual else 0.0
             s.accelerator.backward((loss + extra) / total)
@@ -458,6 +476,11 @@ def restore_adapter(s: Session, adapter: dict[str, torch.Tensor]) -> None:
 
 # ---- export --------------------------------------------------------------------------------------------
 def export(s: Session, name: str | None = None) -> Path | None:
+    with evaluation_weights(s.optimizer):  # schedule-free: export the averaged weights, not the training point
+        return _export(s, name)
+
+
+def _export(s: Session, name: str | None = None) -> Path | None:
     s.accelerator.wait_for_everyone()
     if not s.accelerator.is_main_process:
         return None
@@ -504,6 +527,10 @@ def training_metadata(s: Session) -> dict[str, str]:
         "ss_seed": str(config.seed),
         "ss_noise_offset": str(config.noise_offset),
         "ss_min_snr_gamma": str(config.snr_gamma),
+        "ss_multires_noise_iterations": str(config.multires_noise_iterations or None),
+        "ss_multires_noise_discount": str(config.multires_noise_discount),
+        "ss_ip_noise_gamma": str(config.ip_noise_gamma or None),
+        "ss_debiased_estimation": str(config.debiased_estimation_loss),
         "ss_network_dropout": str(config.lora_dropout),
         "ss_num_train_images": str(len(s.data)),
         "stabletune_config": config.model_dump_json(),
@@ -546,7 +573,10 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                        sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
         verdicts = [guard.after_step(s, metrics) for guard in s.guards]
         if state.step % s.config.logging_steps == 0 or state.step == s.max_steps:
-            run.metric(state.step, **metrics, **memory_stats(s.device))
+            logged = {**metrics, **memory_stats(s.device)}
+            run.metric(state.step, **logged)
+            if s.tensorboard:
+                s.tensorboard.log_metrics(state.step, logged)
             run.status("training", step=state.step, max_steps=s.max_steps, epoch=state.epoch,
                        sec_per_step=sec_per_step, eta_seconds=sec_per_step * (s.max_steps - state.step), loss=loss)
         progress.update(1)
@@ -561,6 +591,8 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     progress.close()
     save(s, stop_reason)
     path = export(s)
+    if s.tensorboard:
+        s.tensorboard.close()
     summary = learning_summary(s.sample_scores) if s.sample_scores else None
     run.status(stop_reason, step=state.step, max_steps=s.max_steps, eta_seconds=0, lora=str(path) if path else None,
                summary=summary)
@@ -583,8 +615,11 @@ def sample(s: Session) -> None:
         return
     s.run.status("sampling", step=s.state.step, max_steps=s.max_steps)
     folder = s.run.paths.sample_dir(s.state.step)
-    paths = make_validation_images(s.bundle, s.config, folder, s.device)
+    with evaluation_weights(s.optimizer):
+        paths = make_validation_images(s.bundle, s.config, folder, s.device)
     s.run.event("samples", f"Made {len(paths)} validation images at step {s.state.step}.", step=s.state.step)
+    if s.tensorboard:
+        s.tensorboard.log_images(s.state.step, paths)
     if s.config.sample_judge == "toy_colors" and paths:
         from ..toy.judge import judge_samples
 

@@ -1,6 +1,9 @@
 """Optimizer and learning-rate schedule from the config."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from diffusers.optimization import get_scheduler
 
@@ -24,12 +27,82 @@ def make_optimizer(param_groups: list[dict], config: TrainConfig) -> torch.optim
             raise RuntimeError("optimizer=prodigy needs prodigyopt: pip install prodigyopt.") from exc
         return Prodigy(param_groups, lr=config.learning_rate, betas=betas, weight_decay=config.adam_weight_decay,
                        safeguard_warmup=config.lr_warmup_steps > 0, use_bias_correction=True)
+    if config.optimizer in OPTIONAL_OPTIMIZERS:
+        return make_optional_optimizer(param_groups, config)
     return torch.optim.AdamW(param_groups, lr=config.learning_rate, betas=betas,
                              weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
 
 
+# ---- Lion, Adafactor, schedule-free AdamW (issue 13) ---------------------------------------------------------
+#: optimizer -> (module to import, pinned package that provides it)
+OPTIONAL_OPTIMIZERS = {"lion": ("lion_pytorch", "lion-pytorch==0.2.5"),
+                       "adafactor": ("transformers", "transformers==5.24.0"),
+                       "adamw_schedulefree": ("schedulefree", "schedulefree==1.4.1")}
+
+
+def optimizer_problems(config: TrainConfig) -> list[str]:
+    """One sentence when the chosen optimizer's package is missing (checked before any model loads)."""
+    import importlib.util
+
+    if config.optimizer not in OPTIONAL_OPTIMIZERS:
+        return []
+    module, package = OPTIONAL_OPTIMIZERS[config.optimizer]
+    if importlib.util.find_spec(module) is None:
+        return [f"optimizer={config.optimizer} needs the {package.split('==')[0]} package: pip install {package} "
+                "(or choose optimizer=adamw)."]
+    return []
+
+
+def make_optional_optimizer(param_groups: list[dict], config: TrainConfig) -> torch.optim.Optimizer:
+    if config.optimizer == "lion":
+        from lion_pytorch import Lion
+
+        # Lion's paper betas (0.9, 0.99); its sign update needs a 3-10x smaller learning rate than AdamW.
+        return Lion(param_groups, lr=config.learning_rate, betas=(0.9, 0.99), weight_decay=config.adam_weight_decay)
+    if config.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # A fixed learning rate, as kohya users run it (relative_step/scale_parameter/warmup_init off).
+        return Adafactor(param_groups, lr=config.learning_rate, relative_step=False, scale_parameter=False,
+                         warmup_init=False, weight_decay=config.adam_weight_decay)
+    from schedulefree import AdamWScheduleFree
+
+    # Schedule-free warms up by itself (lr_scheduler must be constant); it trains at one point (y) and is
+    # evaluated at another (x): see `evaluation_weights`.
+    optimizer = AdamWScheduleFree(param_groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                                  eps=config.adam_epsilon, weight_decay=config.adam_weight_decay,
+                                  warmup_steps=config.lr_warmup_steps)
+    optimizer.train()
+    return optimizer
+
+
+@contextmanager
+def evaluation_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, a schedule-free optimizer's parameters are its evaluation weights (what to sample with and
+    export); afterwards the training weights are put back bit for bit (its own train() recomputes them in
+    floating point, which would make a run that sampled differ from one that did not). Other optimizers: no-op.
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+    if not any("train_mode" in group for group in inner.param_groups):
+        yield
+        return
+    saved = [[p.detach().clone() for p in group["params"]] for group in inner.param_groups]
+    modes = [group["train_mode"] for group in inner.param_groups]
+    inner.eval()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for group, copies, mode in zip(inner.param_groups, saved, modes):
+                for p, copy in zip(group["params"], copies):
+                    p.copy_(copy)
+                group["train_mode"] = mode
+
+
 def make_lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, max_steps: int):
     name = config.lr_scheduler
+    if config.optimizer == "adamw_schedulefree":  # it warms up itself; a schedule on top would undo its point
+        return get_scheduler("constant", optimizer=optimizer)
     if name == "plateau":
         # Stepped on validation loss by the plateau guard, constant otherwise.
         name = "constant"

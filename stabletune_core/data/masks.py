@@ -1,0 +1,86 @@
+"""Masked loss: an optional mask image per training image (white = train, black = ignore).
+
+Where a mask lives, for an image `folder/NAME.EXT`:
+  folder/NAME.mask.png      beside the image, or
+  folder/masks/NAME.png     in a `masks` folder beside it.
+The scan skips both (they are not training images). A mask is resized to its image's size if it was drawn
+at another one, then scaled, cropped and flipped exactly as the image is (the same seeds), so it stays on
+the pixels it was drawn on. The loop area-averages it to latent size and weights the per-element loss with
+it; images without a mask weigh 1 everywhere, as without this feature.
+"""
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+MASK_SUFFIX = ".mask.png"
+MASK_FOLDER = "masks"
+
+
+def is_mask_file(path: Path) -> bool:
+    """A mask image, not a training image (the scan skips these)."""
+    return path.name.lower().endswith(MASK_SUFFIX)
+
+
+@functools.lru_cache(maxsize=None)
+def mask_path(image: Path) -> Path | None:
+    """The mask of an image, looked up once per process (a file system lookup per example costs more than
+    the rest of the example on a slow disk); like the scan, masks added during a run count from the next."""
+    for candidate in (image.with_name(image.stem + MASK_SUFFIX), image.parent / MASK_FOLDER / f"{image.stem}.png"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_loss_mask(item: Any, bucket: tuple[int, int], view: Any, epoch: int, index: int) -> torch.Tensor | None:
+    """The (1, H, W) mask in [0, 1] of one example, cropped and flipped like its pixels; None without a mask.
+
+    The crop and flip come from fresh generators with the example's own seeds (dataset.py), so they match the
+    image's and leave the image's random streams untouched.
+    """
+    path = mask_path(item.path)  # a Path already (DataItem)
+    if path is None:
+        return None
+    from .buckets import crop_geometry
+    from .dataset import derive_seed  # dataset.py imports this module
+
+    with Image.open(path) as raw:
+        mask = ImageOps.exif_transpose(raw).convert("L")
+    if mask.size != (item.width, item.height):
+        mask = mask.resize((item.width, item.height), Image.Resampling.BILINEAR)
+    crop_rng = random.Random(derive_seed("crop", view.seed, epoch, index))
+    (scaled_w, scaled_h), (top, left) = crop_geometry(item.width, item.height, bucket,
+                                                      random_crop=view.random_crop, rng=crop_rng)
+    if (scaled_w, scaled_h) != mask.size:
+        mask = mask.resize((scaled_w, scaled_h), Image.Resampling.BILINEAR)  # no ringing below 0 or above 1
+    mask = mask.crop((left, top, left + bucket[0], top + bucket[1]))
+    tensor = torch.from_numpy(np.asarray(mask, dtype=np.float32).copy())[None] / 255.0
+    flip_rng = random.Random(derive_seed("flip", view.seed, epoch, index))
+    if view.flip_prob > 0 and flip_rng.random() < view.flip_prob:  # the same draw as buckets.maybe_flip
+        tensor = torch.flip(tensor, dims=[-1])
+    return tensor
+
+
+def batch_loss_mask(batch: dict[str, Any], latent_size: tuple[int, int]) -> torch.Tensor | None:
+    """(B, 1, h, w) masks at latent size for a collated batch, ones for images without a mask; None when no
+    image of the batch has one (then the loss is computed exactly as without masks)."""
+    masks = batch.get("loss_mask")
+    if not masks or all(m is None for m in masks):
+        return None
+    height, width = batch["target_size"][0]
+    full = torch.stack([m if m is not None else torch.ones(1, height, width) for m in masks])
+    return torch.nn.functional.interpolate(full, size=tuple(latent_size), mode="area")
+
+
+def masks_note(items: list[Any]) -> str | None:
+    """How many training images have a mask (for events.jsonl); None when none has."""
+    found = sum(mask_path(item.path) is not None for item in items)
+    if not found:
+        return None
+    return f"{found} of {len(items)} images have a loss mask (white = trained, black = ignored)."

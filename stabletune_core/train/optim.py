@@ -23,7 +23,8 @@ def make_optimizer(param_groups: list[dict], config: TrainConfig) -> torch.optim
         except ImportError as exc:
             raise RuntimeError("optimizer=prodigy needs prodigyopt: pip install prodigyopt.") from exc
         return Prodigy(param_groups, lr=config.learning_rate, betas=betas, weight_decay=config.adam_weight_decay,
-                       safeguard_warmup=config.lr_warmup_steps > 0, use_bias_correction=True)
+                       eps=config.adam_epsilon, safeguard_warmup=config.lr_warmup_steps > 0,
+                       use_bias_correction=True)
     return torch.optim.AdamW(param_groups, lr=config.learning_rate, betas=betas,
                              weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
 
@@ -31,8 +32,8 @@ def make_optimizer(param_groups: list[dict], config: TrainConfig) -> torch.optim
 def make_lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, max_steps: int):
     name = config.lr_scheduler
     if name == "plateau":
-        # Stepped on validation loss by the plateau guard, constant otherwise.
-        name = "constant"
+        # Constant after the warm-up; the plateau guard lowers it when validation loss stalls.
+        name = "constant_with_warmup"
     return get_scheduler(name, optimizer=optimizer, num_warmup_steps=config.lr_warmup_steps,
                          num_training_steps=max_steps, num_cycles=config.lr_num_cycles, power=config.lr_power)
 

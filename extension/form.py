@@ -32,13 +32,11 @@ def range_text(field: dict[str, Any]) -> str:
 
 
 def info_text(field: dict[str, Any]) -> str:
-    """The tooltip under a field: its doc, its range, and a note when the knob is not active yet."""
+    """The tooltip under a field: its doc and its range."""
     text = field["description"]
     limits = range_text(field)
     if limits:
         text += f" ({limits})"
-    if field.get("inactive"):
-        text += f" Stored but not active yet: lands with {field['inactive']}."
     return text
 
 

@@ -3,7 +3,7 @@
 With pydantic 2 installed the schema is read from TrainConfig itself; inside AUTOMATIC1111 (pydantic 1)
 it comes from `config_schema.json`, which `write_schema()` regenerates and a test keeps up to date.
 Each field: name, label, type (bool|int|float|str|choice|list), optional, default, description, group,
-choices, min, max (with min_exclusive/max_exclusive), ui, inactive, aliases.
+choices, min, max (with min_exclusive/max_exclusive), ui, aliases.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def schema_from_config() -> list[dict[str, Any]]:
         fields.append({
             "name": name, "label": label_for(name), "type": kind, "optional": optional, "default": info.default,
             "description": info.description or "", "group": extra.get("group", "other"), "choices": choices,
-            **_limits(info.metadata), "ui": bool(extra.get("ui", True)), "inactive": extra.get("inactive"),
+            **_limits(info.metadata), "ui": bool(extra.get("ui", True)),
             "aliases": list(extra.get("aliases", [])),
         })
     return fields

@@ -11,7 +11,7 @@ from stabletune_core.launch import ask_engine
 
 
 def validate(values: dict[str, Any], engine_python: str) -> tuple[list[str], list[str]]:
-    """(problems, notes): problems block the start; notes (inactive knobs) are only shown."""
+    """(problems, notes): problems block the start; notes (valid but doubtful settings) are only shown."""
     try:
         from stabletune_core.config import ConfigError, build_config, check_inputs
     except ImportError:
@@ -23,4 +23,4 @@ def validate(values: dict[str, Any], engine_python: str) -> tuple[list[str], lis
         config = build_config(values)
     except ConfigError as exc:
         return exc.problems, []
-    return check_inputs(config), config.inactive_knobs()
+    return check_inputs(config), config.notes()

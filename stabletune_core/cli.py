@@ -72,7 +72,7 @@ def run_train(config: TrainConfig) -> int:
 
     from .train.guards import OutOfMemoryStop
 
-    for note in config.inactive_knobs():
+    for note in config.notes():
         print(f"note: {note}", file=sys.stderr)
     try:
         path = train(config)

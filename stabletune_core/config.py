@@ -32,13 +32,11 @@ class ConfigError(ValueError):
         super().__init__("\n".join(problems))
 
 
-def knob(default: Any, doc: str, group: str, *, aliases: tuple[str, ...] = (), inactive: str | None = None,
-         ui: bool = True, **limits: Any) -> Any:
-    """A documented field. `inactive` names the work that will make a stored knob do something."""
-    extra = {"group": group, "aliases": list(aliases), "ui": ui}
-    if inactive:
-        extra["inactive"] = inactive
-    return Field(default, description=doc, json_schema_extra=extra, **limits)
+def knob(default: Any, doc: str, group: str, *, aliases: tuple[str, ...] = (), ui: bool = True,
+         **limits: Any) -> Any:
+    """A documented field."""
+    return Field(default, description=doc, json_schema_extra={"group": group, "aliases": list(aliases), "ui": ui},
+                 **limits)
 
 
 #: The held-out split used when validation_split is left empty (overfitting needs unseen images to show).
@@ -85,8 +83,9 @@ class TrainConfig(BaseModel):
     cache_latents: bool = knob(False, "Encode every image with the VAE once and reuse the latents "
                                "(faster; disables random crop and flip).", "data")
     cache_latents_to_disk: bool = knob(False, "Keep the latent cache on disk so later runs reuse it.", "data")
-    cache_text_embeddings: bool = knob(False, "Encode every caption once (only without caption shuffle/dropout "
-                                       "and without text-encoder training).", "data")
+    cache_text_embeddings: bool = knob(False, "Encode every caption once (only without caption shuffle, tag dropout "
+                                       "and text-encoder training; caption dropout is fine: the empty caption is "
+                                       "cached too).", "data")
     masked_loss: bool = knob(
         True, "Use loss masks where they exist: NAME.mask.png beside an image, or masks/NAME.png in its folder "
         "(white = train, black = ignore; resized, cropped and flipped with the image). Images without one train "
@@ -125,8 +124,8 @@ class TrainConfig(BaseModel):
                                           "optimization", ge=1)
     num_train_epochs: int = knob(1, "Passes over the dataset when max_train_steps is empty.", "optimization", ge=1)
     optimizer: Literal["adamw", "adamw8bit", "prodigy", "lion", "adafactor", "adamw_schedulefree"] = knob(
-        "adamw", "Optimizer. adamw8bit needs bitsandbytes and a GPU; prodigy picks its own step size "
-        "(use learning_rate 1.0); lion (lion-pytorch) wants a 3-10x smaller learning rate than adamw; adafactor "
+        "adamw", "Optimizer. adamw8bit needs bitsandbytes and a GPU; prodigy picks its own step size and "
+        "multiplies it by learning_rate (left unset, learning_rate becomes 1.0 for prodigy); lion (lion-pytorch) wants a 3-10x smaller learning rate than adamw; adafactor "
         "(transformers) runs at the fixed learning_rate; adamw_schedulefree (schedulefree) needs "
         "lr_scheduler=constant, warms up with lr_warmup_steps and exports its averaged weights.", "optimization")
     use_8bit_adam: bool = knob(False, "Same as optimizer=adamw8bit (diffusers' flag).", "optimization", ui=False)
@@ -233,8 +232,9 @@ class TrainConfig(BaseModel):
     num_validation_images: int = knob(2, "Images per prompt, each with its own fixed seed.", "validation",
                                       ge=1, le=16)
     validation_steps: int = knob(250, "Make validation images every this many steps.", "validation", ge=1)
-    validation_epochs: Optional[int] = knob(None, "Accepted for diffusers compatibility; converted to steps.",
-                                            "validation", ui=False, ge=1)
+    validation_epochs: Optional[int] = knob(
+        None, "diffusers' flag: validation images every this many epochs; converted to validation_steps once the "
+        "dataset's steps per epoch are known (the run's events say the result).", "validation", ui=False, ge=1)
     validation_inference_steps: int = knob(20, "Sampler steps for validation images.", "validation", ge=1, le=200)
     validation_guidance_scale: float = knob(7.5, "Classifier-free guidance scale for validation images.",
                                             "validation", ge=1.0, le=30.0)
@@ -262,8 +262,9 @@ class TrainConfig(BaseModel):
     perceptual_timestep_max: int = knob(
         400, "Only images noised at timesteps below this get the perceptual term (x0 predicted from very noisy "
         "latents is a blur).", "diagnostics", ge=1, le=1000)
-    perceptual_batch: int = knob(1, "At most this many images per micro-batch get the perceptual term (each one "
-                                 "is decoded by the VAE with gradients: memory).", "diagnostics", ge=1, le=64)
+    perceptual_batch: int = knob(1, "At most this many images per batch of train_batch_size get the perceptual "
+                                 "term (each one is decoded by the VAE with gradients: memory); the term is the "
+                                 "mean over them.", "diagnostics", ge=1, le=64)
     diagnostics_every: int = knob(100, "Singular-value spectra of every LoRA module every this many steps "
                                   "(0 = off).", "diagnostics", ge=0)
     activation_stats_every: int = knob(200, "Statistics of the LoRA outputs on a fixed probe batch every this many "
@@ -326,15 +327,20 @@ class TrainConfig(BaseModel):
         if self.min_bucket_reso > self.max_bucket_reso:
             raise ValueError(f"min_bucket_reso ({self.min_bucket_reso}) is larger than max_bucket_reso "
                              f"({self.max_bucket_reso}); swap them")
-        if self.cache_text_embeddings and (self.shuffle_caption or self.caption_dropout_rate
-                                           or self.caption_tag_dropout_rate or self.train_text_encoder):
-            raise ValueError("cache_text_embeddings cannot be combined with caption shuffle/dropout or "
+        if self.optimizer == "prodigy" and "learning_rate" not in self.model_fields_set:
+            object.__setattr__(self, "learning_rate", 1.0)  # Prodigy's lr multiplies the step size it finds
+        if self.cache_text_embeddings and (self.shuffle_caption or self.caption_tag_dropout_rate
+                                           or self.train_text_encoder):
+            raise ValueError("cache_text_embeddings cannot be combined with caption shuffle, tag dropout or "
                              "text-encoder training; turn one of them off")
         if self.optimizer == "adamw_schedulefree" and self.lr_scheduler != "constant":
             raise ValueError(f"optimizer=adamw_schedulefree replaces the learning-rate schedule; set "
                              f"lr_scheduler=constant instead of {self.lr_scheduler} (lr_warmup_steps still warms up)")
         if self.early_stopping and not self.validation_loss_every:
             raise ValueError("early_stopping needs validation loss; set validation_loss_every above 0")
+        if self.lr_scheduler == "plateau" and not self.validation_loss_every:
+            raise ValueError("lr_scheduler plateau lowers the rate when validation loss stalls, but "
+                             "validation_loss_every is 0; set it above 0 or choose another lr_scheduler")
         return self
 
     # ------------------------------------------------------------------------------------------------
@@ -348,13 +354,14 @@ class TrainConfig(BaseModel):
             return []
         return [p.strip() for p in self.validation_prompt.split(" | ") if p.strip()]
 
-    def inactive_knobs(self) -> list[str]:
-        """Knobs set away from their default whose feature has not landed yet."""
+    def notes(self) -> list[str]:
+        """Settings that are valid but probably not what the user meant, one sentence each (the console, the
+        event log and the UI show them; they never block a run)."""
         notes = []
-        for name, info in type(self).model_fields.items():
-            extra = info.json_schema_extra or {}
-            if extra.get("inactive") and getattr(self, name) != info.default:
-                notes.append(f"--{name} is stored but not active yet (it lands with {extra['inactive']}).")
+        if self.optimizer == "prodigy" and not 0.1 <= self.learning_rate:
+            notes.append(f"optimizer prodigy finds its own step size and multiplies it by learning_rate, so "
+                         f"learning_rate {self.learning_rate:g} makes every step {1 / self.learning_rate:.0f}x "
+                         "smaller than Prodigy's; use learning_rate 1.0 (or leave it unset).")
         return notes
 
     # ---- TOML ----------------------------------------------------------------------------------------

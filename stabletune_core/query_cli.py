@@ -50,7 +50,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     problems = check_inputs(config)
     if not problems and args.write:
         config.save_toml(args.write)
-    return {"problems": problems, "config": config.model_dump(mode="json"), "notes": config.inactive_knobs()}
+    return {"problems": problems, "config": config.model_dump(mode="json"), "notes": config.notes()}
 
 
 def demo_assets(args: argparse.Namespace) -> dict[str, Any]:

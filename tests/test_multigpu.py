@@ -83,7 +83,34 @@ def _copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
     shutil.copytree(src_run / "checkpoints" / name, dst_run / "checkpoints" / name)
 
 
-def _launch_two_processes(config, tmp_path: Path) -> subprocess.CompletedProcess:
+# Test harness around the engine's CLI, run by each rank: faults for one rank only (STABLETUNE_FAULTS is read
+# at import, so it is set before stabletune_core loads), and every rank's adapter saved just before the export,
+# so the test can compare what the ranks trained (only rank 0 writes the run directory).
+RANK_HARNESS = """\
+import os, runpy, sys
+rank = os.environ.get("RANK", "0")
+if os.environ.get("TEST_FAULTS_RANK" + rank):
+    os.environ["STABLETUNE_FAULTS"] = os.environ["TEST_FAULTS_RANK" + rank]
+from safetensors.torch import save_file
+from stabletune_core.lora.inject import lora_state_dict
+from stabletune_core.train import loop
+
+original_export = loop.export
+
+def export(s, name=None):
+    adapters = {f"{prefix}.{key}": value.detach().cpu().contiguous() for prefix, module in s.trained.items()
+                for key, value in lora_state_dict(s.accelerator.unwrap_model(module)).items()}
+    save_file(adapters, os.path.join(os.environ["TEST_ADAPTER_DIR"], f"rank{rank}.safetensors"))
+    return original_export(s, name)
+
+loop.export = export
+sys.argv = ["stabletune_core", *sys.argv[1:]]
+runpy.run_module("stabletune_core", run_name="__main__", alter_sys=True)
+"""
+
+
+def _launch_two_processes(config, tmp_path: Path, *, harness: bool = False, rank1_faults: str = "",
+                          timeout: int = 600) -> subprocess.CompletedProcess:
     config_toml = tmp_path / "two.toml"
     config.save_toml(config_toml)
     accelerate_yaml = tmp_path / "accelerate.yaml"
@@ -92,7 +119,18 @@ def _launch_two_processes(config, tmp_path: Path) -> subprocess.CompletedProcess
     launch_at = argv.index("accelerate.commands.launch") + 1
     argv[launch_at:launch_at] = ["--config_file", str(accelerate_yaml), "--main_process_port", str(_free_port())]
     env = {**engine_env(), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env.pop("STABLETUNE_FAULTS", None)
+    if harness:
+        script = tmp_path / "rank_harness.py"
+        script.write_text(RANK_HARNESS)
+        module_at = argv.index("-m", launch_at)
+        argv[module_at:module_at + 2] = [str(script)]
+        env.update(TEST_ADAPTER_DIR=str(tmp_path), TEST_FAULTS_RANK1=rank1_faults)
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _rank_adapters(tmp_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    return load_file(str(tmp_path / "rank0.safetensors")), load_file(str(tmp_path / "rank1.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +191,83 @@ def test_noise_does_not_depend_on_the_process_count(tiny_config):
     b = torch.randn(3, generator=noise_generator(session, {"position": (1, 5)}))
     c = torch.randn(3, generator=noise_generator(session, {"position": (1, 6)}))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+# ---- text-encoder training and uneven batches on 2 ranks ------------------------------------------------------
+# 8 images in batches of 3 make sampler batches of 3, 3 and 2: a step's two batches are spread one per rank on
+# 2 processes, and summed by accumulation on 1 process; some steps give the ranks 3 and 2 images.
+UNEVEN = dict(train_batch_size=3, train_text_encoder=True, max_train_steps=4, save_steps=1000)
+
+
+@pytest.fixture(scope="module")
+def uneven_runs(tiny_model, shapes_dataset, tmp_path_factory):
+    """(1-process run dir, its LoRA, 2-process run dir, the launch, folder with each rank's adapters)."""
+    from stabletune_core.train.loop import train
+
+    one_dir = tmp_path_factory.mktemp("uneven-one") / "run"
+    one_lora = load_file(str(train(_config(tiny_model, shapes_dataset, one_dir, **UNEVEN))))
+    folder = tmp_path_factory.mktemp("uneven-two")
+    two = _config(tiny_model, shapes_dataset, folder / "run", **{**UNEVEN, "gradient_accumulation_steps": 1})
+    done = _launch_two_processes(two, folder, harness=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return one_dir, one_lora, folder / "run", done, folder
+
+
+def test_text_encoder_lora_is_trained_together_on_two_ranks(uneven_runs):
+    """The text encoder's LoRA gradients are summed across ranks like the UNet's: both ranks end with the same
+    text-encoder (and UNet) adapter, and it is the single-process one."""
+    _, one_lora, two_dir, _, folder = uneven_runs
+    rank0, rank1 = _rank_adapters(folder)
+    te_keys = [k for k in rank0 if k.startswith("te0.") and "lora_B" in k]
+    assert te_keys and all(torch.count_nonzero(rank0[k]) for k in te_keys)  # the text encoder really trained
+    for key in rank0:
+        assert torch.equal(rank0[key], rank1[key]), key
+    two_lora = load_file(str(two_dir / "output" / "lora.safetensors"))
+    assert any(k.startswith("lora_te") for k in two_lora) and set(two_lora) == set(one_lora)
+    _assert_same_weights({k: v for k, v in two_lora.items() if k.startswith("lora_te")},
+                         {k: v for k, v in one_lora.items() if k.startswith("lora_te")})
+    _assert_same_weights(two_lora, one_lora)
+
+
+def test_uneven_rank_batches_give_the_global_mean_and_count_true_images(uneven_runs):
+    one_dir, _, two_dir, _, _ = uneven_runs
+    one = {m["step"]: m for m in map(json.loads, (one_dir / "metrics.jsonl").read_text().splitlines())}
+    two = {m["step"]: m for m in map(json.loads, (two_dir / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    seen = [one[step]["images_seen"] for step in sorted(one)]
+    assert len({b - a for a, b in zip([0, *seen], seen)}) > 1  # some steps really had 5 images, some 6
+    assert [two[step]["images_seen"] for step in sorted(two)] == seen
+    for step in one:  # the loss (and the gradient: see the weights above) is the mean over the global images
+        assert two[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-4, abs=1e-6), step
+        assert two[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=1e-3), step
+
+
+# ---- out of memory on one rank ---------------------------------------------------------------------------------
+def test_oom_on_one_rank_shrinks_the_micro_batch_on_every_rank(tiny_model, shapes_dataset, tmp_path):
+    """Rank 1 alone runs out of memory twice at step 2. Every rank learns it through one all-reduce and retries
+    with half the micro-batch: the run neither hangs nor splits, and trains as one process with the same global
+    batch."""
+    from stabletune_core.train.loop import train
+
+    values = dict(train_batch_size=4, max_train_steps=3, save_steps=1000, gradient_accumulation_steps=1)
+    two = _config(tiny_model, shapes_dataset, tmp_path / "run", **values)
+    done = _launch_two_processes(two, tmp_path, harness=True, rank1_faults="oom@2,oom@2", timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    ooms = _events(run_dir, "oom")
+    assert [(e["old_micro_batch"], e["new_micro_batch"]) for e in ooms] == [(4, 2), (2, 1)]
+    # rank 1's own fault message names the micro-batch it ran with: it shrank in step with rank 0
+    assert "rank 1:" in ooms[0]["message"] and "micro-batch 4" in ooms[0]["message"]
+    assert "rank 1:" in ooms[1]["message"] and "micro-batch 2" in ooms[1]["message"]
+    two_metrics = {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    assert [two_metrics[k]["micro_batch_size"] for k in (1, 2, 3)] == [4, 1, 1]
+    rank0, rank1 = _rank_adapters(tmp_path)
+    for key in rank0:
+        assert torch.equal(rank0[key], rank1[key]), key
+
+    one_dir = tmp_path / "one"
+    lora = train(_config(tiny_model, shapes_dataset, one_dir, **{**values, "gradient_accumulation_steps": 2}))
+    one_loss = _metrics(one_dir)
+    for step, loss in _metrics(run_dir).items():
+        assert loss == pytest.approx(one_loss[step], rel=1e-4, abs=1e-6), step
+    _assert_same_weights(load_file(str(run_dir / "output" / "lora.safetensors")), load_file(str(lora)))

@@ -188,3 +188,33 @@ def test_cached_latents_and_text_train(tiny_sdxl, tiny_config):
     caption = session.data.example(0, 0, with_pixels=False)["caption"]
     stored = session.text_cache.get_batch([caption])
     assert set(stored) == {"prompt_embeds", "pooled_prompt_embeds"} and stored["pooled_prompt_embeds"].shape == (1, 48)
+
+
+def test_flip_mirrors_the_crop_coordinates(tmp_path):
+    """A horizontal flip shows the crop seen from the other edge, so SDXL's crop_left must be mirrored too
+    (kohya: scaled width - left - target width): the flipped pixels are exactly the mirrored scaled image
+    cropped at the reported (top, left)."""
+    import numpy as np
+    from PIL import Image
+
+    from stabletune_core.data.dataset import DatasetView
+    from stabletune_core.data.scan import scan_dataset
+
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (40, 100, 3), dtype=np.uint8)).save(tmp_path / "wide.png")
+    scan = scan_dataset(tmp_path, default_caption="wide")
+
+    def view(flip: float) -> DatasetView:
+        return DatasetView(scan, 32, enable_bucket=False, random_crop=True, flip_prob=flip, seed=1)
+
+    plain, flipped = view(0.0).example(0, epoch=0), view(1.0).example(0, epoch=0)
+    (top, left), (f_top, f_left) = plain["crop_top_left"], flipped["crop_top_left"]
+    scaled = Image.open(tmp_path / "wide.png").convert("RGB").resize((80, 32), Image.Resampling.LANCZOS)
+    assert left != 80 - 32 - left  # an off-centre crop, so mirroring moves it
+    assert (f_top, f_left) == (top, 80 - 32 - left)
+    mirrored = np.asarray(scaled.transpose(Image.Transpose.FLIP_LEFT_RIGHT), dtype=np.float32)
+    expected = torch.from_numpy(mirrored[f_top:f_top + 32, f_left:f_left + 32].copy()).permute(2, 0, 1) / 127.5 - 1
+    assert torch.allclose(flipped["pixel_values"], expected, atol=1e-6)
+    assert torch.equal(flipped["pixel_values"], plain["pixel_values"].flip(-1))  # same crop, mirrored
+    # the latent-cache path (no pixels decoded) reports the same coordinates
+    assert view(1.0).example(0, epoch=0, with_pixels=False)["crop_top_left"] == (f_top, f_left)

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from .buckets import assign_bucket, crop_geometry, make_buckets, maybe_flip, resize_and_crop
+from .buckets import assign_bucket, crop_geometry, make_buckets, resize_and_crop
 from .captions import process_caption
 from .images import load_image
 from .masks import load_loss_mask
@@ -194,18 +194,21 @@ class DatasetView:
         """
         item, bucket = self.items[index], self.item_buckets[index]
         crop_rng = random.Random(derive_seed("crop", self.seed, epoch, index))
+        flip_rng = random.Random(derive_seed("flip", self.seed, epoch, index))
+        flipped = self.flip_prob > 0 and flip_rng.random() < self.flip_prob
         out: dict[str, Any] = {}
         if with_pixels:
-            flip_rng = random.Random(derive_seed("flip", self.seed, epoch, index))
             pixel_values, crop_top_left, original_size = resize_and_crop(
                 load_image(item.path), bucket, random_crop=self.random_crop, rng=crop_rng
             )
-            out["pixel_values"] = maybe_flip(pixel_values, flip_rng, self.flip_prob)
+            out["pixel_values"] = torch.flip(pixel_values, dims=[-1]) if flipped else pixel_values
         else:
             _, crop_top_left = crop_geometry(
                 item.width, item.height, bucket, random_crop=self.random_crop, rng=crop_rng
             )
             original_size = (item.height, item.width)
+        if flipped:  # the crop of the mirrored image starts as far from the left edge as it ended from the right
+            crop_top_left = mirrored_crop(crop_top_left, original_size, bucket)
         caption_rng = random.Random(derive_seed("caption", self.seed, epoch, index))
         out["caption"] = process_caption(
             item.caption,
@@ -228,6 +231,14 @@ class DatasetView:
             load_image(self.items[index].path), self.item_buckets[index], random_crop=False
         )
         return pixel_values
+
+
+def mirrored_crop(crop_top_left: tuple[int, int], original_size: tuple[int, int], bucket: Bucket) -> tuple[int, int]:
+    """SDXL's crop (top, left) of a horizontally flipped example, as kohya's sd-scripts compute it:
+    left becomes scaled width - left - bucket width (the crop seen from the other edge)."""
+    (scaled_w, _), _ = crop_geometry(original_size[1], original_size[0], bucket, random_crop=False, rng=None)
+    top, left = crop_top_left
+    return top, scaled_w - left - bucket[0]
 
 
 def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ directory through `RunWriter`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -128,7 +129,7 @@ def setup(config: TrainConfig) -> Session:
                   step=previous.get("step"), pid=previous.get("pid"))
     if accelerator.is_main_process:
         config.save_toml(run.paths.config)
-    for note in config.inactive_knobs():
+    for note in config.notes():
         run.event("config", note)
     set_seed(config.seed)
 
@@ -187,6 +188,10 @@ def setup(config: TrainConfig) -> Session:
     optimizer = make_optimizer(groups, config)
     steps_per_epoch = math.ceil(len(sampler) / (config.gradient_accumulation_steps * accelerator.num_processes))
     max_steps = config.max_train_steps or config.num_train_epochs * steps_per_epoch
+    if config.validation_epochs:  # diffusers' flag, in epochs: the loop counts steps
+        config.validation_steps = config.validation_epochs * steps_per_epoch
+        run.event("config", f"validation_epochs {config.validation_epochs} = validation images every "
+                  f"{config.validation_steps} steps ({steps_per_epoch} steps per epoch).")
     lr_scheduler = make_lr_scheduler(optimizer, config, max_steps)
     prepared = accelerator.prepare(*trained.values(), optimizer)
     trained = dict(zip(trained, prepared[:-1]))
@@ -250,6 +255,10 @@ def encode_pixels(s: Session, pixels: torch.Tensor, generator: torch.Generator |
 
 
 def encode_text(s: Session, captions: list[str], *, grad: bool) -> dict[str, torch.Tensor]:
+    """The family's text tensors, from the bundle's own encoders. With several processes their LoRA gradients are
+    summed across ranks with the UNet's in `sum_gradients_across_ranks`; calling the DDP wrappers instead would
+    broadcast the encoders' buffers (CLIP's position ids) inside every forward: a collective in the middle of a
+    step, where a rank that ran out of memory would never meet it."""
     with torch.set_grad_enabled(grad), s.accelerator.autocast():
         return s.bundle.family.encode_text(s.bundle, captions)
 
@@ -274,49 +283,107 @@ def micro_chunks(n: int, size: int) -> list[slice]:
 
 
 def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
-    """Mean loss over every image of one optimizer step, gradients accumulated.
+    """Mean loss over every image of one optimizer step (all processes), gradients accumulated.
 
     Noise and timesteps are drawn per sampler batch before it is split into micro-batches, so shrinking the
     micro-batch after an OOM changes nothing but memory use; they come from a generator seeded by the batch's
-    place in the global order, so they do not depend on the number of processes either. With several
-    processes the returned loss is the mean over all of them (every rank then takes the same decisions).
+    place in the global order, so they do not depend on the number of processes either. The gradient is the
+    mean over every image of the step on every process, however unevenly the images are spread over ranks.
+
+    With several processes nothing here talks to the other ranks while a rank computes (no DDP hook fires in
+    a backward): each phase ends in one all-reduce that also says whether any rank ran out of memory, so every
+    rank retries (or goes on) together instead of hanging in a collective that the failed rank never reaches.
     """
-    total = sum(len(b["caption"]) for b in batches)
+    several = s.accelerator.num_processes > 1
+    images = sum(len(b["caption"]) for b in batches)
+    work, perceptual_count, failure = [], 0, None
+    try:
+        for batch in batches:
+            latents = latents_for(s, batch)
+            # masked loss: None when masks are off or no image of the batch has one
+            batch["latent_mask"] = batch_loss_mask(batch, latents.shape[-2:]) if s.config.masked_loss else None
+            noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, noise_generator(s, batch),
+                                                noise_offset=s.config.noise_offset,
+                                                multires_noise_iterations=s.config.multires_noise_iterations,
+                                                multires_noise_discount=s.config.multires_noise_discount,
+                                                ip_noise_gamma=s.config.ip_noise_gamma)
+            target = target_for(s.bundle.noise_scheduler, s.bundle.prediction_type, latents, noise, timesteps)
+            # The LPIPS rows are chosen per sampler batch, so micro-batching cannot change who gets the term.
+            chosen = s.perceptual.chosen_rows(s.state.step, timesteps) if s.perceptual else []
+            perceptual_count += len(chosen)
+            for rows in micro_chunks(len(batch["caption"]), s.state.micro_batch_size):
+                work.append((batch, rows, noisy, target, timesteps,
+                             [i for i in chosen if rows.start <= i < rows.stop]))
+    except torch.cuda.OutOfMemoryError as exc:
+        if not several:
+            raise
+        failure = (str(exc).splitlines() or ["CUDA out of memory"])[0]
+    if several:
+        images, perceptual_count = (int(n) for n in agree_across_ranks(s, [images, perceptual_count], failure))
     unet = s.trained["unet"]
     loss_sum = torch.zeros((), device=s.device)
-    work = []
-    for batch in batches:
-        latents = latents_for(s, batch)
-        # masked loss: None when masks are off or no image of the batch has one
-        batch["latent_mask"] = batch_loss_mask(batch, latents.shape[-2:]) if s.config.masked_loss else None
-        noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, noise_generator(s, batch),
-                                            noise_offset=s.config.noise_offset,
-                                            multires_noise_iterations=s.config.multires_noise_iterations,
-                                            multires_noise_discount=s.config.multires_noise_discount,
-                                            ip_noise_gamma=s.config.ip_noise_gamma)
-        target = target_for(s.bundle.noise_scheduler, s.bundle.prediction_type, latents, noise, timesteps)
-        for rows in micro_chunks(len(batch["caption"]), s.state.micro_batch_size):
-            work.append((batch, rows, noisy, target, timesteps))
-    for i, (batch, rows, noisy, target, timesteps) in enumerate(work):
-        last = i == len(work) - 1
-        with (s.accelerator.no_sync(unet) if not last else _nullcontext()):
-            cond = conditioning_for(s, batch, rows)
-            with s.accelerator.autocast():
-                pred = unet(noisy[rows].to(s.weight_dtype), timesteps[rows],
-                            encoder_hidden_states=cond.encoder_hidden_states,
-                            added_cond_kwargs=cond.added_cond_kwargs).sample
-            loss = diffusion_loss(pred, target[rows], s.bundle.noise_scheduler, timesteps[rows],
-                                  prediction_type=s.bundle.prediction_type, snr_gamma=s.config.snr_gamma,
-                                  debiased=s.config.debiased_estimation_loss,
-                                  mask=None if batch["latent_mask"] is None else batch["latent_mask"][rows]).sum()
-            # The perceptual term joins the gradients, not the reported loss (that stays comparable).
-            extra = s.perceptual.term(s, batch, rows, pred, noisy[rows], timesteps[rows]) if s.perceptual else 0.0
-            s.accelerator.backward((loss + extra) / total)
-        loss_sum += loss.detach().float()  # no .item() here: one device sync per step, not per micro-batch
+    try:
+        with contextlib.ExitStack() as no_sync:  # with several processes, gradients are summed once, below
+            for module in s.trained.values():
+                no_sync.enter_context(s.accelerator.no_sync(module))
+            for batch, rows, noisy, target, timesteps, chosen in work:
+                cond = conditioning_for(s, batch, rows)
+                with s.accelerator.autocast():
+                    pred = unet(noisy[rows].to(s.weight_dtype), timesteps[rows],
+                                encoder_hidden_states=cond.encoder_hidden_states,
+                                added_cond_kwargs=cond.added_cond_kwargs).sample
+                mask = batch["latent_mask"]
+                loss = diffusion_loss(pred, target[rows], s.bundle.noise_scheduler, timesteps[rows],
+                                      prediction_type=s.bundle.prediction_type, snr_gamma=s.config.snr_gamma,
+                                      debiased=s.config.debiased_estimation_loss,
+                                      mask=None if mask is None else mask[rows]).sum()
+                objective = loss / images
+                if chosen:  # joins the gradients as lambda x the step's mean LPIPS, not the reported loss
+                    objective = objective + s.perceptual.term(s, batch, rows, chosen, pred, noisy[rows],
+                                                              timesteps[rows]) / perceptual_count
+                s.accelerator.backward(objective)
+                loss_sum += loss.detach().float()  # no .item() here: one device sync per step, not per micro-batch
+    except torch.cuda.OutOfMemoryError as exc:
+        if not several:
+            raise
+        failure = (str(exc).splitlines() or ["CUDA out of memory"])[0]
+    if several:
+        (loss_sum,) = agree_across_ranks(s, [loss_sum], failure)
+        sum_gradients_across_ranks(s)
+    return float(loss_sum) / images
+
+
+def agree_across_ranks(s: Session, values: list[float | torch.Tensor], failure: str | None) -> torch.Tensor:
+    """`values` summed over all ranks, in one all-reduce that also carries whether this rank ran out of memory.
+    If any rank did, every rank raises the same out-of-memory error naming them, so the memory guard shrinks
+    the micro-batch on every rank (or stops every rank) alike."""
+    flags = [torch.as_tensor(float(failure is not None)), *(torch.as_tensor(v).float() for v in values)]
+    summed = s.accelerator.reduce(torch.stack([f.to(s.device) for f in flags]), "sum")
+    if summed[0] > 0:
+        from accelerate.utils import gather_object
+
+        reasons = [f"rank {rank}: {reason}" for rank, reason in enumerate(gather_object([failure])) if reason]
+        raise torch.cuda.OutOfMemoryError(f"CUDA out of memory on {len(reasons)} of {s.accelerator.num_processes} "
+                                          f"processes ({'; '.join(reasons)}).")
+    return summed[1:]
+
+
+def sum_gradients_across_ranks(s: Session) -> None:
+    """Sum the LoRA gradients (text encoders' included) over ranks in one all-reduce; each rank already divided
+    by the global image count, so the sum is the gradient of the global mean loss."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in s.params]
+    flat = s.accelerator.reduce(torch.cat([g.flatten() for g in grads]), "sum")
+    for p, chunk in zip(s.params, flat.split([g.numel() for g in grads])):
+        if p.grad is not None:
+            p.grad.copy_(chunk.view_as(p.grad))
+
+
+def global_image_count(s: Session, batches: list[dict[str, Any]]) -> int:
+    """Images of this step on every process (ranks may hold different counts when buckets end unevenly)."""
+    count = sum(len(b["caption"]) for b in batches)
     if s.accelerator.num_processes > 1:
-        both = s.accelerator.reduce(torch.stack([loss_sum, torch.tensor(float(total), device=s.device)]), "sum")
-        return float(both[0] / both[1])
-    return float(loss_sum) / total
+        count = int(s.accelerator.reduce(torch.tensor(float(count), device=s.device), "sum"))
+    return count
 
 
 def noise_generator(s: Session, batch: dict[str, Any], purpose: str = "noise") -> torch.Generator:
@@ -324,14 +391,6 @@ def noise_generator(s: Session, batch: dict[str, Any], purpose: str = "noise") -
     (seed, epoch, place in the epoch): never by how many batches this process drew before."""
     epoch, place = batch.get("position", (s.state.epoch, s.state.batch_in_epoch))
     return torch.Generator().manual_seed(derive_seed(purpose, s.config.seed, epoch, place) % 2**63)
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def next_batches(s: Session, count: int) -> list[dict[str, Any]]:
@@ -499,8 +558,12 @@ def _export(s: Session, name: str | None = None) -> Path | None:
     if config.export_diffusers_format:
         from ..lora.export import export_diffusers_lora
 
-        export_diffusers_lora(s.run.paths.output / f"{name or config.output_name}_diffusers", unet, encoders,
-                              s.bundle.family)
+        # The run's own output folder: a later export of this run (resume, early stopping's next best)
+        # replaces its earlier one, file by file through a rename, never a file outside the run.
+        folder = s.run.paths.output / f"{name or config.output_name}_diffusers"
+        written = export_diffusers_lora(folder, unet, encoders, s.bundle.family, overwrite=True)
+        s.run.event("exported", f"Wrote diffusers-format LoRA {folder.name}/{written.name} at step {s.state.step}.",
+                    step=s.state.step, path=str(written))
     return path
 
 
@@ -563,7 +626,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
         s.batch_paths = [str(p) for b in batches for p in b["path"]]
         loss, grad_norm = training_step(s, batches)
         state.step += 1
-        state.images_seen += sum(len(b["caption"]) for b in batches) * s.accelerator.num_processes
+        state.images_seen += global_image_count(s, batches)
 
         now = time.perf_counter()
         sec_per_step = (now - last_time) if sec_per_step is None else 0.9 * sec_per_step + 0.1 * (now - last_time)

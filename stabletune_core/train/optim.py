@@ -26,7 +26,8 @@ def make_optimizer(param_groups: list[dict], config: TrainConfig) -> torch.optim
         except ImportError as exc:
             raise RuntimeError("optimizer=prodigy needs prodigyopt: pip install prodigyopt.") from exc
         return Prodigy(param_groups, lr=config.learning_rate, betas=betas, weight_decay=config.adam_weight_decay,
-                       safeguard_warmup=config.lr_warmup_steps > 0, use_bias_correction=True)
+                       eps=config.adam_epsilon, safeguard_warmup=config.lr_warmup_steps > 0,
+                       use_bias_correction=True)
     if config.optimizer in OPTIONAL_OPTIMIZERS:
         return make_optional_optimizer(param_groups, config)
     return torch.optim.AdamW(param_groups, lr=config.learning_rate, betas=betas,
@@ -104,8 +105,8 @@ def make_lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, max
     if config.optimizer == "adamw_schedulefree":  # it warms up itself; a schedule on top would undo its point
         return get_scheduler("constant", optimizer=optimizer)
     if name == "plateau":
-        # Stepped on validation loss by the plateau guard, constant otherwise.
-        name = "constant"
+        # Constant after the warm-up; the plateau guard lowers it when validation loss stalls.
+        name = "constant_with_warmup"
     return get_scheduler(name, optimizer=optimizer, num_warmup_steps=config.lr_warmup_steps,
                          num_training_steps=max_steps, num_cycles=config.lr_num_cycles, power=config.lr_power)
 

@@ -3,7 +3,8 @@
 Decoding through the VAE with gradients is the expensive part (activation memory of the decoder), so the
 term is added only on every `perceptual_every`-th step, only for images noised below
 `perceptual_timestep_max` (from very noisy latents the predicted x0 is a blur and LPIPS says nothing), and for
-at most `perceptual_batch` images per micro-batch.
+at most `perceptual_batch` images per sampler batch. The term joins the gradients as lambda x the mean LPIPS
+of the step's chosen images, whatever the micro-batch.
 
 LPIPS = an ImageNet backbone (AlexNet/VGG/SqueezeNet from torchvision) + linear layers calibrated on human
 judgements. The linear layers ship inside the lpips package; the backbone weights come from torchvision's
@@ -91,30 +92,36 @@ class Perceptual:
         self.total = 0.0
         self.count = 0
 
-    def term(self, s: Any, batch: dict[str, Any], rows: slice, pred: torch.Tensor, noisy: torch.Tensor,
-             timesteps: torch.Tensor) -> torch.Tensor | float:
-        """lambda x the sum of LPIPS over the chosen images of this micro-batch (0.0 when none qualifies)."""
+    def chosen_rows(self, step: int, timesteps: torch.Tensor) -> list[int]:
+        """Rows of one sampler batch that get the term at optimizer step `step + 1`: the first
+        `perceptual_batch` noised below `perceptual_timestep_max`. Chosen per sampler batch, before it is split
+        into micro-batches, so an OOM halving changes who gets the term not at all."""
         config = self.config
-        if (s.state.step + 1) % config.perceptual_every:
-            return 0.0
-        chosen = torch.nonzero(timesteps < config.perceptual_timestep_max).flatten()[: config.perceptual_batch]
-        if chosen.numel() == 0:
-            return 0.0
+        if (step + 1) % config.perceptual_every:
+            return []
+        return torch.nonzero(timesteps < config.perceptual_timestep_max).flatten()[: config.perceptual_batch].tolist()
+
+    def term(self, s: Any, batch: dict[str, Any], rows: slice, chosen: list[int], pred: torch.Tensor,
+             noisy: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """lambda x the sum of LPIPS over the `chosen` rows (indices in the sampler batch, all inside `rows`);
+        `pred`, `noisy` and `timesteps` are the micro-batch's. The loop divides by the step's chosen count."""
+        local = [i - rows.start for i in chosen]
         bundle = s.bundle
-        x0 = predicted_x0(bundle.noise_scheduler, bundle.prediction_type, noisy[chosen], pred[chosen],
-                          timesteps[chosen])
+        x0 = predicted_x0(bundle.noise_scheduler, bundle.prediction_type, noisy[local], pred[local],
+                          timesteps[local])
         vae = bundle.vae
         shift = getattr(vae.config, "shift_factor", None) or 0.0
-        with s.accelerator.autocast():
+        # Outside autocast: the VAE is kept in fp32 in fp16 runs exactly so that this decode does not overflow.
+        with torch.autocast(x0.device.type, enabled=False):
             decoded = vae.decode((x0 / bundle.latent_scaling + shift).to(vae.dtype)).sample.float()
-        target = self.training_pixels(s, batch, rows, chosen.tolist()).to(decoded.device)
-        expected = tuple(d * bundle.vae_scale_factor for d in x0.shape[-2:])
-        if tuple(target.shape[-2:]) != expected:  # never assume the VAE scale: ask the bundle
-            target = torch.nn.functional.interpolate(target, size=expected, mode="bilinear", antialias=True)
-        distance = self.net(decoded, target, normalize=False).flatten()  # both in [-1, 1]
+            target = self.training_pixels(s, batch, rows, local).to(decoded.device)
+            expected = tuple(d * bundle.vae_scale_factor for d in x0.shape[-2:])
+            if tuple(target.shape[-2:]) != expected:  # never assume the VAE scale: ask the bundle
+                target = torch.nn.functional.interpolate(target, size=expected, mode="bilinear", antialias=True)
+            distance = self.net(decoded, target, normalize=False).flatten()  # both in [-1, 1]
         self.total += float(distance.detach().sum())
         self.count += distance.numel()
-        return config.perceptual_lambda * distance.sum()
+        return self.config.perceptual_lambda * distance.sum()
 
     @staticmethod
     def training_pixels(s: Any, batch: dict[str, Any], rows: slice, chosen: list[int]) -> torch.Tensor:

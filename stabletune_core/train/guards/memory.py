@@ -5,6 +5,10 @@ micro-batch changes memory use and nothing else: the effective batch (and, up to
 the trajectory) stays. The random-number state is put back before the retry, so the retried step draws
 exactly what the failed attempt drew. After `retries` halvings within one step, or at micro-batch 1, the
 run saves a checkpoint and stops with advice.
+
+With several processes, an OOM on one rank reaches every rank: the step's all-reduce carries an OOM flag and
+all ranks raise together (loop.forward_backward), so this guard takes the same decision everywhere and no rank
+waits in a collective that another has left.
 """
 from __future__ import annotations
 

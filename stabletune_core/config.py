@@ -201,7 +201,10 @@ class TrainConfig(BaseModel):
     logging_steps: int = knob(1, "Write metrics every this many steps.", "output", ge=1)
     report_to: str = knob("tensorboard", "Accepted for compatibility; metrics always go to metrics.jsonl.",
                           "output", ui=False)
-    overwrite_output: bool = knob(False, "Allow replacing an existing LoRA file of the same name.", "output")
+    overwrite_output_dir: bool = knob(
+        False, "When --output_dir holds an earlier run, move that run aside into RUN/previous-<time>/ and start a "
+        "new one there (nothing is deleted); without it such a folder is refused.", "output",
+        aliases=("overwrite_output",))
 
     # ---- validation ----------------------------------------------------------------------------------
     validation_prompt: Optional[str] = knob(
@@ -424,6 +427,7 @@ def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
             problems.append(f"Model '{model}' is not a local file or folder and is not in the local hub cache; "
                             "download it once or set local_files_only=false with internet access.")
     out = Path(config.output_dir).expanduser()
+    problems += output_inside_dataset(out, data)
     probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
     if out.exists() and not out.is_dir():
         problems.append(f"Output path {out} is a file; choose a folder for the run.")
@@ -435,6 +439,18 @@ def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
             problems.append(f"Only {free_mb:.0f} MB free on the disk of {probe}; free some space (checkpoints "
                             "need a few hundred MB).")
     return problems
+
+
+def output_inside_dataset(out: Path, data: Path | None) -> list[str]:
+    """A run folder in the dataset would feed the run's own samples back as training images on resume."""
+    if data is None or not data.is_dir():
+        return []
+    out, data = out.resolve(), data.resolve()
+    if out == data or out.is_relative_to(data):
+        where = "is the dataset folder" if out == data else f"is inside the dataset folder {data}"
+        return [f"output_dir {out} {where}, so the run's samples would become training images; choose an "
+                "output folder outside it."]
+    return []
 
 
 def _looks_like_path(source: str) -> bool:

@@ -134,3 +134,81 @@ def test_kohya_names_are_checkpoint_weights(family_name, preset, tmp_path):
     if preset == "resnet_conv":  # the ResNet insides were really targeted and mapped (item 17's bug)
         for inner in ("in_layers", "out_layers", "emb_layers", "skip_connection"):
             assert any(inner in k for k, _ in used), inner
+
+
+# ---- item 18: targets that match nothing are refused, with the closest real names ----------------------------
+def test_unknown_target_is_refused_with_closest_names():
+    with pytest.raises(ConfigError) as refused:
+        bundle_with_lora("sd1", ["to_q", "to_kk", "attn1.to_vv"], False)
+    problems = refused.value.problems
+    assert len(problems) == 2  # one sentence per bad suffix; to_q is fine
+    assert "'to_kk' matches no layer of the UNet" in problems[0] and "to_k" in problems[0].split("closest")[1]
+    assert "'attn1.to_vv'" in problems[1] and "attn1.to_v" in problems[1]
+    with pytest.raises(ConfigError, match="norm1.*GroupNorm.*cannot adapt"):
+        bundle_with_lora("sdxl", ["norm1"], False)  # a real name, but no layer LoRA can train
+
+
+def test_unknown_target_fails_the_run_in_one_sentence(tiny_model, shapes_dataset, tmp_path):
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "stabletune_core", "train", "--pretrained_model_name_or_path", str(tiny_model),
+         "--train_data_dir", str(shapes_dataset), "--output_dir", str(run), "--resolution", "64",
+         "--max_train_steps", "2", "--unet_lora_targets", "to_q", "to_kv"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "'to_kv' matches no layer of the UNet" in errors[0], result.stderr
+    assert not list(run.glob("output/*.safetensors")) and not list(run.glob("checkpoints/step_*"))  # nothing trained
+    assert not (run / "metrics.jsonl").exists()
+
+
+# ---- item 19: the metadata says what was trained, without the trainer's local paths ---------------------------
+def test_metadata_has_trained_resolution_real_epoch_and_no_local_paths(tiny_config, tiny_model, shapes_dataset,
+                                                                       tmp_path, one_thread):
+    from stabletune_core.lora.export import read_lora_metadata
+    from stabletune_core.runs.reader import RunReader
+    from stabletune_core.train.loop import train
+
+    config = tiny_config(max_train_steps=5, logging_steps=1)
+    meta = read_lora_metadata(train(config))
+    assert meta["modelspec.resolution"] == f"{config.resolution}x{config.resolution}"
+    assert meta["ss_resolution"] == f"({config.resolution}, {config.resolution})"
+    last_epoch = RunReader(config.output_dir).metrics()[-1]["epoch"]  # 0-based in the run's own metrics
+    assert last_epoch >= 1 and meta["ss_epoch"] == str(last_epoch + 1)
+    for folder in (tmp_path, shapes_dataset, tiny_model):
+        leaked = [k for k, v in meta.items() if str(folder) in v]
+        assert not leaked, f"{folder} leaks into {leaked}"
+    stored = json.loads(meta["stabletune_config"])
+    assert stored["train_data_dir"] == shapes_dataset.name
+    assert stored["pretrained_model_name_or_path"] == tiny_model.name
+    assert stored["output_dir"] == "."
+    assert stored["learning_rate"] == config.learning_rate  # the rest of the config is all there
+
+
+# ---- item 20: the pinned transformers works with the pinned peft, as a user loads and switches LoRAs ----------
+def test_text_encoder_lora_loads_and_switches_in_diffusers(tiny_model, tmp_path):
+    """What a user does with our file: load it into a pipeline, then use the text encoder's adapter API (diffusers'
+    set_adapters and transformers' set_adapter / active_adapters). transformers 5.24+ refuses peft 0.21 there
+    ("please use a version >= 0.22.0"); the pinned 5.23 must not."""
+    from diffusers import StableDiffusionPipeline
+
+    from stabletune_core.lora.export import export_kohya_lora
+
+    family = get_family("sd1")
+    bundle = family.load(str(tiny_model))
+    add_lora(bundle, build_config(dict(train_text_encoder=True, lora_rank=2, lora_alpha=2)))
+    with torch.no_grad():
+        for name, p in bundle.text_encoders[0].named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    path = export_kohya_lora(tmp_path / "te.safetensors", bundle.unet, bundle.text_encoders, family, rank=2, alpha=2)
+
+    pipe = StableDiffusionPipeline.from_pretrained(str(tiny_model), local_files_only=True, safety_checker=None)
+    ids = pipe.tokenizer(["a red square"], padding="max_length", max_length=77, return_tensors="pt").input_ids
+    base = pipe.text_encoder(ids)[0]
+    pipe.load_lora_weights(str(path), adapter_name="mine")
+    pipe.set_adapters(["mine"], [0.5])
+    pipe.text_encoder.set_adapter("mine")
+    assert pipe.text_encoder.active_adapters() == ["mine"]
+    assert not torch.allclose(pipe.text_encoder(ids)[0], base, atol=1e-5)  # the text-encoder LoRA is applied

@@ -224,7 +224,10 @@ class TrainConfig(BaseModel):
         "jsonl", "Where metrics go besides metrics.jsonl (always written): 'jsonl' (nowhere else) or 'tensorboard' "
         "(event files under RUN/tensorboard: loss, lr, grad norm, memory, validation loss, sample images; open "
         "with `tensorboard --logdir RUN/tensorboard`). 'none' = jsonl, 'all' = tensorboard.", "output")
-    overwrite_output: bool = knob(False, "Allow replacing an existing LoRA file of the same name.", "output")
+    overwrite_output_dir: bool = knob(
+        False, "When --output_dir holds an earlier run, move that run aside into RUN/previous-<time>/ and start a "
+        "new one there (nothing is deleted); without it such a folder is refused.", "output",
+        aliases=("overwrite_output",))
 
     # ---- validation ----------------------------------------------------------------------------------
     validation_prompt: Optional[str] = knob(
@@ -469,6 +472,7 @@ def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
             problems.append(f"Model '{model}' is not a local file or folder and is not in the local hub cache; "
                             "download it once or set local_files_only=false with internet access.")
     out = Path(config.output_dir).expanduser()
+    problems += output_inside_dataset(out, data)
     probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
     if out.exists() and not out.is_dir():
         problems.append(f"Output path {out} is a file; choose a folder for the run.")
@@ -480,6 +484,18 @@ def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
             problems.append(f"Only {free_mb:.0f} MB free on the disk of {probe}; free some space (checkpoints "
                             "need a few hundred MB).")
     return problems
+
+
+def output_inside_dataset(out: Path, data: Path | None) -> list[str]:
+    """A run folder in the dataset would feed the run's own samples back as training images on resume."""
+    if data is None or not data.is_dir():
+        return []
+    out, data = out.resolve(), data.resolve()
+    if out == data or out.is_relative_to(data):
+        where = "is the dataset folder" if out == data else f"is inside the dataset folder {data}"
+        return [f"output_dir {out} {where}, so the run's samples would become training images; choose an "
+                "output folder outside it."]
+    return []
 
 
 def _looks_like_path(source: str) -> bool:

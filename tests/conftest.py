@@ -48,21 +48,6 @@ def tiny_config(tiny_model: Path, small_config, tmp_path: Path):
 
 
 @pytest.fixture
-def transformers_peft_gate(monkeypatch):
-    """diffusers loads text-encoder LoRAs through transformers' load_adapter, which refuses peft < 0.22.
-
-    peft 0.22 is not released yet and 0.21 does the job, so when (only when) that version gate is
-    what stands in the way, lift it for the test: we are checking our file, not transformers' pins.
-    """
-    import transformers.integrations.peft as tpeft
-
-    try:
-        tpeft.check_peft_version(min_version=tpeft.MIN_PEFT_VERSION)
-    except ValueError:
-        monkeypatch.setattr(tpeft, "check_peft_version", lambda *a, **k: None)
-
-
-@pytest.fixture
 def one_thread():
     """The tiny model is dispatch-bound: on 2 shared cores, 2 intra-op threads are many times slower than 1."""
     import torch

@@ -152,8 +152,7 @@ def _unet_inputs(unet, seed=0):
     return sample, torch.tensor([10, 500]), hidden
 
 
-def test_exported_lora_loads_in_diffusers_and_reproduces_the_trained_model(trained_run, tiny_model,
-                                                                            transformers_peft_gate):
+def test_exported_lora_loads_in_diffusers_and_reproduces_the_trained_model(trained_run, tiny_model):
     from diffusers import StableDiffusionPipeline
 
     config, session, lora_path = trained_run
@@ -196,7 +195,7 @@ def test_existing_run_is_never_overwritten(trained_run):
     from stabletune_core.train.loop import RunExists, setup
 
     config, _, _ = trained_run
-    with pytest.raises(RunExists, match="already holds a run"):
+    with pytest.raises(RunExists, match="already holds an earlier run"):
         setup(config)
 
 

@@ -132,7 +132,7 @@ def test_kohya_export(trained, tiny_model, tmp_path):
         assert f.get_tensor("lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight").dtype == torch.float16
 
 
-def test_kohya_file_loads_in_diffusers_with_same_outputs(trained, tiny_model, tmp_path, transformers_peft_gate):
+def test_kohya_file_loads_in_diffusers_with_same_outputs(trained, tiny_model, tmp_path):
     bundle = trained
     te, tok = bundle.text_encoders[0], bundle.tokenizers[0]
     path = export_kohya_lora(tmp_path / "k.safetensors", bundle.unet, [te], bundle.family, rank=RANK, alpha=ALPHA,
@@ -149,7 +149,7 @@ def test_kohya_file_loads_in_diffusers_with_same_outputs(trained, tiny_model, tm
     torch.testing.assert_close(got_unet, want_unet, rtol=1e-4, atol=1e-5)
 
 
-def test_diffusers_export_loads_with_same_outputs(trained, tiny_model, tmp_path, transformers_peft_gate):
+def test_diffusers_export_loads_with_same_outputs(trained, tiny_model, tmp_path):
     bundle = trained
     te, tok = bundle.text_encoders[0], bundle.tokenizers[0]
     target = export_diffusers_lora(tmp_path / "dlora", bundle.unet, [te], bundle.family)

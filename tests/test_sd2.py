@@ -101,7 +101,7 @@ def trained(tiny_sd2, small_config, tmp_path_factory):
     return session, train(config, session=session)
 
 
-def test_training_and_kohya_export(trained, bundle, tiny_sd2, transformers_peft_gate):
+def test_training_and_kohya_export(trained, bundle, tiny_sd2):
     from diffusers import StableDiffusionPipeline
 
     session, path = trained

@@ -153,7 +153,7 @@ def _outputs(pipe_or_bundle_unet, encoders, tokenizers, family, bundle):
         return text, _unet_out(pipe_or_bundle_unet, fixed)
 
 
-def test_kohya_export_loads_in_diffusers_with_same_outputs(trained, tiny_sdxl, transformers_peft_gate):
+def test_kohya_export_loads_in_diffusers_with_same_outputs(trained, tiny_sdxl):
     from diffusers import StableDiffusionXLPipeline
 
     session, path = trained

@@ -8,6 +8,7 @@ batches, and sees the same crops, flips and captions it would have seen.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 import os
@@ -43,9 +44,10 @@ def derive_seed(*parts: object) -> int:
 class BucketBatchSampler:
     """Batches in which every index shares one bucket, in a per-epoch order.
 
-    `entries` is the list of (item index, bucket) already expanded by repeats
-    (an item with repeats 5 appears 5 times). The order of epoch E depends
-    only on (seed, E), so `batches_for_epoch(E)[K:]` resumes mid-epoch.
+    `entries` are (item index, bucket) or (item index, bucket, repeats): an item with repeats 5 appears 5 times
+    per epoch. Repeats are never expanded into a list: the order of epoch E is a keyed pseudo-random permutation
+    (seeded by (seed, E)) computed one batch at a time, so memory and set-up time do not grow with the repeat
+    counts and `batches_for_epoch(E)[K]` is batch K of epoch E without building the others (resume mid-epoch).
 
     The last, incomplete batch of each bucket is kept as a smaller batch.
     Dropping it (drop_last) would silently never train images that land in a
@@ -53,34 +55,50 @@ class BucketBatchSampler:
     bucketing; a slightly smaller batch now and then is the cheaper price.
     """
 
-    def __init__(self, entries: Sequence[tuple[int, Bucket]], batch_size: int, seed: int) -> None:
+    def __init__(self, entries: Sequence[tuple], batch_size: int, seed: int) -> None:
         if batch_size < 1:
             raise ValueError(f"Batch size must be at least 1, got {batch_size}.")
         if not entries:
             raise ValueError("Cannot make batches from an empty dataset.")
-        groups: dict[Bucket, list[int]] = {}
-        for index, bucket in entries:
-            groups.setdefault(tuple(bucket), []).append(index)
-        self._groups = dict(sorted(groups.items()))  # fixed order before any shuffling
+        groups: dict[Bucket, tuple[list[int], list[int]]] = {}  # bucket -> (indices, running total of repeats)
+        for index, bucket, *repeats in entries:
+            count = repeats[0] if repeats else 1
+            if count < 1:
+                continue
+            indices, totals = groups.setdefault(tuple(bucket), ([], []))
+            indices.append(index)
+            totals.append((totals[-1] if totals else 0) + count)
+        if not groups:
+            raise ValueError("Cannot make batches from an empty dataset.")
+        self._groups = list(dict(sorted(groups.items())).values())  # fixed order before any shuffling
         self.batch_size = batch_size
         self.seed = seed
         self.epoch = 0
         self.skip_batches = 0
+        batch_totals, total = [], 0
+        for _, totals in self._groups:
+            total += math.ceil(totals[-1] / batch_size)
+            batch_totals.append(total)
+        self._batch_totals = batch_totals  # running total of batches over the buckets
 
     def __len__(self) -> int:
-        return sum(math.ceil(len(indices) / self.batch_size) for indices in self._groups.values())
+        return self._batch_totals[-1]
 
-    def batches_for_epoch(self, epoch: int) -> list[list[int]]:
-        rng = random.Random(derive_seed("batches", self.seed, epoch))
-        batches: list[list[int]] = []
-        for indices in self._groups.values():
-            order = list(indices)
-            rng.shuffle(order)
-            batches.extend(order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size))
-        # Shuffle across buckets too, so the model does not see all portraits
-        # and then all landscapes.
-        rng.shuffle(batches)
-        return batches
+    def batches_for_epoch(self, epoch: int) -> "EpochOrder":
+        """The batches of `epoch`, in order, as a lazy sequence (len, indexing, slicing, iteration)."""
+        return EpochOrder(self, epoch)
+
+    def batch(self, epoch: int, k: int) -> list[int]:
+        """Batch `k` of `epoch`: item indices, all in one bucket."""
+        key = derive_seed("batches", self.seed, epoch)
+        slot = _permute(k, len(self), key)  # shuffle across buckets too, so portraits and landscapes mix
+        group = bisect.bisect_right(self._batch_totals, slot)
+        first_batch = self._batch_totals[group - 1] if group else 0
+        indices, totals = self._groups[group]
+        size, bucket_key = totals[-1], derive_seed("bucket", self.seed, epoch, group)
+        start = (slot - first_batch) * self.batch_size
+        positions = (_permute(p, size, bucket_key) for p in range(start, min(start + self.batch_size, size)))
+        return [indices[bisect.bisect_right(totals, p)] for p in positions]
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """Choose what `__iter__` yields (for use as a DataLoader batch_sampler)."""
@@ -88,7 +106,54 @@ class BucketBatchSampler:
         self.skip_batches = skip_batches
 
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self.batches_for_epoch(self.epoch)[self.skip_batches :]
+        order = self.batches_for_epoch(self.epoch)
+        for k in range(self.skip_batches, len(order)):
+            yield order[k]
+
+
+class EpochOrder(Sequence):
+    """The batches of one epoch, computed when asked for (see BucketBatchSampler)."""
+
+    def __init__(self, sampler: BucketBatchSampler, epoch: int) -> None:
+        self.sampler, self.epoch = sampler, epoch
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if not -len(self) <= k < len(self):
+            raise IndexError(k)
+        return self.sampler.batch(self.epoch, k % len(self))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+
+def _permute(i: int, n: int, key: int) -> int:
+    """Position `i` of a keyed pseudo-random permutation of range(n), in O(1) memory: a 4-round Feistel network
+    on the smallest even-bit domain holding n, walking the cycle until the result falls inside range(n)."""
+    if n <= 1:
+        return 0
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = (1 << half) - 1
+    x = i
+    while True:
+        left, right = x >> half, x & mask
+        for round_ in range(4):
+            left, right = right, left ^ (_mix(key + round_ * 0x9E3779B97F4A7C15 + right) & mask)
+        x = (left << half) | right
+        if x < n:
+            return x
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit hash of an integer."""
+    x &= 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
 
 
 class DatasetView:
@@ -137,7 +202,7 @@ class DatasetView:
         self.tag_dropout = tag_dropout
         self.seed = seed
         self.cache_latents = cache_latents
-        self.notes: list[str] = []
+        self.notes: list[str] = list(scan.notes)  # what the scan decided from folder names (0_ folders)
         if cache_latents and random_crop:
             self.notes.append("Random crop is off because latents are cached: cached latents use a center crop.")
             random_crop = False
@@ -178,11 +243,13 @@ class DatasetView:
         return len(self.items)
 
     def entries(self) -> list[tuple[int, Bucket]]:
-        """(index, bucket) for every item, repeated `repeats` times: the sampler's input."""
+        """(index, bucket) for every item, repeated `repeats` times (what one epoch holds; for inspection)."""
         return [(i, self.item_buckets[i]) for i, item in enumerate(self.items) for _ in range(item.repeats)]
 
     def sampler(self, batch_size: int) -> BucketBatchSampler:
-        return BucketBatchSampler(self.entries(), batch_size, self.seed)
+        """The batch sampler; repeats are passed as counts, never expanded."""
+        entries = [(i, self.item_buckets[i], item.repeats) for i, item in enumerate(self.items)]
+        return BucketBatchSampler(entries, batch_size, self.seed)
 
     def example(self, index: int, epoch: int, *, with_pixels: bool = True) -> dict[str, Any]:
         """One training example: pixel_values, caption, path and the SDXL sizes.

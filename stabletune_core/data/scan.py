@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import ConfigError
 from .buckets import assign_bucket
 from .images import IMAGE_EXTENSIONS, UnreadableImageError, load_image
 from .masks import MASK_FOLDER, is_mask_file
@@ -23,6 +24,9 @@ from .masks import MASK_FOLDER, is_mask_file
 # Kohya's convention: a folder named "10_mychar" repeats its images 10 times
 # per epoch, so small concepts can be balanced against large ones.
 _REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
+# More repeats than this is a folder name that was not meant as a repeat count (a date, an id).
+MAX_REPEATS = 1000
+_DATE = re.compile(r"^(19|20)\d\d(0[1-9]|1[0-2])(0[1-9]|[12]\d|3[01])$")
 
 # Folders that tools create next to real data; scanning them would train on
 # duplicates (.ipynb_checkpoints) or on macOS resource forks (__MACOSX).
@@ -31,6 +35,13 @@ _IGNORED_FOLDERS = {"__MACOSX"}
 
 class DatasetError(ValueError):
     """The dataset folder cannot be used at all; the message says what to do."""
+
+
+class RepeatFolderError(DatasetError, ConfigError):
+    """A kohya `N_name` folder name that cannot be meant as a repeat count: bad input, one sentence."""
+
+    def __init__(self, sentence: str) -> None:
+        ConfigError.__init__(self, [sentence])
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,7 @@ class DatasetScan:
     root: Path
     items: list[DataItem] = field(default_factory=list)
     skipped: list[SkippedFile] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the folder names made the scan do (0_ folders)
 
     @property
     def total_with_repeats(self) -> int:
@@ -93,10 +105,11 @@ class DatasetScan:
 def scan_dataset(root: Path, default_caption: str = "", caption_extension: str = ".txt") -> DatasetScan:
     """Find every usable image under `root`, in sorted, deterministic order.
 
-    Images directly in `root` get repeats 1. A subfolder named `N_name` (N >= 1)
+    Images directly in `root` get repeats 1. A subfolder named `N_name` (1 <= N <= 1000)
     gives repeats N to every image inside it, including nested folders; other
-    subfolders are scanned recursively with repeats 1. Non-image files are
-    ignored silently; images that fail to decode go to `skipped`.
+    subfolders are scanned recursively with repeats 1. A `0_name` folder is left
+    out (kohya does the same) and `notes` says so; N above 1000 is refused.
+    Non-image files are ignored silently; images that fail to decode go to `skipped`.
     """
     root = Path(root).expanduser()
     if not root.exists():
@@ -105,8 +118,8 @@ def scan_dataset(root: Path, default_caption: str = "", caption_extension: str =
         raise DatasetError(f"Dataset path {root} is a file, not a folder: choose the folder that holds your images.")
     caption_extension = _normalise_extension(caption_extension)
 
-    candidates = list(_find_images(root))
     scan = DatasetScan(root=root)
+    candidates = list(_find_images(root, scan.notes))
     # Decoding is mostly C code that releases the GIL, so threads give a real
     # speed-up on large folders; map() keeps the sorted order.
     workers = min(8, os.cpu_count() or 1)
@@ -115,6 +128,11 @@ def scan_dataset(root: Path, default_caption: str = "", caption_extension: str =
         for result in results:
             (scan.items if isinstance(result, DataItem) else scan.skipped).append(result)
 
+    if not scan.items and scan.notes and not scan.skipped:
+        zero = sorted(p.name for p in root.iterdir() if p.is_dir() and folder_repeats(p.name) == 0)
+        raise RepeatFolderError(f"Dataset folder {root} has nothing to train: its images are in 0_ folders "
+                                f"({', '.join(zero)}), which 0 repeats leave out as in kohya's trainer; rename "
+                                f"{zero[0]} to 1_{zero[0][2:]}.")
     if not scan.items:
         raise DatasetError(_no_images_sentence(root, scan.skipped))
     return scan
@@ -145,8 +163,32 @@ def _normalise_extension(extension: str) -> str:
     return extension if extension.startswith(".") else f".{extension}"
 
 
-def _find_images(root: Path) -> Iterator[tuple[Path, int]]:
-    """Yield (path, repeats) for every image-extension file, sorted, depth first."""
+def folder_repeats(name: str) -> int | None:
+    """The kohya repeat count a top-level folder name asks for (None: not an `N_name` folder).
+
+    Refuses counts above MAX_REPEATS in one sentence: such a name is a date or an id, and taking it literally
+    would make one epoch of millions of images.
+    """
+    match = _REPEAT_FOLDER.match(name)
+    if not match:
+        return None
+    digits, rest = match.groups()
+    repeats = int(digits)
+    if repeats <= MAX_REPEATS:
+        return repeats
+    if _DATE.match(digits):
+        raise RepeatFolderError(f"Folder {name} reads as {repeats:,} repeats (kohya's N_name folders repeat "
+                                f"their images N times), but {digits} looks like a date; rename it to e.g. "
+                                f"{rest}_{digits} (or 1_{name} to repeat it once).")
+    raise RepeatFolderError(f"Folder {name} asks for {repeats:,} repeats per epoch, more than the {MAX_REPEATS} "
+                            f"allowed; rename it with a smaller count such as 10_{rest}.")
+
+
+def _find_images(root: Path, notes: list[str] | None = None) -> Iterator[tuple[Path, int]]:
+    """Yield (path, repeats) for every image-extension file, sorted, depth first.
+
+    A top-level `0_name` folder is left out, as kohya's trainer does; `notes` gets one sentence saying so.
+    """
 
     def walk(folder: Path, repeats: int, seen: set[Path]) -> Iterator[tuple[Path, int]]:
         real = folder.resolve()
@@ -163,11 +205,16 @@ def _find_images(root: Path) -> Iterator[tuple[Path, int]]:
             if is_mask_file(entry) or (entry.name == MASK_FOLDER and entry.is_dir()):
                 continue  # loss masks (masks.py), not training images
             if entry.is_dir():
-                match = _REPEAT_FOLDER.match(entry.name)
                 # Only a folder directly in root sets repeats (like kohya);
                 # everything below it inherits them.
-                sub_repeats = int(match.group(1)) if folder == root and match and int(match.group(1)) >= 1 else repeats
-                yield from walk(entry, sub_repeats, seen)
+                asked = folder_repeats(entry.name) if folder == root else None
+                if asked == 0:
+                    count = sum(1 for _ in walk(entry, 0, seen))
+                    if notes is not None:
+                        notes.append(f"Folder {entry.name} asks for 0 repeats, so its {count} image(s) are left out "
+                                     f"(as in kohya's trainer); rename it to 1_{entry.name[2:]} to train them.")
+                    continue
+                yield from walk(entry, asked or repeats, seen)
             elif entry.suffix.lower() in IMAGE_EXTENSIONS:
                 yield entry, repeats
 

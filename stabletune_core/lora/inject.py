@@ -1,15 +1,28 @@
 """Put LoRA adapters on the UNet and text encoders with peft, the way diffusers' own scripts do."""
 from __future__ import annotations
 
+import difflib
+
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 
-from ..config import TrainConfig
+from ..config import ConfigError, TrainConfig
 from ..models.base import ModelBundle
 
 
 def add_lora(bundle: ModelBundle, config: TrainConfig) -> None:
-    """Freeze the base model and add trainable LoRA adapters (fp32, whatever the base dtype)."""
+    """Freeze the base model and add trainable LoRA adapters (fp32, whatever the base dtype).
+
+    A target suffix that names no layer would silently train nothing there, so it is refused first
+    (ConfigError, one sentence per suffix, with the closest real names).
+    """
+    problems = unmatched_targets(bundle.unet, config.unet_lora_targets, "unet_lora_targets", "UNet")
+    if config.train_text_encoder:
+        for i, encoder in enumerate(bundle.text_encoders):
+            problems += unmatched_targets(encoder, bundle.family.text_encoder_lora_targets,
+                                          "text_encoder_lora_targets", f"text encoder {i + 1}")
+    if problems:
+        raise ConfigError(problems)
     bundle.unet.requires_grad_(False)
     bundle.vae.requires_grad_(False)
     for encoder in bundle.text_encoders:
@@ -18,11 +31,43 @@ def add_lora(bundle: ModelBundle, config: TrainConfig) -> None:
                 init_lora_weights="gaussian")
     bundle.unet.add_adapter(LoraConfig(target_modules=list(config.unet_lora_targets), **lora))
     if config.train_text_encoder:
-        # transformers 5 refuses PreTrainedModel.add_adapter with peft < 0.22; peft's own injection makes the
-        # same modules and works with every version.
+        # peft's own injection makes the same modules as PreTrainedModel.add_adapter and does not depend on
+        # transformers' peft version gate (5.24+ refuses peft < 0.22 there; requirements.txt pins 5.23).
         for encoder in bundle.text_encoders:
             inject_adapter_in_model(LoraConfig(target_modules=list(bundle.family.text_encoder_lora_targets), **lora),
                                     encoder, adapter_name="default")
+
+
+#: Layer types peft can put a LoRA on (what a target suffix must name to train anything).
+ADAPTABLE = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+
+
+def unmatched_targets(model: torch.nn.Module, targets: list[str], knob: str, what: str) -> list[str]:
+    """One sentence per target suffix that matches no layer LoRA can adapt (peft's rule: the module name is the
+    suffix, or ends with '.' + suffix), naming the closest real suffixes."""
+    layers = {name: type(m).__name__ for name, m in model.named_modules() if name}
+    adaptable = [name for name, m in model.named_modules() if isinstance(m, ADAPTABLE)]
+    problems = []
+    for target in targets:
+        matched = [n for n in layers if n == target or n.endswith("." + target)]
+        if any(n in adaptable for n in matched):
+            continue
+        if matched:
+            kinds = ", ".join(sorted({layers[n] for n in matched}))
+            problems.append(f"{knob}: '{target}' names only {kinds} layers of the {what}, which LoRA cannot adapt; "
+                            f"use Linear or Conv layers such as {_closest(target, adaptable)}.")
+        else:
+            problems.append(f"{knob}: '{target}' matches no layer of the {what}, so it would train nothing; "
+                            f"the closest real names are {_closest(target, adaptable)}.")
+    return problems
+
+
+def _closest(target: str, names: list[str]) -> str:
+    """The real suffixes (last one to three name parts) nearest to `target`, for a 'did you mean'."""
+    suffixes = {".".join(n.split(".")[-k:]) for n in names for k in (1, 2, 3)}
+    suffixes = sorted(s for s in suffixes if not s[0].isdigit())
+    close = difflib.get_close_matches(target, suffixes, n=3, cutoff=0.4) or suffixes[:3]
+    return ", ".join(close)
 
 
 def lora_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

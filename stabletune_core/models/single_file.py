@@ -70,16 +70,18 @@ def _rename(key: str, table: list[tuple[str, str]]) -> str:
     return key
 
 
+def _original_unet_key(key: str, table: list[tuple[str, str]]) -> str:
+    """One diffusers UNet key (a weight or a module path) in the original layout, ResNet insides included."""
+    new = _rename(key, table)
+    if "resnets" in key:
+        for orig, diff in _UNET_RESNET:
+            new = new.replace(diff, orig)
+    return new
+
+
 def convert_unet_state_dict(unet) -> dict[str, torch.Tensor]:
     table = _unet_prefix_table(unet.config)
-    out = {}
-    for key, value in unet.state_dict().items():
-        new = _rename(key, table)
-        if "resnets" in key:
-            for orig, diff in _UNET_RESNET:
-                new = new.replace(diff, orig)
-        out[UNET_PREFIX + new] = value
-    return out
+    return {UNET_PREFIX + _original_unet_key(key, table): value for key, value in unet.state_dict().items()}
 
 
 def _vae_prefix_table(config) -> list[tuple[str, str]]:
@@ -212,5 +214,6 @@ def diffusers_to_original_sdxl(unet, vae, text_encoder, text_encoder_2) -> dict[
 def sgm_unet_module_path(module_path: str, unet_config) -> str:
     """A diffusers UNet module path in the original (SGM / CompVis) layout, e.g.
     ``down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`` -> ``input_blocks.4.1.transformer_blocks.0.attn1.to_q``
-    for SDXL. This is how kohya names SDXL LoRA modules."""
-    return _rename(module_path + ".", _unet_prefix_table(unet_config))[:-1]
+    for SDXL, and ``down_blocks.1.resnets.0.conv1`` -> ``input_blocks.4.0.in_layers.2`` (the ResNet insides are
+    renamed too, exactly as in the checkpoint). This is how kohya names SDXL LoRA modules."""
+    return _original_unet_key(module_path + ".", _unet_prefix_table(unet_config))[:-1]

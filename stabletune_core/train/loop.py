@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -46,7 +47,10 @@ from .validation import split_validation
 
 
 class RunExists(ConfigError):
-    pass
+    """The output folder holds an earlier run. The sentence is the failure; the earlier run's own status.json
+    and events.jsonl must not be rewritten to say so (they describe that run, not this refusal)."""
+
+    earlier_run_untouched = True
 
 
 @dataclass
@@ -100,14 +104,60 @@ class Session:
 
 
 # ---- set up -----------------------------------------------------------------------------------------------
+#: What a run leaves in RUN/ (see runs/layout.py); train.log stays: the UI's launcher holds it open for this run.
+RUN_ARTEFACTS = ("config.toml", "status.json", "metrics.jsonl", "events.jsonl", "control.json", "samples",
+                 "diagnostics", "checkpoints", "output", "cache")
+
+
 def prepare_run_dir(config: TrainConfig) -> RunWriter:
-    """Refuse to write over someone else's run; freeze the config for this one."""
+    """Never write over an earlier run: refuse (one sentence), or with --overwrite_output_dir move it aside.
+
+    Runs before the dataset scan and the model load. A folder that only holds this run's own config.toml (the
+    UI writes it, then starts the engine on it) or a run that never trained a step is not an earlier run.
+    """
     writer = RunWriter(config.output_dir, enabled=False)
-    has_run = writer.paths.checkpoints.is_dir() and any(writer.paths.checkpoints.glob("step_*"))
-    if has_run and not config.resume_from_checkpoint:
-        raise RunExists([f"Run directory {writer.paths.root} already holds a run with checkpoints; pass "
-                         "--resume auto to continue it, or choose a new --output_dir."])
+    if config.resume_from_checkpoint:
+        return writer
+    found = earlier_run(writer, config)
+    if not found:
+        return writer
+    root = writer.paths.root
+    aside = root / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    if not config.overwrite_output_dir:
+        raise RunExists([f"Output folder {root} already holds an earlier run ({found}); pass --resume auto to "
+                         f"continue it, choose a new --output_dir, or pass --overwrite_output_dir to move it aside "
+                         f"into {aside.name}/ and start afresh."])
+    if os.environ.get("RANK", "0") == "0":  # with several processes, the first one moves; nothing is deleted
+        n = 2
+        while aside.exists():
+            aside, n = root / f"previous-{time.strftime('%Y%m%d-%H%M%S')}-{n}", n + 1
+        aside.mkdir()
+        for name in RUN_ARTEFACTS:
+            if (root / name).exists():
+                (root / name).rename(aside / name)
+        print(f"note: moved the earlier run in {root} aside into {aside.name}/ (--overwrite_output_dir).",
+              file=sys.stderr)
     return writer
+
+
+def earlier_run(writer: RunWriter, config: TrainConfig) -> str:
+    """What in the run folder shows that an earlier run trained there ("" when nothing does)."""
+    paths = writer.paths
+    if paths.checkpoints.is_dir() and any(paths.checkpoints.glob("step_*")):
+        return "checkpoints"
+    if paths.output.is_dir() and any(paths.output.iterdir()):
+        return f"{paths.output.name}/{sorted(p.name for p in paths.output.iterdir())[0]}"
+    if paths.metrics.is_file() and paths.metrics.stat().st_size:
+        return paths.metrics.name
+    if paths.samples.is_dir() and any(paths.samples.iterdir()):
+        return paths.samples.name
+    if paths.config.is_file():
+        try:
+            if TrainConfig.from_toml(paths.config) != config:
+                return f"{paths.config.name} of another configuration"
+        except Exception:  # not even a config of ours: someone else's file
+            return paths.config.name
+    return ""
 
 
 def weight_dtype_for(config: TrainConfig) -> torch.dtype:
@@ -553,7 +603,7 @@ def _export(s: Session, name: str | None = None) -> Path | None:
                              alpha=config.effective_lora_alpha, metadata=metadata,
                              dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.save_precision,
                                                                                        torch.float32),
-                             overwrite=config.overwrite_output or path.parent == s.run.paths.output)
+                             overwrite=True)  # RUN/output is this run's own: prepare_run_dir moved any other aside
     s.run.event("exported", f"Wrote LoRA {path.name} at step {s.state.step}.", step=s.state.step, path=str(path))
     if config.export_diffusers_format:
         from ..lora.export import export_diffusers_lora
@@ -568,17 +618,20 @@ def _export(s: Session, name: str | None = None) -> Path | None:
 
 
 def training_metadata(s: Session) -> dict[str, str]:
+    """kohya's ss_* keys as this run trained (they override the family's defaults), and the config without
+    the user's local paths."""
     config = s.config
     return {
         "ss_output_name": config.output_name,
         "ss_sd_model_name": Path(config.pretrained_model_name_or_path).name,
         "ss_resolution": f"({config.resolution}, {config.resolution})",
+        "modelspec.resolution": f"{config.resolution}x{config.resolution}",
         "ss_tag_frequency": json.dumps(s.data.scan.tag_frequency()),
         "ss_training_started_at": str(s.run._started),
         "ss_training_finished_at": str(time.time()),
         "ss_steps": str(s.state.step),
         "ss_max_train_steps": str(s.max_steps),
-        "ss_epoch": str(s.state.epoch),
+        "ss_epoch": str(s.state.epoch + 1),  # kohya counts epochs from 1; state.epoch is the one being drawn from
         "ss_learning_rate": str(config.learning_rate),
         "ss_text_encoder_lr": str(config.text_encoder_lr or config.learning_rate),
         "ss_unet_lr": str(config.learning_rate),
@@ -596,8 +649,26 @@ def training_metadata(s: Session) -> dict[str, str]:
         "ss_debiased_estimation": str(config.debiased_estimation_loss),
         "ss_network_dropout": str(config.lora_dropout),
         "ss_num_train_images": str(len(s.data)),
-        "stabletune_config": config.model_dump_json(),
+        "stabletune_config": json.dumps(shareable_config(config)),
     }
+
+
+def shareable_config(config: TrainConfig) -> dict[str, Any]:
+    """The config as it goes into a LoRA people share: folders and files by their names only (the run's own
+    folder is "."), never the absolute paths of the machine it was trained on; a hub id stays as it is."""
+    values = config.model_dump(mode="json")
+    run = Path(config.output_dir).expanduser().resolve()
+    for key in ("pretrained_model_name_or_path", "train_data_dir", "model_config_dir", "resume_from_checkpoint"):
+        value = values.get(key)
+        if not value or value in ("auto", "latest"):
+            continue
+        path = Path(value).expanduser()
+        if not (path.is_absolute() or path.exists()):
+            continue  # a hub id
+        path = path.resolve()
+        values[key] = path.relative_to(run).as_posix() if path.is_relative_to(run) else path.name
+    values["output_dir"] = "."
+    return values
 
 
 # ---- the loop ------------------------------------------------------------------------------------------

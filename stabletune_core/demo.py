@@ -54,19 +54,27 @@ def draw_demo_dataset(folder: Path, *, count: int = 24, size: int = 64, seed: in
     return folder
 
 
-DEMO_IMAGES = 12
+DEMO_IMAGES = 12  # of the new concept
+DEMO_PRIOR_IMAGES = 24  # of colours the base already draws
 
 
 def demo_assets() -> tuple[Path, Path]:
-    """The toy base model and the concept dataset (purple shapes), built once into the cache folder."""
+    """The toy base model and the demo dataset, built once into the cache folder.
+
+    The dataset holds 12 purple shapes (the concept) and 24 shapes in the base colours, captioned the same way:
+    prior preservation, as DreamBooth and kohya users do it. Without those, the LoRA finds the cheapest way to
+    make purple (tint everything towards blue): measured on the toy base, red then comes out magenta (red
+    100 % -> 0 %) and green cyan; with them, every base colour stays at 100 % while purple goes 0 % -> 83 %.
+    """
     from .toy import toy_base_model
-    from .toy.world import concept_scenes, write_dataset
+    from .toy.world import CONCEPT_COLOR, base_scenes, concept_scenes, write_dataset
 
     model = toy_base_model()
-    data = cache_root() / "demo-v2" / "purple-shapes"
+    data = cache_root() / "demo-v3" / "purple-lora"
     if not data.is_dir():
         staging = data.with_name(f".{data.name}.{os.getpid()}.tmp")
-        write_dataset(staging, concept_scenes(DEMO_IMAGES))
+        write_dataset(staging / f"1_{CONCEPT_COLOR}", concept_scenes(DEMO_IMAGES))
+        write_dataset(staging / "1_known_colours", base_scenes(DEMO_PRIOR_IMAGES, seed=78))
         try:
             os.replace(staging, data)
         except OSError:  # another process wrote it first

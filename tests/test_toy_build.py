@@ -1,0 +1,28 @@
+"""The build script reproduces the shipped toy base: same recipe, final losses within tolerance, same skill.
+
+About 25 minutes on 2 CPU cores, so it is marked slow and run by `bench/toy_rebuild.sh`, not in every CI run.
+Bitwise equality is not promised across machines (float summation order), only the recorded numbers.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stabletune_core.toy import WEIGHTS
+
+LOSS_TOLERANCE = 0.10  # relative, on the mean of the last training losses
+
+
+@pytest.mark.slow
+def test_rebuild_matches_the_shipped_manifest(tmp_path):
+    from stabletune_core.toy.build import build
+
+    shipped = json.loads((WEIGHTS / "manifest.json").read_text())
+    rebuilt = build(tmp_path / "weights", vae_steps=shipped["vae_steps"], vae_batch=shipped["vae_batch"],
+                    unet_steps=shipped["unet_steps"], unet_batch=shipped["unet_batch"],
+                    scenes_per_combo=shipped["scenes_per_combo"], log=lambda message: None)
+    for key in ("final_vae_loss", "final_unet_loss"):
+        assert rebuilt[key] == pytest.approx(shipped[key], rel=LOSS_TOLERANCE), key
+    assert rebuilt["scores"]["base_color_score"] >= 0.85
+    assert rebuilt["scores"]["concept_score"] < 0.10

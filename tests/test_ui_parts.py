@@ -3,6 +3,7 @@ diagnostics, status line, the launcher and app.py's flags."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import subprocess
@@ -141,6 +142,23 @@ def test_metrics_frames_for_the_plots() -> None:
     assert len(thinned) <= plots.MAX_POINTS + 1 and thinned["step"].iloc[-1] == 4999
     events = plots.events_frame([{"step": 1, "kind": "a", "message": "x"}, {"step": None, "kind": "b", "message": "y"}])
     assert list(events["kind"]) == ["b", "a"]
+
+
+def test_plot_updates_never_send_empty_frames_or_a_changed_series_set() -> None:
+    """Issue 12.1: a LinePlot keeps the axes and colours of the first frame it drew, so an empty frame, an
+    Inf, or a series that appears later would leave it blank or incomplete."""
+    early = plots.metrics_frame([{"step": s, "grad_norm": 0.5, "clip_threshold": "nan"} for s in range(1, 4)])
+    late = plots.metrics_frame([{"step": s, "grad_norm": "inf" if s == 5 else 0.5, "clip_threshold": 1.0}
+                                for s in range(1, 8)])
+    grad = plots.plot_frame(late, "grad")
+    assert grad["value"].map(math.isfinite).all() and 5 not in set(grad[grad["series"] == "grad norm"]["step"])
+    assert plots.plot_update(plots.plot_frame(plots.metrics_frame([]), "grad"), None) == (None, ())
+    value, drawn = plots.plot_update(plots.plot_frame(early, "grad"), ())
+    assert drawn == ("grad norm",) and len(value) == 3
+    value, drawn = plots.plot_update(grad, drawn)  # the clip threshold appears: clear first ...
+    assert value is None and drawn == ()
+    value, drawn = plots.plot_update(grad, drawn)  # ... then the plot is rebuilt with both series
+    assert drawn == ("clip threshold", "grad norm") and set(value["series"]) == set(drawn)
 
 
 def test_sample_gallery_lines_up_prompts_and_seeds(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from ..compat import make, unchanged
 from ..context import UIContext
 
 TITLE = "Monitor"
+PLOTS = ("loss", "lr", "grad", "memory")
 
 
 def _plot(ctx: UIContext, name: str) -> None:
@@ -50,7 +51,14 @@ def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
     key = (str(ctx.hub.attached), len(metrics), len(events))
     if seen.get("monitor") == key:  # nothing new: send nothing, the browser keeps its plots
         return [unchanged()] * 6
-    seen["monitor"] = key
     frame = plots.metrics_frame(metrics)
-    return [plots.summary(frame), *(plots.plot_frame(frame, n) for n in ("loss", "lr", "grad", "memory")),
-            plots.events_frame(events)]
+    drawn = seen.setdefault("monitor.series", {})
+    values, waiting = [], False
+    for name in PLOTS:
+        long = plots.plot_frame(frame, name)
+        value, drawn[name] = plots.plot_update(long, drawn.get(name))
+        values.append(value)
+        waiting |= value is None and not long.empty  # cleared for a new series set: data on the next tick
+    if not waiting:
+        seen["monitor"] = key
+    return [plots.summary(frame), *values, plots.events_frame(events)]

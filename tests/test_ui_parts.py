@@ -207,7 +207,7 @@ def test_status_line() -> None:
                                 "eta_seconds": 20, "loss": 0.1234}, {"kind": "samples", "message": "Made 4 images."})
     assert "step 40/120" in line and "4.00 it/s" in line and "ETA 0:00:20" in line and "Made 4 images" in line
     assert speed(4.0) == "4.00 s/it" and speed(None) == "–"
-    assert "engine process is gone" in status_line("x", {"state": "training", "stale": True}, None)
+    assert "ETA" not in status_line("x", {"state": "stopped", "eta_seconds": 5}, None)
 
 
 # ---- launcher ---------------------------------------------------------------------------------------------
@@ -270,6 +270,65 @@ def test_hub_reattaches_to_the_live_run(tmp_path: Path) -> None:
     data["updated_at"] = time.time()
     RunPaths(tmp_path / "old").status.write_text(json.dumps(data))
     assert RunHub(tmp_path).attach_default() == tmp_path / "live"
+
+
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory: pytest.TempPathFactory):
+    """The whole UI built in this process (no browser): its context, for calling the tabs' handlers."""
+    from extension.settings import UISettings
+    from extension.ui import build_ui
+
+    return build_ui(UISettings(runs_dir=tmp_path_factory.mktemp("ui-runs"))).stabletune_context
+
+
+def raw_form(ctx, **values) -> list:
+    """What the browser sends for the whole form: the defaults as widgets show them, with `values`."""
+    from extension.form import display_value
+
+    shown = {n: display_value(f, f["default"]) for n, f in ctx.form.fields.items()}
+    shown.update(values)
+    return [shown[n] for n in ctx.form.names]
+
+
+def test_start_refuses_a_dataset_without_usable_images(ui, tmp_path: Path) -> None:
+    """Issue 12.2: Check settings and Start run the engine's dataset check; no run folder is made."""
+    from extension.tabs import model as model_tab, train as train_tab
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("no images here")
+    raw = raw_form(ui, train_data_dir=str(empty), pretrained_model_name_or_path=str(tmp_path),
+                   output_dir=str(tmp_path / "run"))
+    checked = model_tab._check(ui, *raw)[0]
+    assert "holds no images" in checked and "valid" not in checked
+    message = train_tab._start(ui, *raw)[0]
+    assert message.startswith("**Fix these before starting:**") and f"Dataset folder {empty} holds no images" in message
+    assert not (tmp_path / "run").exists() and ui.hub.attached is None
+
+
+def test_dead_engine_shows_failed_with_its_sentence_not_starting(tmp_path: Path) -> None:
+    """Issue 12.2/3: a run whose engine died before its first checkpoint reads `failed: <reason>` after a
+    UI restart, never `starting` with advice to resume; the sentence leads the Train status line."""
+    run = tmp_path / "run"
+    writer = RunWriter(run)
+    writer.status("starting", step=0)
+    data = json.loads(writer.paths.status.read_text())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    RunPaths(run).status.write_text(json.dumps({**data, "pid": dead.pid}))
+    RunPaths(run).log.write_text("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+                                 "stabletune_core.data.scan.DatasetError: Dataset folder /d holds no images "
+                                 "(.png): put your training images in it or choose another folder.\n")
+    hub = RunHub(tmp_path)  # a fresh UI: it did not start this engine
+    status = hub.status(run)
+    assert status["state"] == "failed" and status["reported_state"] == "starting"
+    assert status["error"].startswith("Dataset folder /d holds no images")
+    line = status_line("run", status, None)
+    assert line.startswith("**run**: **failed**: Dataset folder /d holds no images")
+    assert "Traceback" not in line and "resume" not in line.lower() and "ETA" not in line
+    RunPaths(run).log.write_text("loading model\n")  # died without a word (OOM killer)
+    status = RunHub(tmp_path).status(run)
+    assert status["state"] == "failed" and status["error"] == "the trainer process ended before its first checkpoint"
 
 
 # ---- dataset tab (the scan runs in the engine's Python) ---------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -371,6 +372,7 @@ def test_app_defaults_to_localhost_and_limits_allowed_paths(tmp_path: Path) -> N
     assert options["allowed_paths"] == [str((tmp_path / "runs").resolve())]
     options = app.launch_options(app.parse_args(["--listen", "--allow-dir", str(tmp_path), "--port", "9000"]))
     assert options["server_name"] == "0.0.0.0" and options["server_port"] == 9000
+    assert app.parse_args([]).port == 7870 != 7860  # issue 12.10: A1111 serves on 7860
     assert str(tmp_path.resolve()) in options["allowed_paths"]
 
 
@@ -386,9 +388,40 @@ def test_share_always_has_a_login() -> None:
 def test_share_password_is_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     launched = {}
     monkeypatch.setattr("extension.ui.build_ui", lambda settings: _FakeBlocks(launched))
-    app.main(["--share", "--runs-dir", str(tmp_path)])
+    app.main(["--share", "--port", str(free_port()), "--runs-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "password" in out and launched["auth"][1] in out and launched["share"] is True
+
+
+def test_listen_without_auth_gets_a_printed_password(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys) -> None:
+    """Issue 12.10: --listen is reachable by the network like --share: a generated login, printed."""
+    launched = {}
+    monkeypatch.setattr("extension.ui.build_ui", lambda settings: _FakeBlocks(launched))
+    port = free_port()
+    app.main(["--listen", "--port", str(port), "--runs-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert launched["server_name"] == "0.0.0.0" and launched["auth"][0] == app.SHARE_USER
+    assert f"'{launched['auth'][1]}'" in out and f"0.0.0.0:{port}" in out
+    assert app.login(app.parse_args(["--listen", "--auth", "me:pw"])) == ("me", "pw")
+
+
+def test_busy_port_is_one_sentence(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, str(ROOT / "app.py"), "--port", str(port), "--runs-dir",
+                               str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode != 0 and "Traceback" not in done.stderr + done.stdout
+    assert done.stderr.strip() == f"StableTune: port {port} is in use (another StableTune, or a WebUI?); pass " \
+                                  "--port N with a free port."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class _FakeBlocks:

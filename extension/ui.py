@@ -24,7 +24,7 @@ def build_ui(settings: UISettings | None = None) -> gr.Blocks:
     groups, fields = load_schema()
     ctx = UIContext(settings=settings, hub=RunHub(settings.runs_dir), form=Form(fields), groups=groups)
     ctx.hub.attach_default()
-    with compat.make(gr.Blocks, title=TITLE, analytics_enabled=False) as blocks:
+    with compat.make(gr.Blocks, title=TITLE, analytics_enabled=False, css=compat.TICK_CSS) as blocks:
         gr.Markdown(f"## {TITLE}\nRuns are saved in `{settings.runs_dir}`. Training runs in its own process: "
                     "closing this page or restarting the UI does not stop it.")
         with gr.Tabs():

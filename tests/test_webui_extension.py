@@ -119,8 +119,10 @@ def engine_install(webui: Path) -> SimpleNamespace:
     record = ext / "stabletune-engine.json"
     stamp = record.stat().st_mtime_ns
     second = run(argv, env, webui)
+    planned = run([*argv, "--dry-run"], env, webui)
     after = {host: freeze(host), base: freeze(base)}
-    return SimpleNamespace(ext=ext, host=host, base=base, first=first.stdout, second=second.stdout, log=log,
+    return SimpleNamespace(ext=ext, host=host, base=base, first=first.stdout, second=second.stdout,
+                           planned=planned.stdout, log=log,
                            before=before, after=after, record=record, stamp=stamp)
 
 
@@ -198,6 +200,10 @@ def test_install_makes_engine_venv_and_never_touches_host(engine_install: Simple
     # Idempotent: the second WebUI start installs nothing and leaves the record alone.
     assert "nothing to install" in e.second and "pip install" not in e.second and "creating" not in e.second
     assert e.record.stat().st_mtime_ns == e.stamp
+    # Issue 12.13: an installed engine venv is checked itself; no claims of pins lacking or torch to download.
+    for later in (e.second, e.planned):
+        assert "lacks" not in later and "GB" not in later and "would" not in later, later
+        assert later.strip().splitlines()[-1].endswith("has the engine's packages; nothing to install.")
 
 
 def test_standalone_install_is_unchanged(tmp_path: Path) -> None:

@@ -435,6 +435,26 @@ class _FakeBlocks:
         self.record.update(server_name=server_name, share=share, auth=auth, allowed_paths=allowed_paths)
 
 
+def test_demo_runs_are_not_copied_into_the_webui(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 12.14: a LoRA of the tiny demo model is no SD1 LoRA; only real runs get the copy marker."""
+    from extension import webui
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("STABLETUNE_CACHE", str(cache))
+    monkeypatch.setattr(webui, "unload_checkpoint", lambda: "unloaded")
+    demo, real = tmp_path / "demo-run", tmp_path / "real-run"
+    for run, model in ((demo, cache / "demo-v1" / "tiny-sd1"), (real, tmp_path / "sd15.safetensors")):
+        run.mkdir()
+        (run / "config.toml").write_text(f'pretrained_model_name_or_path = "{model}"\n')
+    note = webui.before_start(demo, tmp_path / "Lora")
+    assert "not copied" in note and not (demo / webui.MARKER).exists()
+    (demo / "output").mkdir()
+    (demo / "output" / "demo_lora.safetensors").write_bytes(b"lora")
+    (demo / "status.json").write_text('{"state": "finished"}')
+    assert webui.copy_finished_lora(demo) is None and not (tmp_path / "Lora").exists()
+    assert webui.before_start(real, tmp_path / "Lora") == "unloaded" and (real / webui.MARKER).exists()
+
+
 def test_ui_modules_do_not_shell_out() -> None:
     """No shell strings anywhere in the UI or the launcher (argv lists only)."""
     sources = [*ROOT.glob("extension/**/*.py"), ROOT / "app.py", ROOT / "stabletune_core" / "launch.py"]

@@ -229,6 +229,9 @@ def check_tab(report: dict, webui: Path, gradio: str) -> None:
     assert report["torch_imported"] is False
     assert set(report["settings"]) == {"stabletune_runs_dir", "stabletune_trainer_python", "stabletune_copy_lora"}
     assert all(s["section"] == ["stabletune", "StableTune"] for s in report["settings"].values())
+    # Issue 12.15: not "Uncategorized": A1111's Training category (the fake A1111 has it; Forge has none,
+    # so StableTune registers its own there).
+    assert {s["category"] for s in report["settings"].values()} == {"training"}
     assert report["settings"]["stabletune_runs_dir"]["default"] == str(webui / "outputs" / "stabletune")
     assert report["model_dirs"] == [str(webui / "models" / "Stable-diffusion")]
     assert "webui-model.safetensors" in report["model_choices"]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from stabletune_core.runs.jsonfiles import write_json_atomic
+from ui_tools import require
 from stabletune_core.runs.writer import RunWriter
 
 CHROMIUM = Path(os.environ.get("STABLETUNE_CHROMIUM", "/usr/bin/chromium"))
@@ -29,8 +30,16 @@ FORM = {"max_train_steps": "200", "validation_steps": "10", "save_steps": "500"}
 ENGINE_WAIT_S = 240
 GROUP_OF = {f["name"]: f["group"] for f in json.loads((ROOT / "extension" / "config_schema.json").read_text())["fields"]}  # the engine may share 2 CPU cores with other jobs
 
-sync_api = pytest.importorskip("playwright.sync_api")
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} missing (apt-get install chromium)")
+try:
+    from playwright import sync_api
+except ImportError:  # reported by the fixture below
+    sync_api = None
+
+
+@pytest.fixture(autouse=True)
+def browser_tools() -> None:
+    require(sync_api, "playwright's Python package is missing (python install.py --dev)")
+    require(CHROMIUM.exists(), f"{CHROMIUM} is missing (apt-get install chromium chromium-driver)")
 
 
 def free_port() -> int:

@@ -20,6 +20,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from ui_tools import require
+
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = ROOT / "tests" / "fake_webui"
 MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -31,8 +33,7 @@ CHROMIUM = Path(os.environ.get("STABLETUNE_CHROMIUM", "/usr/bin/chromium"))
 
 
 def need(python: Path) -> str:
-    if not python.exists():
-        pytest.skip(f"{python} does not exist (CI creates it: see .ci/run)")
+    require(python.exists(), f"{python} does not exist")
     return str(python)
 
 
@@ -159,8 +160,7 @@ def test_install_in_a_python_310_webui_uses_a_newer_python(webui: Path, tmp_path
     """The pinned diffusers/transformers need Python 3.11; a 3.10 WebUI gets an engine venv made by a newer
     Python from PATH, which cannot share the WebUI's packages."""
     old = python310()
-    if old is None:
-        pytest.skip("no Python 3.10 on this machine")
+    require(old, "no Python 3.10 on this machine")
     host = tmp_path / "venv310"
     subprocess.run([old, "-m", "venv", "--without-pip", host], check=True)
     ext = copy_installer(tmp_path / "stabletune")
@@ -284,7 +284,12 @@ def test_reload_ui_in_a1111_with_the_page_open_does_not_freeze(webui: Path, tmp_
     """Issue 12.12: A1111 1.10's Reload UI calls demo.close() while a browser shows the tab; a live refresh
     running as a never-ending `every=` job made close() wait forever. The page must keep refreshing, close
     must return, and the relaunched WebUI must serve."""
-    sync_api = pytest.importorskip("playwright.sync_api")
+    try:
+        from playwright import sync_api
+    except ImportError:
+        sync_api = None
+    require(sync_api, "playwright's Python package is missing (python install.py --dev)")
+    require(CHROMIUM.exists(), f"{CHROMIUM} is missing (apt-get install chromium chromium-driver)")
     host = need(HOSTS["gradio-3.41"])
     port, go = free_port(), tmp_path / "go"
     env = host_env(webui, tmp_path / "calls.jsonl")

@@ -217,12 +217,12 @@ def test_charts_stay_drawn_through_new_series_gaps_and_another_run(tmp_path: Pat
         next(server, None)
 
 
-def test_demo_start_monitor_samples_stop(app_url) -> None:
+def test_demo_start_monitor_samples_stop_and_start_again(app_url) -> None:
     url, runs = app_url
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
-            "--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"])
+        browser = launch_browser(p)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors = watch_console(page)
         try:
             page.goto(url)
             open_tab(page, "Model & hyperparameters")
@@ -267,6 +267,24 @@ def test_demo_start_monitor_samples_stop(app_url) -> None:
             assert run_dir_state(run) == "stopped", log[-3000:]
             wait_text(page, "#train-status", "stopped", 30)
             shoot(page, "3-train")
+
+            # Issue 12.1: a second run started with the page open: the charts follow it and stay drawn.
+            open_tab(page, "Monitor")
+            drawn(page, "loss", {"loss", "loss (EMA)"})
+            first_summary = page.locator("#monitor-summary").inner_text()
+            open_tab(page, "Train")
+            page.locator("#train-start").click()
+            wait_text(page, "#train-message", "Started", 60)
+            second = runs / "demo-2"
+            assert (second / "config.toml").exists()
+            open_tab(page, "Monitor")
+            page.wait_for_function("(old) => { const t = document.querySelector('#monitor-summary').innerText; "
+                                   "return t !== old && t.includes('logged steps'); }", arg=first_summary,
+                                   timeout=ENGINE_WAIT_S * 1000)
+            for name, series in (("loss", {"loss", "loss (EMA)"}), ("lr", {"learning rate"}), ("memory", {"RAM"})):
+                drawn(page, name, series, timeout_s=60)
+            shoot(page, "4b-monitor-second-run")
+            assert not [e for e in errors if "vega" in e.lower() or "1.797" in e or "translate" in e], errors
 
             open_tab(page, "Diagnostics")
             page.locator("#diag-refresh").click()

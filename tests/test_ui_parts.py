@@ -279,7 +279,8 @@ def ui(tmp_path_factory: pytest.TempPathFactory):
     from extension.settings import UISettings
     from extension.ui import build_ui
 
-    return build_ui(UISettings(runs_dir=tmp_path_factory.mktemp("ui-runs"))).stabletune_context
+    return build_ui(UISettings(runs_dir=tmp_path_factory.mktemp("ui-runs"),
+                               user_presets_dir=tmp_path_factory.mktemp("user-presets"))).stabletune_context
 
 
 def raw_form(ctx, **values) -> list:
@@ -305,6 +306,56 @@ def test_start_refuses_a_dataset_without_usable_images(ui, tmp_path: Path) -> No
     message = train_tab._start(ui, *raw)[0]
     assert message.startswith("**Fix these before starting:**") and f"Dataset folder {empty} holds no images" in message
     assert not (tmp_path / "run").exists() and ui.hub.attached is None
+
+
+def test_train_buttons_progress_and_eta_follow_the_state(ui, tmp_path: Path) -> None:
+    """Issue 12.7: no Pause while stopped, Continue only when paused, Resume only with a checkpoint; a real
+    progress bar; no ETA once stopped."""
+    from extension.tabs import train as train_tab
+
+    run = ui.settings.runs_dir / "buttons"
+    writer = RunWriter(run)
+    writer.status("training", step=30, max_steps=120, eta_seconds=90, sec_per_step=0.5)  # this pid: alive
+    ui.hub.attach(run)
+    seen: dict = {}
+    line, _, _, bar, *buttons = train_tab.refresh(ui, seen)
+    enabled = dict(zip(train_tab.BUTTONS, (b["interactive"] for b in buttons)))
+    assert enabled == {"start": False, "pause": True, "resume": False, "save": True, "stop": True,
+                       "continue_run": False}
+    assert 'aria-valuenow="30"' in bar and "width:25.0%" in bar and "ETA 0:01:30" in line
+    assert all(b == {"__type__": "update"} for b in train_tab.refresh(ui, seen)[4:])  # unchanged: not resent
+    writer.status("paused", step=30)
+    assert [b["interactive"] for b in train_tab.refresh(ui, seen)[4:]] == [False, False, True, True, True, False]
+    writer.status("stopped", step=31)
+    (writer.paths.checkpoints / "step_000031").mkdir()
+    (writer.paths.checkpoints / "step_000031" / "manifest.json").write_text("{}")
+    line, _, _, bar, *buttons = train_tab.refresh(ui, seen)
+    assert [b["interactive"] for b in buttons] == [True, False, False, False, False, True]
+    assert "ETA" not in line and "stopped" in line
+    ui.hub.attach(None)
+
+
+def test_presets_saved_to_the_user_folder_model_hint_and_regularisers(ui, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 12.11: Save preset writes to the user's folder (not the repository's presets/), which the list
+    and Load see; an empty model list says how to fill it; perceptual loss sits with the regularisers."""
+    from extension import models
+    from extension.tabs import model as model_tab
+
+    shipped = sorted(p.name for p in PRESETS.iterdir())
+    monkeypatch.setattr(ui.settings, "user_presets_dir", tmp_path / "mine")
+    message, choices = model_tab._save(ui, "my-style", *raw_form(ui, learning_rate=3e-4))
+    assert (tmp_path / "mine" / "my-style.toml").is_file() and str(tmp_path / "mine") in message
+    assert sorted(p.name for p in PRESETS.iterdir()) == shipped
+    assert "my-style" in choices["choices"] and "demo" in choices["choices"]
+    loaded = model_tab._load(ui, "my-style", *raw_form(ui))
+    assert loaded[0].startswith("Loaded preset **my-style**")
+    assert dict(zip(ui.form.names, loaded[1:]))["learning_rate"]["value"] == 3e-4
+    assert "--model-dir" in models.found_info([], [])
+    assert "--model-dir" in models.found_info([], [tmp_path], "Diffusers folder")
+    groups = dict(model_tab.form_groups(ui))
+    assert {"perceptual_lambda", "snr_gamma", "noise_offset"} <= set(groups["regularisation"])
+    assert not any(n.startswith("perceptual_") for n in groups.get("diagnostics", []))
 
 
 def test_dead_engine_shows_failed_with_its_sentence_not_starting(tmp_path: Path) -> None:

@@ -48,7 +48,9 @@ TICK_JS = """() => {
   }
   return [];
 }"""
-TICK_CSS = f"#{TICK_ID} {{ display: none !important; }}"  # also in style.css, which a WebUI loads
+TICK_CSS = (f"#{TICK_ID} {{ display: none !important; }}\n"  # also in style.css, which a WebUI loads
+            ".stabletune-field-error { outline: 2px solid #d9534f; border-radius: 6px; }\n"
+            ".stabletune-field-error [data-testid='block-info'], .stabletune-field-error .info { color: #d9534f; }")
 
 
 def every(blocks: gr.Blocks, seconds: float, fn: Callable, inputs: Any, outputs: Any) -> None:

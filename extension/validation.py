@@ -26,11 +26,25 @@ def validate(values: dict[str, Any], engine_python: str) -> tuple[list[str], lis
         try:
             config = build_config(values)
         except ConfigError as exc:
-            return exc.problems, []
+            return exc.problems + world_problems(values, exc.problems, build_config, check_inputs, ConfigError), []
         problems, notes = check_inputs(config), config.inactive_knobs()
     if not problems:
         problems = dataset_problems(values, engine_python)
     return problems, notes
+
+
+def world_problems(values: dict[str, Any], problems: list[str], build_config: Any, check_inputs: Any,
+                   error: type) -> list[str]:
+    """The folder/model/disk problems too when some values are bad: with the bad fields at their defaults
+    the rest is checked, so a missing dataset is named beside a bad learning rate."""
+    from .form import field_of
+
+    bad = {field_of(p, values) for p in problems}
+    try:
+        config = build_config({k: v for k, v in values.items() if k not in bad})
+    except error:
+        return []
+    return [p for p in check_inputs(config) if p not in problems]
 
 
 def dataset_problems(values: dict[str, Any], engine_python: str) -> list[str]:

@@ -87,7 +87,7 @@ def test_problems_land_next_to_their_field(form: Form) -> None:
         == "min_bucket_reso"
     updates = form.problem_updates(["lora_rank is 0 but must be at least 1."])
     by_name = dict(zip(form.names, updates))
-    assert by_name["lora_rank"]["info"].startswith("⚠ lora_rank is 0")
+    assert by_name["lora_rank"]["info"].startswith("⚠ LoRA rank (lora_rank) is 0")
     assert not by_name["seed"]["info"].startswith("⚠")
 
 
@@ -356,6 +356,27 @@ def test_presets_saved_to_the_user_folder_model_hint_and_regularisers(ui, tmp_pa
     groups = dict(model_tab.form_groups(ui))
     assert {"perceptual_lambda", "snr_gamma", "noise_offset"} <= set(groups["regularisation"])
     assert not any(n.startswith("perceptual_") for n in groups.get("diagnostics", []))
+
+
+def test_every_problem_is_listed_named_by_label_and_its_accordion_marked(ui, tmp_path: Path) -> None:
+    """Issue 12.6: a bad learning rate and a missing dataset are both listed; fields are named by their
+    label, shown as errors, and the accordion holding a bad field opens and is marked."""
+    from extension.tabs import model as model_tab
+
+    raw = raw_form(ui, learning_rate=-1, lora_rank="many", train_data_dir=str(tmp_path / "missing"),
+                   pretrained_model_name_or_path=str(tmp_path), output_dir=str(tmp_path / "run"))
+    message, *updates = model_tab._check(ui, *raw)
+    assert "does not exist" in message and "learning_rate" in message and "lora_rank" in message
+    label = ui.form.fields["learning_rate"]["label"]
+    assert f"{label} (learning_rate) " in message
+    fields = dict(zip(ui.form.names, updates[:len(ui.form.names)]))
+    assert fields["learning_rate"]["info"].startswith("⚠ ") and fields["learning_rate"]["elem_classes"] == [
+        "stabletune-field-error"]
+    assert fields["seed"]["elem_classes"] == [] and not fields["seed"]["info"].startswith("⚠")
+    marks = dict(zip([g for g, _ in model_tab.form_groups(ui)], updates[len(ui.form.names):]))
+    assert marks["optimization"]["label"].startswith("⚠ ") and marks["optimization"]["open"] is True
+    assert marks["lora"]["label"].startswith("⚠ ")  # lora_rank
+    assert not marks["validation"]["label"].startswith("⚠")
 
 
 def test_dead_engine_shows_failed_with_its_sentence_not_starting(tmp_path: Path) -> None:

@@ -66,7 +66,8 @@ def build(ctx: UIContext) -> None:
     for group, names in form_groups(ctx):
         if names:
             with make(gr.Accordion, label=GROUP_TITLES.get(group, group.title()), open=group in OPEN_GROUPS,
-                      elem_id=f"group-{group}"):
+                      elem_id=f"group-{group}") as accordion:
+                p[f"model.group.{group}"] = accordion
                 _grid(ctx, names)
     with gr.Row():
         p["model.check"] = make(gr.Button, value="Check settings", elem_id="check-settings")
@@ -79,26 +80,41 @@ def _grid(ctx: UIContext, names: list[str], per_row: int = 3) -> None:
             ctx.form.build(names[start:start + per_row])
 
 
-def problems_text(problems: list[str], notes: list[str]) -> str:
+def problems_text(problems: list[str], notes: list[str], form: Any = None) -> str:
     if not problems:
         text = "✅ Settings are valid."
     else:
-        text = "**Fix these before starting:**\n\n" + "\n".join(f"- ⚠ {p}" for p in problems)
+        shown = [form.labelled(p) if form else p for p in problems]
+        text = "**Fix these before starting:**\n\n" + "\n".join(f"- ⚠ {p}" for p in shown)
     return text + "".join(f"\n\nℹ {note}" for note in notes)
 
 
 def check(ctx: UIContext, raw: tuple[Any, ...]) -> tuple[dict[str, Any], list[str], list[str]]:
     """(values, problems, notes) of the form as it stands."""
-    values, problems = ctx.form.values(raw)
-    if problems:
-        return values, problems, []
+    values, unreadable = ctx.form.values(raw)
+    if unreadable:  # still check the rest, so every problem is listed at once
+        problems, _ = validate(values, ctx.settings.engine_python)  # `values` lacks the unreadable fields
+        return values, unreadable + [p for p in problems if p not in unreadable], []
     problems, notes = validate(values, ctx.settings.engine_python)
     return values, problems, notes
 
 
 def _check(ctx: UIContext, *raw: Any) -> list[Any]:
     _, problems, notes = check(ctx, raw)
-    return [problems_text(problems, notes), *ctx.form.problem_updates(problems)]
+    return [problems_text(problems, notes, ctx.form), *ctx.form.problem_updates(problems), *group_marks(ctx, problems)]
+
+
+def group_marks(ctx: UIContext, problems: list[str]) -> list[Any]:
+    """Each accordion with a bad field opens and says so in its title; the others get their title back."""
+    bad = set(ctx.form.problem_fields(problems))
+    marks = []
+    for group, names in form_groups(ctx):
+        title = GROUP_TITLES.get(group, group.title())
+        if bad & set(names):
+            marks.append(update(label=f"⚠ {title}: fix the fields marked ⚠", open=True))
+        else:
+            marks.append(update(label=title))
+    return marks
 
 
 def _load(ctx: UIContext, name: str | None, *raw: Any) -> list[Any]:
@@ -151,4 +167,9 @@ def wire(ctx: UIContext) -> None:
            [p["model.preset_message"], p["model.preset"]])
     listen(p["model.source"].change, lambda source: _source(ctx, source), [p["model.source"]], [p["model.found"]])
     listen(p["model.found"].change, _found, [p["model.source"], p["model.found"]], [model_path])
-    listen(p["model.check"].click, lambda *raw: _check(ctx, *raw), form.inputs, [p["model.problems"], *form.inputs])
+    listen(p["model.check"].click, lambda *raw: _check(ctx, *raw), form.inputs,
+           [p["model.problems"], *form.inputs, *accordions(ctx)])
+
+
+def accordions(ctx: UIContext) -> list[Any]:
+    return [ctx.parts[f"model.group.{g}"] for g, _ in form_groups(ctx)]

@@ -11,7 +11,7 @@ import gradio as gr
 from ..compat import listen, make, unchanged, update, user_change
 from ..context import UIContext
 from ..status import status_line
-from .model import check, problems_text
+from .model import accordions, check, group_marks, problems_text
 from stabletune_core.launch import LaunchError, spawn, write_run_config
 from stabletune_core.runs.layout import RunPaths
 from stabletune_core.runs.reader import log_tail
@@ -99,7 +99,7 @@ def _start(ctx: UIContext, *raw: Any) -> list[Any]:
     attached = ctx.hub.attached
     if attached and ctx.hub.is_live(attached):
         return [f"⚠ **{ctx.run_label(attached)}** is still running; stop it first (one run per machine).",
-                unchanged(), unchanged(), *ctx.form.updates({})]
+                unchanged(), unchanged(), *ctx.form.updates({}), *(unchanged() for _ in accordions(ctx))]
     values, problems, notes = check(ctx, raw)
     if not problems:
         name = values.get("output_name") or "lora"
@@ -109,10 +109,10 @@ def _start(ctx: UIContext, *raw: Any) -> list[Any]:
         values["output_dir"] = str(free_run_dir(wanted.resolve()))
         message = _launch(ctx, values)
     else:
-        message = problems_text(problems, notes)
+        message = problems_text(problems, notes, ctx.form)
     return [message, update(value=values.get("output_dir", "")) if not problems else unchanged(),
             update(choices=ctx.run_labels(), value=ctx.run_label(ctx.hub.attached)),
-            *ctx.form.problem_updates(problems)]
+            *ctx.form.problem_updates(problems), *group_marks(ctx, problems)]
 
 
 def _control(ctx: UIContext, command: str) -> str:
@@ -156,7 +156,7 @@ def _attach(ctx: UIContext, label: str | None) -> Any:
 def wire(ctx: UIContext) -> None:
     p, form = ctx.parts, ctx.form
     listen(p["train.start"].click, lambda *raw: _start(ctx, *raw), form.inputs,
-           [p["train.message"], form.components["output_dir"], p["train.run"], *form.inputs])
+           [p["train.message"], form.components["output_dir"], p["train.run"], *form.inputs, *accordions(ctx)])
     for command, _ in CONTROLS:
         listen(p[f"train.{command}"].click, lambda c=command: _control(ctx, c), None, [p["train.message"]])
     listen(p["train.continue_run"].click, lambda: _continue_run(ctx), None,

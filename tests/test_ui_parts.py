@@ -174,11 +174,15 @@ def test_sample_gallery_lines_up_prompts_and_seeds(tmp_path: Path) -> None:
     reader = RunReader(tmp_path)
     items, columns = samples.gallery(reader)
     assert columns == 4 and len(items) == 8
-    assert items[0][1] == "step 40 · a red circle · seed 42" and items[4][1].startswith("step 80")
+    # Issue 12.8: newest step first, one row per step (prompt x seed columns), a caption on every image.
+    assert items[0][1] == "step 80 · a red circle · seed 42" and items[4][1] == "step 40 · a red circle · seed 42"
+    assert [label.split(" · ", 1)[1] for _, label in items[:4]] == [
+        "a red circle · seed 42", "a red circle · seed 43", "a blue square · seed 42", "a blue square · seed 43"]
     choices = samples.choices(reader)
     assert choices[0] == samples.ALL and "p01_s43: a blue square · seed 43" in choices
     items, columns = samples.gallery(reader, choices[1])
-    assert [label for _, label in items] == ["step 40", "step 80"] and columns == 2
+    assert [label for _, label in items] == ["step 80 · a red circle · seed 42", "step 40 · a red circle · seed 42"]
+    assert columns == 2
 
 
 def test_diagnostics_read_spectra_and_warnings(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ def build(ctx: UIContext) -> None:
                              elem_id="samples-view")
     gr.Markdown("Each row is one validation step; each column keeps its prompt and seed, so you see the same "
                 "picture change as the LoRA learns. Pick one prompt/seed above to see it across all steps in a row.")
-    p["samples.gallery"] = make(gr.Gallery, label="Validation images", columns=4, height=520, object_fit="contain",
+    p["samples.gallery"] = make(gr.Gallery, label="Validation images (newest step first)", columns=4, height="auto",
+                                object_fit="contain", show_label=True, preview=False,
                                 elem_id="samples-gallery")
 
 

@@ -45,9 +45,10 @@ def make_tab(title: str) -> Any:
 
 def _live(blocks: gr.Blocks, ctx: UIContext) -> None:
     """One periodic refresh for every live tab; a per-browser `seen` state lets each tab skip sending
-    what the browser already shows."""
+    what the browser already shows. Each browser follows its own run: the one its Train dropdown shows
+    (`seen["run"]`), else the newest run this UI started or found."""
     seen = gr.State({})
-    inputs = [seen]
+    inputs = [seen, ctx.parts["train.run"]]
     outputs: list[Any] = []
     spans = []
     for tab in LIVE_TABS:
@@ -56,11 +57,12 @@ def _live(blocks: gr.Blocks, ctx: UIContext) -> None:
         inputs.extend(extra)
         outputs.extend(tab.live_outputs(ctx))
 
-    def refresh(state: dict[str, Any], *values: Any) -> list[Any]:
+    def refresh(state: dict[str, Any], label: str | None, *values: Any) -> list[Any]:
         state = dict(state or {})
+        state["run"] = ctx.run_path(label) or ctx.hub.attach_default()
         result: list[Any] = []
         for tab, start, count in spans:
-            result.extend(tab.refresh(ctx, state, *values[start - 1:start - 1 + count]))
+            result.extend(tab.refresh(ctx, state, *values[start - 2:start - 2 + count]))
         return [*result, state]
 
     compat.every(blocks, ctx.settings.refresh_seconds, refresh, inputs, [*outputs, seen])

@@ -383,6 +383,32 @@ def test_every_problem_is_listed_named_by_label_and_its_accordion_marked(ui, tmp
     assert not marks["validation"]["label"].startswith("⚠")
 
 
+def test_each_browser_follows_its_own_run(ui) -> None:
+    """Issue 12.5: attaching a run in one browser (its Train dropdown / Runs tab) does not switch another
+    browser's view; every live tab reads the run of the browser asking."""
+    from extension.tabs import monitor, runs as runs_tab, train as train_tab
+
+    paths = {}
+    for name, steps in (("view-a", 3), ("view-b", 5)):
+        writer = RunWriter(ui.settings.runs_dir / name)
+        writer.status("training", step=steps, max_steps=10)
+        for step in range(1, steps + 1):
+            writer.metric(step, loss=1.0 / step)
+        paths[name] = writer.paths.root
+    before = ui.hub.attached
+    assert runs_tab._attach(ui, "view-b")[1]["value"] == "view-b"
+    train_tab._attach(ui, "view-b")
+    assert ui.hub.attached == before  # nothing global moved
+    first, second = {"run": paths["view-a"]}, {"run": paths["view-b"]}
+    assert monitor.refresh(ui, first)[0].startswith("3 logged steps")
+    assert monitor.refresh(ui, second)[0].startswith("5 logged steps")
+    assert train_tab.refresh(ui, first)[0].startswith("**view-a**")
+    assert train_tab._control(ui, "pause", "view-b").startswith("Sent **pause** to view-b")
+    assert (paths["view-b"] / "control.json").exists() and not (paths["view-a"] / "control.json").exists()
+    for path in paths.values():
+        RunWriter(path).status("stopped", step=1)
+
+
 def test_dead_engine_shows_failed_with_its_sentence_not_starting(tmp_path: Path) -> None:
     """Issue 12.2/3: a run whose engine died before its first checkpoint reads `failed: <reason>` after a
     UI restart, never `starting` with advice to resume; the sentence leads the Train status line."""
@@ -551,7 +577,7 @@ def test_resume_button_restarts_the_attached_run_from_its_checkpoint(tmp_path: P
     ctx = UIContext(settings=UISettings(runs_dir=tmp_path / "runs", engine_python=fake_engine(tmp_path)),
                     hub=RunHub(tmp_path / "runs"), form=Form(fields), groups=[])
     ctx.hub.attach(run)
-    message, _ = train._continue_run(ctx)
+    message, *_ = train._continue_run(ctx, "old")
     assert message.startswith("Started **old**"), message
     assert TrainConfig.from_toml(RunPaths(run).config).resume_from_checkpoint == "auto"
     assert train.free_run_dir(run) == tmp_path / "runs" / "old-2"  # Start never reuses a run's folder

@@ -27,8 +27,9 @@ def build(ctx: UIContext) -> None:
                               interactive=False, wrap=True)
 
 
-def _refresh(ctx: UIContext, module: str | None) -> list[Any]:
-    reader = ctx.hub.reader()
+def _refresh(ctx: UIContext, module: str | None, label: str | None = None) -> list[Any]:
+    run = ctx.run_path(label) or ctx.hub.attach_default()
+    reader = ctx.hub.reader(run) if run else None
     if reader is None:
         return [EMPTY, update(choices=[], value=None), None, None, []]
     records = diagnostics.spectra(reader)
@@ -44,5 +45,5 @@ def _refresh(ctx: UIContext, module: str | None) -> list[Any]:
 def wire(ctx: UIContext) -> None:
     p = ctx.parts
     outputs = [p["diag.info"], p["diag.module"], p["diag.heatmap"], p["diag.rank"], p["diag.warnings"]]
-    listen(p["diag.refresh"].click, lambda m: _refresh(ctx, m), [p["diag.module"]], outputs)
-    listen(p["diag.module"].change, lambda m: _refresh(ctx, m), [p["diag.module"]], outputs)
+    listen(p["diag.refresh"].click, lambda m, run: _refresh(ctx, m, run), [p["diag.module"], p["train.run"]], outputs)
+    listen(p["diag.module"].change, lambda m, run: _refresh(ctx, m, run), [p["diag.module"], p["train.run"]], outputs)

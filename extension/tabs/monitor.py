@@ -45,10 +45,11 @@ def live_outputs(ctx: UIContext) -> list[Any]:
 
 
 def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
-    reader = ctx.hub.reader()
+    run = ctx.run_of(seen)
+    reader = ctx.hub.reader(run) if run else None
     metrics = reader.metrics() if reader else []
     events = reader.events() if reader else []
-    key = (str(ctx.hub.attached), len(metrics), len(events))
+    key = (str(run), len(metrics), len(events))
     if seen.get("monitor") == key:  # nothing new: send nothing, the browser keeps its plots
         return [unchanged()] * 6
     frame = plots.metrics_frame(metrics)

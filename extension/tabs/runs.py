@@ -56,9 +56,9 @@ def _choose(ctx: UIContext, label: str | None) -> Any:
 def _attach(ctx: UIContext, label: str | None) -> list[Any]:
     if not label:
         return ["Choose a run first.", update()]
-    ctx.hub.attach(ctx.run_path(label))
-    return [f"Attached **{label}**: the Train, Monitor, Samples and Diagnostics tabs now show it.",
-            update(choices=ctx.run_labels(), value=label)]
+    # This browser's Train dropdown is what its tabs follow; other browsers keep their own run.
+    return [f"Attached **{label}**: the Train, Monitor, Samples and Diagnostics tabs of this page now show it.",
+            update(choices=ctx.run_labels(ctx.run_path(label)), value=label)]
 
 
 def wire(ctx: UIContext) -> None:

@@ -96,9 +96,9 @@ def _launch(ctx: UIContext, values: dict[str, Any]) -> str:
 
 
 def _start(ctx: UIContext, *raw: Any) -> list[Any]:
-    attached = ctx.hub.attached
-    if attached and ctx.hub.is_live(attached):
-        return [f"⚠ **{ctx.run_label(attached)}** is still running; stop it first (one run per machine).",
+    live = next((r.path for r in ctx.hub.runs() if ctx.hub.is_live(r.path)), None)
+    if live:
+        return [f"⚠ **{ctx.run_label(live)}** is still running; stop it first (one run per machine).",
                 unchanged(), unchanged(), *ctx.form.updates({}), *(unchanged() for _ in accordions(ctx))]
     values, problems, notes = check(ctx, raw)
     if not problems:
@@ -115,16 +115,16 @@ def _start(ctx: UIContext, *raw: Any) -> list[Any]:
             *ctx.form.problem_updates(problems), *group_marks(ctx, problems)]
 
 
-def _control(ctx: UIContext, command: str) -> str:
-    reader = ctx.hub.reader()
-    if reader is None or not ctx.hub.is_live():
+def _control(ctx: UIContext, command: str, label: str | None = None) -> str:
+    run = ctx.run_path(label) or ctx.hub.attach_default()
+    if run is None or not ctx.hub.is_live(run):
         return "⚠ No live run is attached; start one or attach a running one in **Runs**."
-    reader.send(command)
-    return f"Sent **{command}** to {ctx.run_label(ctx.hub.attached)}; the engine acts on it after the current step."
+    ctx.hub.reader(run).send(command)
+    return f"Sent **{command}** to {ctx.run_label(run)}; the engine acts on it after the current step."
 
 
-def _continue_run(ctx: UIContext) -> list[Any]:
-    run = ctx.hub.attached
+def _continue_run(ctx: UIContext, label: str | None = None) -> list[Any]:
+    run = ctx.run_path(label) or ctx.hub.attach_default()
     if run is None:
         return ["⚠ Attach a run first (dropdown above or the **Runs** tab).", unchanged(), unchanged()]
     if ctx.hub.is_live(run):
@@ -135,13 +135,12 @@ def _continue_run(ctx: UIContext) -> list[Any]:
     with open(config, "rb") as f:
         values = tomllib.load(f)
     values.update(resume_from_checkpoint="auto", output_dir=str(run))
-    return [_launch(ctx, values), update(choices=ctx.run_labels(), value=ctx.run_label(ctx.hub.attached)),
-            status_now(ctx)]
+    return [_launch(ctx, values), update(choices=ctx.run_labels(run), value=ctx.run_label(run)),
+            status_now(ctx, run)]
 
 
-def status_now(ctx: UIContext) -> str:
-    """The attached run's status line right away (not at the next refresh)."""
-    run = ctx.hub.attached
+def status_now(ctx: UIContext, run: Path | None) -> str:
+    """The run's status line right away (not at the next refresh)."""
     if run is None:
         return status_line("", {"state": "none"}, None)
     events = ctx.hub.reader(run).events()
@@ -149,7 +148,7 @@ def status_now(ctx: UIContext) -> str:
 
 
 def _attach(ctx: UIContext, label: str | None) -> Any:
-    ctx.hub.attach(ctx.run_path(label))
+    """Only this browser follows the chosen run (its dropdown value); other browsers keep theirs."""
     return f"Attached **{label}**." if label else LIVE_STATES_TEXT
 
 
@@ -158,8 +157,9 @@ def wire(ctx: UIContext) -> None:
     listen(p["train.start"].click, lambda *raw: _start(ctx, *raw), form.inputs,
            [p["train.message"], form.components["output_dir"], p["train.run"], *form.inputs, *accordions(ctx)])
     for command, _ in CONTROLS:
-        listen(p[f"train.{command}"].click, lambda c=command: _control(ctx, c), None, [p["train.message"]])
-    listen(p["train.continue_run"].click, lambda: _continue_run(ctx), None,
+        listen(p[f"train.{command}"].click, lambda label, c=command: _control(ctx, c, label), [p["train.run"]],
+               [p["train.message"]])
+    listen(p["train.continue_run"].click, lambda label: _continue_run(ctx, label), [p["train.run"]],
            [p["train.message"], p["train.run"], p["train.status"]])
     listen(user_change(p["train.run"]), lambda label: _attach(ctx, label), [p["train.run"]], [p["train.message"]])
 
@@ -173,8 +173,8 @@ def live_outputs(ctx: UIContext) -> list[Any]:
 
 
 def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
-    run = ctx.hub.attach_default()
-    labels = ctx.run_labels()
+    run = ctx.run_of(seen)
+    labels = ctx.run_labels(run)
     dropdown = unchanged()
     if (labels, run) != seen.get("train.runs"):
         seen["train.runs"] = (labels, run)

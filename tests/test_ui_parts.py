@@ -409,6 +409,42 @@ def test_each_browser_follows_its_own_run(ui) -> None:
         RunWriter(path).status("stopped", step=1)
 
 
+def test_runs_tab_deletes_confirmed_loads_settings_and_zips_a_checkpoint(ui, tmp_path: Path) -> None:
+    """Issue 12.9: delete needs the confirmation and never takes a dataset or model; a run's settings load
+    into the form; the newest checkpoint downloads as a zip; the live column says yes or no."""
+    import zipfile
+
+    from extension.tabs import runs as runs_tab
+
+    data = tmp_path / "data"
+    data.mkdir()
+    run = write_run_config({"pretrained_model_name_or_path": str(tmp_path), "train_data_dir": str(data),
+                            "output_dir": str(ui.settings.runs_dir / "old-run"), "learning_rate": 3e-4})
+    writer = RunWriter(run)
+    writer.status("stopped", step=4)
+    checkpoint = writer.paths.checkpoints / "step_000004"
+    checkpoint.mkdir()
+    (checkpoint / "manifest.json").write_text("{}")
+    (checkpoint / "adapter.safetensors").write_bytes(b"weights")
+    assert set(runs_tab.table(ui).loc[lambda t: t["run"] == "old-run", "live"]) == {"no"}
+
+    message, *form = runs_tab._load_settings(ui, "old-run")
+    assert message.startswith("Loaded the") and dict(zip(ui.form.names, form))["learning_rate"]["value"] == 3e-4
+
+    message, files = runs_tab._zip(ui, "old-run")
+    with zipfile.ZipFile(files[-1]) as archive:
+        assert sorted(archive.namelist()) == ["adapter.safetensors", "manifest.json"]
+
+    assert "Tick the box" in runs_tab._delete(ui, "old-run", False)[0] and run.exists()
+    inside = ui.settings.runs_dir / "holds-data"
+    (inside / "imgs").mkdir(parents=True)  # a dataset kept inside a run folder
+    write_run_config({"pretrained_model_name_or_path": str(tmp_path), "train_data_dir": str(inside / "imgs"),
+                      "output_dir": str(inside)})
+    assert "move that out first" in runs_tab._delete(ui, "holds-data", True)[0] and (inside / "imgs").exists()
+    assert runs_tab._delete(ui, "old-run", True)[0].startswith("Deleted **old-run**")
+    assert not run.exists() and data.exists() and tmp_path.exists()
+
+
 def test_dead_engine_shows_failed_with_its_sentence_not_starting(tmp_path: Path) -> None:
     """Issue 12.2/3: a run whose engine died before its first checkpoint reads `failed: <reason>` after a
     UI restart, never `starting` with advice to resume; the sentence leads the Train status line."""

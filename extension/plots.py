@@ -11,7 +11,7 @@ EMA_SPAN = 20  # logged points; smooths per-step noise while still following a f
 
 # plot name -> (title, y axis title, [(metrics key, series label)])
 PLOTS: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
-    "loss": ("Loss", "loss", [("loss", "loss"), ("loss_ema", "loss (EMA)")]),
+    "loss": ("Loss", "loss", [("loss", "loss"), ("loss_ema", "loss (EMA)"), ("val_loss", "validation loss")]),
     "lr": ("Learning rate", "learning rate", [("lr", "learning rate")]),
     "grad": ("Gradient norm", "norm", [("grad_norm", "grad norm"), ("clip_threshold", "clip threshold")]),
     "memory": ("Memory", "MB", [("vram_allocated_mb", "VRAM allocated"), ("vram_reserved_mb", "VRAM reserved"),
@@ -32,6 +32,16 @@ def metrics_frame(metrics: list[dict[str, Any]]) -> pd.DataFrame:
     if "loss" in frame:
         frame["loss_ema"] = frame["loss"].ewm(span=EMA_SPAN, adjust=True, ignore_na=True).mean()
     return frame
+
+
+def with_val_loss(frame: pd.DataFrame, points: list[tuple[int, float]]) -> pd.DataFrame:
+    """The validation loss (diagnostics/val_loss.jsonl) as a `val_loss` column beside the training loss."""
+    if not points:
+        return frame
+    val = pd.DataFrame(points, columns=["step", "val_loss"])
+    if frame.empty:
+        return val
+    return frame.merge(val, on="step", how="outer").sort_values("step")
 
 
 def thin(frame: pd.DataFrame, max_points: int = MAX_POINTS) -> pd.DataFrame:
@@ -81,15 +91,18 @@ def plot_update(long: pd.DataFrame, drawn: tuple[str, ...] | None) -> tuple[pd.D
 
 def summary(frame: pd.DataFrame) -> str:
     """One line under the plots: how many points, and the newest values."""
-    if frame.empty or "loss" not in frame:
+    if frame.empty or "loss" not in frame or frame["loss"].isna().all():
         return "No metrics yet: the plots fill in once training logs its first step."
-    last = frame.iloc[-1]
+    last = frame.dropna(subset=["loss"]).iloc[-1]
     parts = [f"{len(frame)} logged steps", f"step {int(last['step'])}", f"loss {last['loss']:.4g}",
              f"EMA {last['loss_ema']:.4g}"]
     for key, name in (("lr", "lr"), ("grad_norm", "grad norm"), ("vram_peak_mb", "VRAM peak MB"),
                       ("ram_mb", "RAM MB")):
         if key in frame and pd.notna(last.get(key)):
             parts.append(f"{name} {last[key]:.4g}")
+    if "val_loss" in frame and frame["val_loss"].notna().any():
+        best = frame.loc[frame["val_loss"].idxmin()]
+        parts.append(f"best validation loss {best['val_loss']:.4g} at step {int(best['step'])}")
     return " · ".join(parts)
 
 

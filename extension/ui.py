@@ -14,7 +14,7 @@ from .settings import UISettings
 from .tabs import dataset, diagnostics, model, monitor, runs, samples, train
 
 TABS = (dataset, model, train, monitor, samples, diagnostics, runs)
-LIVE_TABS = (train, monitor, samples, runs)
+LIVE_TABS = (train, monitor, samples, diagnostics, runs)
 TITLE = "StableTune: LoRA training"
 
 

@@ -207,6 +207,46 @@ def test_diagnostics_read_spectra_and_warnings(tmp_path: Path) -> None:
     assert diagnostics.available(reader) == ["spectra.jsonl"]
 
 
+def test_diagnostics_tab_is_live_and_draws_every_module_activations_and_val_loss(ui) -> None:
+    """Issue 12.4: no leftover "once the diagnostics work lands"; a run with one spectra step still draws;
+    the effective rank shows every module (one heatmap row each, no legend); activation statistics and the
+    validation loss with its best point and early-stopping triggers; redrawn by the live refresh only when
+    something new was written."""
+    from stabletune_core.runs.jsonfiles import append_jsonl
+    from extension.tabs import diagnostics as diag_tab
+
+    assert "lands" not in diag_tab.EMPTY
+    writer = RunWriter(ui.settings.runs_dir / "diag-run")
+    writer.status("stopped", step=20)
+    folder = writer.paths.diagnostics
+    names = [f"unet.up_blocks.{b}.attentions.0.transformer_blocks.0.attn1.to_{q}" for b in range(3) for q in "qkv"]
+    for name in names:  # one spectra step only
+        append_jsonl(folder / "spectra.jsonl", {"step": 10, "module": name, "singular_values": [3.0, 1.0, 0.1]})
+        append_jsonl(folder / "activations.jsonl", {"step": 10, "module": name, "mean": 0.1, "var": 2.0,
+                                                    "zero_fraction": 0.0})
+    for step, value in ((5, 0.5), (10, 0.4), (15, 0.45), (20, 0.47)):
+        append_jsonl(folder / "val_loss.jsonl", {"step": step, "val_loss": value})
+    writer.event("early_stopping_trigger", "Validation loss rose.", step=15)
+    seen = {"run": writer.paths.root}
+    info, module, spectrum, rank, activations, val, warnings = diag_tab.refresh(ui, seen, None, "var")
+    assert "9 modules" in info and module["value"] == sorted(names)[0]
+    assert spectrum is not None and rank is not None and activations is not None
+    rank_axes = rank.axes[0]
+    assert len(rank_axes.get_yticklabels()) == 9 and rank_axes.get_legend() is None
+    assert rank_axes.get_xlim()[1] > rank_axes.get_xlim()[0]  # one step: a real column, not a zero-width one
+    val_axes = val.axes[0]
+    labels = [t.get_text() for t in val_axes.get_legend().get_texts()]
+    assert "best 0.4 (step 10)" in labels and "early-stopping trigger" in labels
+    assert all(v == {"__type__": "update"} for v in diag_tab.refresh(ui, seen, None, "var"))  # nothing new
+    for step in range(1, 21):
+        writer.metric(step, loss=1.0 / step)
+    from extension.tabs import monitor
+
+    summary, loss, *_ = monitor.refresh(ui, {"run": writer.paths.root})
+    assert set(loss["series"]) == {"loss", "loss (EMA)", "validation loss"}
+    assert "best validation loss 0.4 at step 10" in summary
+
+
 def test_status_line() -> None:
     line = status_line("demo", {"state": "training", "step": 40, "max_steps": 120, "sec_per_step": 0.25,
                                 "eta_seconds": 20, "loss": 0.1234}, {"kind": "samples", "message": "Made 4 images."})

@@ -1,4 +1,4 @@
-"""Monitor tab: live loss (raw + EMA), learning rate, gradient norm vs clip threshold, memory, and the
+"""Monitor tab: live loss (raw + EMA + validation), learning rate, gradient norm vs clip threshold, memory, and the
 guards' events."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import gradio as gr
 
-from .. import plots
+from .. import diagnostics, plots
 from ..compat import make, unchanged
 from ..context import UIContext
 
@@ -49,10 +49,11 @@ def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
     reader = ctx.hub.reader(run) if run else None
     metrics = reader.metrics() if reader else []
     events = reader.events() if reader else []
-    key = (str(run), len(metrics), len(events))
+    val = diagnostics.val_loss_points(reader) if reader else []
+    key = (str(run), len(metrics), len(events), len(val))
     if seen.get("monitor") == key:  # nothing new: send nothing, the browser keeps its plots
         return [unchanged()] * 6
-    frame = plots.metrics_frame(metrics)
+    frame = plots.with_val_loss(plots.metrics_frame(metrics), val)
     drawn = seen.setdefault("monitor.series", {})
     values, waiting = [], False
     for name in PLOTS:

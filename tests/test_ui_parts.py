@@ -397,6 +397,11 @@ def test_presets_saved_to_the_user_folder_model_hint_and_regularisers(ui, tmp_pa
     assert dict(zip(ui.form.names, loaded[1:]))["learning_rate"]["value"] == 3e-4
     assert "--model-dir" in models.found_info([], [])
     assert "--model-dir" in models.found_info([], [tmp_path], "Diffusers folder")
+    folder = tmp_path / "tiny-sd1"
+    folder.mkdir()
+    assert model_tab.source_for_path(str(folder), "Checkpoint file")["value"] == "Diffusers folder"
+    assert model_tab.source_for_path(str(tmp_path / "x.safetensors"), "Diffusers folder")["value"] == "Checkpoint file"
+    assert "value" not in model_tab.source_for_path(str(folder), "Diffusers folder")
     groups = dict(model_tab.form_groups(ui))
     assert {"perceptual_lambda", "snr_gamma", "noise_offset"} <= set(groups["regularisation"])
     assert not any(n.startswith("perceptual_") for n in groups.get("diagnostics", []))

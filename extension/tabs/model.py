@@ -158,6 +158,12 @@ def _source(ctx: UIContext, source: str) -> Any:
     return update(choices=found, value=None, info=models.found_info(found, ctx.settings.model_dirs, source))
 
 
+def source_for_path(path: str | None, source: str | None) -> Any:
+    """The Source radio follows the model path (a preset or a typed path): a folder is a diffusers folder."""
+    guessed = models.guess_source(str(path or "").strip()) if path else None
+    return update(value=guessed) if guessed and guessed != source else update()
+
+
 def wire(ctx: UIContext) -> None:
     p, form = ctx.parts, ctx.form
     model_path = form.components["pretrained_model_name_or_path"]
@@ -167,6 +173,7 @@ def wire(ctx: UIContext) -> None:
            [p["model.preset_message"], p["model.preset"]])
     listen(p["model.source"].change, lambda source: _source(ctx, source), [p["model.source"]], [p["model.found"]])
     listen(p["model.found"].change, _found, [p["model.source"], p["model.found"]], [model_path])
+    listen(model_path.change, source_for_path, [model_path, p["model.source"]], [p["model.source"]])
     listen(p["model.check"].click, lambda *raw: _check(ctx, *raw), form.inputs,
            [p["model.problems"], *form.inputs, *accordions(ctx)])
 

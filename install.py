@@ -173,6 +173,14 @@ def write_record(record: dict) -> None:
     say(f"recorded the trainer's Python in {ENGINE_RECORD.name}")
 
 
+def recorded_engine() -> str | None:
+    """The trainer Python a finished install recorded, if any."""
+    try:
+        return json.loads(ENGINE_RECORD.read_text()).get("engine_python")
+    except (OSError, ValueError):
+        return None
+
+
 def share_packages(engine_python: Path, base_python: str) -> None:
     """Let the engine venv see the base environment's packages, after its own.
 
@@ -227,6 +235,13 @@ def webui_install(requirements_file: Path, base_python: str, dry_run: bool) -> i
         return 0
 
     engine = venv_python(ENGINE_VENV)
+    if engine.exists() and recorded_engine() == str(engine):
+        # A finished install (every WebUI start after the first): check the engine venv itself, quietly.
+        still = [r for r in requirements if not acceptable(r, versions_in(str(engine), names))]
+        if not still:
+            say(f"the engine venv {ENGINE_VENV} has the engine's packages; nothing to install.")
+            return 0
+        say(f"the engine venv {ENGINE_VENV} lacks {', '.join(still)}.")
     lacking = ", ".join(r for r in requirements if not acceptable(r, host))
     say(f"the WebUI's Python lacks the engine's pins ({lacking}); the engine gets its own venv, {ENGINE_VENV}. "
         "The WebUI's venv is not changed.")
@@ -252,7 +267,7 @@ def webui_install(requirements_file: Path, base_python: str, dry_run: bool) -> i
         found = (f"torch {torch} is older than {REUSE_MINIMUM['torch']}" if torch else "there is no torch") if share \
             else "torch cannot be shared"
         say(f"{found} (the pinned accelerate needs torch >= {REUSE_MINIMUM['torch']}): the engine venv installs "
-            "its own torch (a download of about 2.5 GB, once).")
+            "its own torch (about 3 GB of wheels to download once; the venv takes about 5.5 GB).")
     if dry_run:
         say(("would create" if not engine.exists() else "would reuse") + f" {ENGINE_VENV}, reuse "
             f"{', '.join(f'{k} {v}' for k, v in reused.items()) or 'nothing'} from {base_python}, "

@@ -1,8 +1,9 @@
 """The Gradio subset that runs on 3.41 (A1111), 4.40 (Forge) and current releases.
 
 Components and events are created through these helpers, which pass only the keyword arguments the
-installed Gradio knows, so one layout serves every host. Live updates use gr.Timer when it exists and
-`load(every=...)` otherwise; nothing here uses `_js`, `gr.Box` or `Component.update()`.
+installed Gradio knows, so one layout serves every host. Live updates use gr.Timer when it exists (4.40+)
+and a browser-side interval clicking a hidden button otherwise (see `every`); nothing here uses `gr.Box`
+or `Component.update()`.
 """
 from __future__ import annotations
 
@@ -35,13 +36,37 @@ def listen(event: Callable, fn: Callable, inputs: Any = None, outputs: Any = Non
     return event(fn, inputs, outputs, **{k: v for k, v in kwargs.items() if k in known})
 
 
+TICK_ID = "stabletune-tick"
+# Clicks the hidden tick button every N ms, once per page (the tab may be rendered twice in a WebUI).
+TICK_JS = """() => {
+  if (!window.stabletuneTick) {
+    window.stabletuneTick = setInterval(() => {
+      const root = document.querySelector('gradio-app');
+      const button = (root && root.shadowRoot ? root.shadowRoot : document).querySelector('#%s');
+      if (button) button.click();
+    }, %d);
+  }
+  return [];
+}"""
+TICK_CSS = (f"#{TICK_ID} {{ display: none !important; }}\n"  # also in style.css, which a WebUI loads
+            ".stabletune-field-error { outline: 2px solid #d9534f; border-radius: 6px; }\n"
+            ".stabletune-field-error [data-testid='block-info'], .stabletune-field-error .info { color: #d9534f; }")
+
+
 def every(blocks: gr.Blocks, seconds: float, fn: Callable, inputs: Any, outputs: Any) -> None:
-    """Call `fn` every `seconds` while the page is open (gr.Timer on Gradio 5+, load(every=) before)."""
+    """Call `fn` every `seconds` while the page is open.
+
+    gr.Timer on Gradio 4.40+. Before it (A1111's 3.41) not `load(every=)`: that runs as a never-ending
+    generator on an open websocket, and the WebUI's "Reload UI" (`demo.close()`) then waits for it
+    forever. Instead the browser clicks a hidden button on an interval: each tick is a short event.
+    """
     if hasattr(gr, "Timer"):
         timer = gr.Timer(seconds)
         listen(timer.tick, fn, inputs, outputs, show_progress="hidden", queue=True)
-    else:
-        listen(blocks.load, fn, inputs, outputs, every=seconds, show_progress="hidden")
+        return
+    tick = make(gr.Button, value="refresh", elem_id=TICK_ID, elem_classes=[TICK_ID])
+    listen(tick.click, fn, inputs, outputs, show_progress="hidden", queue=False)
+    listen(blocks.load, None, None, None, _js=TICK_JS % (TICK_ID, int(seconds * 1000)))
 
 
 def unchanged() -> Any:

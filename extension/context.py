@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+RUN_KEY = "run"  # the run a browser follows, in its per-browser `seen` state (set by ui._live)
+
 from .form import Form
 from .session import RunHub
 from .settings import UISettings
@@ -29,15 +31,20 @@ class UIContext:
         path = Path(path)
         return path.name if path.parent == self.settings.runs_dir else str(path)
 
+    def run_of(self, seen: dict[str, Any] | None) -> Path | None:
+        """The run one browser follows (its Train dropdown), else the hub's default."""
+        run = (seen or {}).get(RUN_KEY)
+        return Path(run) if run else self.hub.attach_default()
+
     def run_path(self, label: str | None) -> Path | None:
         if not label:
             return None
         path = Path(label)
         return path if path.is_absolute() else self.settings.runs_dir / label
 
-    def run_labels(self) -> list[str]:
+    def run_labels(self, current: Path | None = None) -> list[str]:
         labels = [self.run_label(r.path) for r in self.hub.runs()]
-        attached = self.run_label(self.hub.attached)
+        attached = self.run_label(current or self.hub.attached)
         if attached and attached not in labels:
             labels.insert(0, attached)
         return labels

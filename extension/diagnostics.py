@@ -1,6 +1,8 @@
-"""LoRA singular-value spectra over training: a heatmap per module, effective rank per module, warnings.
+"""What the engine's observers recorded, as figures: singular-value spectra (a heatmap per module), the
+effective rank of every module (module x step heatmap), activation statistics (module x step heatmap),
+the validation loss with early stopping's best and triggers, and collapse warnings.
 
-The diagnostics work fills RUN/diagnostics/*.jsonl; until then this reads whatever exists. Records read:
+Records read from RUN/diagnostics/ (spectra.jsonl, activations.jsonl, val_loss.jsonl); spectra records:
 {"step": int, "module": str, "singular_values": [float, ...], "effective_rank": float (optional)}
 (`sv` or `spectrum` are accepted for the values). Collapse warnings are events whose kind mentions
 "collapse" or "rank", plus records of diagnostics/warnings.jsonl.
@@ -16,7 +18,10 @@ from matplotlib.figure import Figure  # the object API: no pyplot, no GUI backen
 from stabletune_core.runs.reader import RunReader
 
 SPECTRA_FILE = "spectra.jsonl"
+ACTIVATIONS_FILE = "activations.jsonl"
+VAL_LOSS_FILE = "val_loss.jsonl"
 WARNINGS_FILE = "warnings.jsonl"
+ACTIVATION_STATS = {"var": "variance", "mean": "mean", "zero_fraction": "zero fraction"}
 
 
 def singular_values(record: dict[str, Any]) -> list[float]:
@@ -62,28 +67,102 @@ def heatmap(records: list[dict[str, Any]], module: str | None) -> Figure | None:
     figure = Figure(figsize=(8, 3.5), layout="constrained")
     axes = figure.add_subplot()
     image = axes.imshow(grid, aspect="auto", origin="lower", interpolation="nearest", cmap="viridis",
-                        extent=(rows[0]["step"], rows[-1]["step"] or 1, -0.5, width - 0.5))
+                        extent=(*step_extent([r["step"] for r in rows]), -0.5, width - 0.5))
     figure.colorbar(image, ax=axes, label="log10 singular value")
     axes.set(title=f"Singular values of {module}", xlabel="step", ylabel="index")
     return figure
 
 
-def rank_lines(records: list[dict[str, Any]], limit: int = 12) -> Figure | None:
-    """Effective rank over steps for the modules whose rank fell the most (the ones to worry about)."""
-    by_module: dict[str, list[tuple[int, float]]] = {}
-    for r in records:
-        by_module.setdefault(r["module"], []).append((r["step"], r["effective_rank"]))
-    if not by_module:
+def step_extent(steps: list[int]) -> tuple[float, float]:
+    """x limits that give every step a column, also when there is only one step."""
+    steps = sorted(set(steps))
+    half = (steps[-1] - steps[0]) / max(len(steps) - 1, 1) / 2 if len(steps) > 1 else 0.5
+    return steps[0] - half, steps[-1] + half
+
+
+def module_grid(records: list[dict[str, Any]], value: str, title: str, label: str,
+                cmap: str = "viridis") -> Figure | None:
+    """A module x step heatmap of `value`: every module readable, however many (one row each, the figure
+    grows with them), no legend over the data."""
+    rows = [r for r in records if isinstance(r.get(value), (int, float)) and "module" in r and "step" in r]
+    if not rows:
         return None
-    drop = {m: sorted(v)[0][1] - sorted(v)[-1][1] for m, v in by_module.items()}
-    figure = Figure(figsize=(8, 3.5), layout="constrained")
+    names = sorted({r["module"] for r in rows})
+    steps = sorted({int(r["step"]) for r in rows})
+    grid = np.full((len(names), len(steps)), np.nan)
+    for r in rows:
+        grid[names.index(r["module"]), steps.index(int(r["step"]))] = float(r[value])
+    figure = Figure(figsize=(9, 1.2 + 0.16 * len(names)), layout="constrained")
     axes = figure.add_subplot()
-    for module in sorted(drop, key=drop.get, reverse=True)[:limit]:
-        points = sorted(by_module[module])
-        axes.plot([p[0] for p in points], [p[1] for p in points], label=module, linewidth=1.2)
-    axes.set(title="Effective rank per module", xlabel="step", ylabel="effective rank")
-    axes.legend(fontsize="x-small", loc="best")
+    image = axes.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap,
+                        extent=(*step_extent(steps), len(names) - 0.5, -0.5))
+    axes.set_yticks(range(len(names)), [short_name(n) for n in names], fontsize=6)
+    figure.colorbar(image, ax=axes, label=label)
+    axes.set(title=title, xlabel="step")
     return figure
+
+
+def short_name(module: str) -> str:
+    """'unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q' -> 'down1.att0.tb0.attn1.to_q'."""
+    for long, short in (("unet.", ""), ("_blocks.", ""), ("attentions.", "att"), ("transformer_", "t"),
+                        ("blocks.", "b"), ("base_model.model.", "")):
+        module = module.replace(long, short)
+    return module
+
+
+def rank_heatmap(records: list[dict[str, Any]]) -> Figure | None:
+    """Effective rank of every module over steps."""
+    return module_grid(records, "effective_rank", "Effective rank per module (dark = collapsing)", "effective rank")
+
+
+def activations(reader: RunReader) -> list[dict[str, Any]]:
+    return [r for r in reader.diagnostics(ACTIVATIONS_FILE) if "module" in r and "step" in r]
+
+
+def activation_heatmap(records: list[dict[str, Any]], stat: str = "var") -> Figure | None:
+    return module_grid(records, stat, f"Activation {ACTIVATION_STATS.get(stat, stat)} per module", stat,
+                       cmap="magma")
+
+
+def val_loss_points(reader: RunReader) -> list[tuple[int, float]]:
+    points = []
+    for r in reader.diagnostics(VAL_LOSS_FILE):
+        value = r.get("val_loss")
+        if isinstance(r.get("step"), int) and isinstance(value, (int, float)) and math.isfinite(value):
+            points.append((r["step"], float(value)))
+    return sorted(points)
+
+
+def early_stopping_marks(reader: RunReader) -> tuple[list[int], list[int]]:
+    """(steps of early-stopping triggers, step of the early stop) from the events."""
+    triggers = [e["step"] for e in reader.events() if e.get("kind") == "early_stopping_trigger" and e.get("step")]
+    stops = [e["step"] for e in reader.events() if e.get("kind") == "early_stop" and e.get("step")]
+    return triggers, stops
+
+
+def val_loss_figure(reader: RunReader) -> Figure | None:
+    """Validation loss over steps, its best point, and the steps where early stopping triggered."""
+    points = val_loss_points(reader)
+    if not points:
+        return None
+    figure = Figure(figsize=(8, 3.2), layout="constrained")
+    axes = figure.add_subplot()
+    axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label="validation loss")
+    best = min(points, key=lambda p: p[1])
+    axes.scatter([best[0]], [best[1]], s=60, color="#5cb85c", zorder=3, label=f"best {best[1]:.4g} (step {best[0]})")
+    triggers, stops = early_stopping_marks(reader)
+    for i, step in enumerate(triggers):
+        axes.axvline(step, color="#f0ad4e", linestyle="--", linewidth=1, label="early-stopping trigger" if i == 0 else None)
+    for step in stops:
+        axes.axvline(step, color="#d9534f", linewidth=1.5, label="early stop")
+    axes.set(title="Validation loss", xlabel="step", ylabel="loss")
+    axes.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the data, not on it
+    return figure
+
+
+def rank_lines(records: list[dict[str, Any]], limit: int = 12) -> Figure | None:
+    """Kept for callers of the old name: the effective rank of every module as a heatmap."""
+    return rank_heatmap(records)
 
 
 def warnings(reader: RunReader) -> list[list[Any]]:

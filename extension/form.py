@@ -11,10 +11,11 @@ from typing import Any, Iterable
 
 import gradio as gr
 
-from .compat import make, update
+from .compat import GRADIO_VERSION, make, update
 
 # Shown for an optional choice left empty ("use the model's own").
 UNSET = "(default)"
+ERROR_CLASS = "stabletune-field-error"  # red frame and text (compat.TICK_CSS / style.css)
 
 
 def range_text(field: dict[str, Any]) -> str:
@@ -138,18 +139,35 @@ class Form:
         """What a preset stores: only the values that differ from the defaults."""
         return {n: v for n, v in values.items() if v != self.fields[n]["default"] and v is not None}
 
-    def problem_updates(self, problems: list[str]) -> list[Any]:
-        """Each problem next to its field (in the field's info line); other fields get their doc back.
+    def labelled(self, problem: str) -> str:
+        """The problem as the form shows it: the field named by its label, e.g. "LoRA rank (lora_rank) is 0"."""
+        name = field_of(problem, self.names)
+        if name and problem.startswith(name):
+            return f"{self.fields[name]['label']} ({name}){problem[len(name):]}"
+        return problem
 
-        Problems start with the field name (config.py's contract); the first matching name wins.
-        """
+    def problem_fields(self, problems: list[str]) -> dict[str, list[str]]:
         by_field: dict[str, list[str]] = {}
         for problem in problems:
             name = field_of(problem, self.names)
             if name:
-                by_field.setdefault(name, []).append(problem)
-        return [update(info="⚠ " + " ".join(by_field[n])) if n in by_field
-                else update(info=self.info.get(n) or info_text(self.fields[n])) for n in self.names]
+                by_field.setdefault(name, []).append(self.labelled(problem))
+        return by_field
+
+    def problem_updates(self, problems: list[str]) -> list[Any]:
+        """Each problem next to its field, shown as an error (red frame, ⚠); other fields get their doc back.
+
+        Problems start with the field name (config.py's contract); the first matching name wins.
+        """
+        by_field = self.problem_fields(problems)
+        styled = GRADIO_VERSION >= (4, 0)  # Gradio 3.41 cannot restyle a component by update
+
+        def one(name: str) -> Any:
+            bad = name in by_field
+            info = "⚠ " + " ".join(by_field[name]) if bad else self.info.get(name) or info_text(self.fields[name])
+            return update(info=info, **({"elem_classes": [ERROR_CLASS] if bad else []} if styled else {}))
+
+        return [one(n) for n in self.names]
 
 
 # check_inputs() speaks of the world ("Dataset folder X does not exist"), not of field names.

@@ -49,3 +49,16 @@ def guess_source(path: str) -> str:
     if path and (Path(path).expanduser().is_dir() or path.startswith((".", "/", "~"))):
         return "Diffusers folder"
     return "Hub id" if path.count("/") == 1 else "Diffusers folder"
+
+
+def found_info(found: list[str], folders: list[Path], source: str = SOURCES[0]) -> str:
+    """The picker's hint; when it found nothing, how to make it find something."""
+    if found:
+        return f"{len(found)} found in {', '.join(map(str, folders)) or 'the hub cache'}."
+    if source == "Hub id":
+        return "No model in the local Hugging Face cache yet; type a hub id or a path below."
+    if not folders:
+        return ("No model folders given: start the UI with --model-dir FOLDER (repeatable; inside a WebUI its "
+                "models/Stable-diffusion is used), or type the path below.")
+    return (f"Nothing of this kind in {', '.join(map(str, folders))}; add folders with --model-dir FOLDER, choose "
+            "another source, or type the path below.")

@@ -20,6 +20,16 @@ def list_presets(folder: Path) -> list[str]:
     return sorted(p.stem for p in Path(folder).glob("*.toml"))
 
 
+def list_all(folders: list[Path]) -> list[str]:
+    """Preset names across folders (the user's and the shipped ones); a user preset may shadow a shipped one."""
+    return sorted({name for folder in folders for name in list_presets(folder)})
+
+
+def folder_of(folders: list[Path], name: str) -> Path:
+    """The first folder (the user's comes first) that holds preset `name`."""
+    return next((Path(f) for f in folders if (Path(f) / f"{name}.toml").is_file()), Path(folders[-1]))
+
+
 def load_preset(folder: Path, name: str, aliases: dict[str, str]) -> dict[str, Any]:
     """The preset's values with alias keys (lr, rank, ...) turned into field names."""
     with open(Path(folder) / f"{name}.toml", "rb") as f:

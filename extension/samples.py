@@ -41,12 +41,14 @@ def choices(reader: RunReader) -> list[str]:
 
 
 def gallery(reader: RunReader, view: str = ALL) -> tuple[list[tuple[str, str]], int]:
-    """(items, columns). ALL: rows are steps, columns prompts/seeds, so each column is one prompt and
-    seed over time. One key: that image at every step, side by side."""
-    steps = reader.sample_steps()
+    """(items, columns), newest step first (the images the user is waiting for). ALL: rows are steps,
+    columns prompts x seeds, so each column is one prompt and seed over time. One key: that image at
+    every step, side by side. Every image is captioned with its step, prompt and seed."""
+    steps = list(reversed(reader.sample_steps()))
     if view and view != ALL:
         key = view.split(":", 1)[0]
-        items = [(str(img), f"step {step}") for step, images in steps for img in images if img.stem == key]
+        items = [(str(img), f"step {step} · {describe(img)[1]}") for step, images in steps for img in images
+                 if img.stem == key]
         return items, max(1, min(len(items), 6))
     items = [(str(img), f"step {step} · {describe(img)[1]}") for step, images in steps for img in images]
     columns = max((len(images) for _, images in steps), default=1)

@@ -63,8 +63,9 @@ class RunHub:
             code = process.poll()  # also reaps the child, so no zombie outlives it
             if code is None and status.get("state") == "unknown":
                 status.update(state="launching", alive=True, pid=process.pid)
-            elif code not in (None, 0) and status.get("state") not in ("failed", "stopped", "finished"):
-                status.update(state="failed", alive=False, stale=False, exit_code=code)
+            elif code is not None and status.get("state") not in ("failed", "stopped", "finished"):
+                status.update(state="failed", alive=False, exit_code=code,
+                              error=reader.ended_reason(status.get("error")))
         return status
 
     def is_live(self, path: Path | None = None) -> bool:

@@ -1,6 +1,7 @@
 """What the host (app.py, or a WebUI extension) tells the UI about its surroundings."""
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,9 @@ class UISettings:
     engine_python: str = sys.executable
     # Folders searched for checkpoints and diffusers models (the model source picker).
     model_dirs: list[Path] = field(default_factory=list)
-    presets_dir: Path = REPO_ROOT / "presets"
+    presets_dir: Path = REPO_ROOT / "presets"  # shipped with StableTune: read only
+    # Where "Save preset" writes (never into the repository, which an update would overwrite).
+    user_presets_dir: Path = Path(os.environ.get("STABLETUNE_PRESETS", "~/.config/stabletune/presets"))
     # Seconds between live refreshes of status, plots and samples.
     refresh_seconds: float = 2.0
     num_processes: int = 1
@@ -30,3 +33,8 @@ class UISettings:
         self.runs_dir = Path(self.runs_dir).expanduser().resolve()
         self.model_dirs = [Path(p).expanduser() for p in self.model_dirs]
         self.presets_dir = Path(self.presets_dir)
+        self.user_presets_dir = Path(self.user_presets_dir).expanduser()
+
+    @property
+    def preset_folders(self) -> list[Path]:
+        return [self.user_presets_dir, self.presets_dir]

@@ -27,19 +27,21 @@ def status_line(name: str, status: dict[str, Any], last_event: dict[str, Any] | 
     state = status.get("state", "unknown")
     if state == "none":
         return "**No run attached.** Load a preset, choose a dataset and click **Start**, or attach a run in **Runs**."
-    if status.get("stale"):
-        state_text = f"{state} (engine process is gone: it was killed or crashed; resume from the last checkpoint)"
-    else:
-        state_text = state
     step, max_steps = status.get("step") or 0, status.get("max_steps")
-    parts = [f"**{name}**: **{state_text}**",
-             f"step {step}/{max_steps}" if max_steps else f"step {step}",
-             speed(status.get("sec_per_step")), f"ETA {duration(status.get('eta_seconds'))}"]
+    head = f"**{name}**: **{state}**"
+    if state == "failed":
+        # The engine's one sentence comes first: it says what went wrong and what to do.
+        reason = status.get("error") or "the trainer stopped without saying why; see the engine log below"
+        head += f": {reason}"
+    parts = [head, f"step {step}/{max_steps}" if max_steps else f"step {step}"]
+    if status.get("alive") or state in ("launching", "starting", "loading", "caching", "training", "sampling",
+                                        "saving"):
+        parts += [speed(status.get("sec_per_step")), f"ETA {duration(status.get('eta_seconds'))}"]
     if isinstance(status.get("loss"), (int, float)):
         parts.append(f"loss {status['loss']:.4g}")
     if status.get("exit_code") is not None:
-        parts.append(f"engine exited with code {status['exit_code']} (see the log below)")
+        parts.append(f"engine exited with code {status['exit_code']}")
     line = " · ".join(parts)
-    if last_event:
+    if last_event and state != "failed":
         line += f"\n\nLast event: *{last_event.get('kind', '')}* — {last_event.get('message', '')}"
     return line

@@ -14,7 +14,7 @@ from .settings import UISettings
 from .tabs import dataset, diagnostics, model, monitor, runs, samples, train
 
 TABS = (dataset, model, train, monitor, samples, diagnostics, runs)
-LIVE_TABS = (train, monitor, samples, runs)
+LIVE_TABS = (train, monitor, samples, diagnostics, runs)
 TITLE = "StableTune: LoRA training"
 
 
@@ -24,7 +24,7 @@ def build_ui(settings: UISettings | None = None) -> gr.Blocks:
     groups, fields = load_schema()
     ctx = UIContext(settings=settings, hub=RunHub(settings.runs_dir), form=Form(fields), groups=groups)
     ctx.hub.attach_default()
-    with compat.make(gr.Blocks, title=TITLE, analytics_enabled=False) as blocks:
+    with compat.make(gr.Blocks, title=TITLE, analytics_enabled=False, css=compat.TICK_CSS) as blocks:
         gr.Markdown(f"## {TITLE}\nRuns are saved in `{settings.runs_dir}`. Training runs in its own process: "
                     "closing this page or restarting the UI does not stop it.")
         with gr.Tabs():
@@ -45,9 +45,10 @@ def make_tab(title: str) -> Any:
 
 def _live(blocks: gr.Blocks, ctx: UIContext) -> None:
     """One periodic refresh for every live tab; a per-browser `seen` state lets each tab skip sending
-    what the browser already shows."""
+    what the browser already shows. Each browser follows its own run: the one its Train dropdown shows
+    (`seen["run"]`), else the newest run this UI started or found."""
     seen = gr.State({})
-    inputs = [seen]
+    inputs = [seen, ctx.parts["train.run"]]
     outputs: list[Any] = []
     spans = []
     for tab in LIVE_TABS:
@@ -56,11 +57,12 @@ def _live(blocks: gr.Blocks, ctx: UIContext) -> None:
         inputs.extend(extra)
         outputs.extend(tab.live_outputs(ctx))
 
-    def refresh(state: dict[str, Any], *values: Any) -> list[Any]:
+    def refresh(state: dict[str, Any], label: str | None, *values: Any) -> list[Any]:
         state = dict(state or {})
+        state["run"] = ctx.run_path(label) or ctx.hub.attach_default()
         result: list[Any] = []
         for tab, start, count in spans:
-            result.extend(tab.refresh(ctx, state, *values[start - 1:start - 1 + count]))
+            result.extend(tab.refresh(ctx, state, *values[start - 2:start - 2 + count]))
         return [*result, state]
 
     compat.every(blocks, ctx.settings.refresh_seconds, refresh, inputs, [*outputs, seen])

@@ -1,10 +1,13 @@
-"""Check config values before any GPU time is spent: pydantic rules and the world (folders, disk).
+"""Check config values before any GPU time is spent: pydantic rules and the world (folders, disk, images).
 
 In-process when stabletune_core.config imports (pydantic 2: the standalone app, Forge); otherwise the
 engine's Python answers (`query_cli validate`), which is what an AUTOMATIC1111 host with pydantic 1 needs.
+The dataset scan always runs in the engine's Python (it sits beside torch code): the same check the engine
+makes before it loads a model, so Start never spawns a run that dies on a folder without usable images.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from stabletune_core.launch import ask_engine
@@ -18,9 +21,38 @@ def validate(values: dict[str, Any], engine_python: str) -> tuple[list[str], lis
         answer = ask_engine(["validate"], engine_python, stdin=values, timeout=120)
         if "error" in answer:
             return [answer["error"]], []
-        return list(answer.get("problems", [])), list(answer.get("notes", []))
+        problems, notes = list(answer.get("problems", [])), list(answer.get("notes", []))
+    else:
+        try:
+            config = build_config(values)
+        except ConfigError as exc:
+            return exc.problems + world_problems(values, exc.problems, build_config, check_inputs, ConfigError), []
+        problems, notes = check_inputs(config), config.notes()
+    if not problems:
+        problems = dataset_problems(values, engine_python)
+    return problems, notes
+
+
+def world_problems(values: dict[str, Any], problems: list[str], build_config: Any, check_inputs: Any,
+                   error: type) -> list[str]:
+    """The folder/model/disk problems too when some values are bad: with the bad fields at their defaults
+    the rest is checked, so a missing dataset is named beside a bad learning rate."""
+    from .form import field_of
+
+    bad = {field_of(p, values) for p in problems}
     try:
-        config = build_config(values)
-    except ConfigError as exc:
-        return exc.problems, []
-    return check_inputs(config), config.notes()
+        config = build_config({k: v for k, v in values.items() if k not in bad})
+    except error:
+        return []
+    return [p for p in check_inputs(config) if p not in problems]
+
+
+def dataset_problems(values: dict[str, Any], engine_python: str) -> list[str]:
+    """The engine's sentence when the dataset folder holds no usable image (empty list when it does)."""
+    folder = str(values.get("train_data_dir") or "").strip()
+    if not folder or not Path(folder).expanduser().is_dir():
+        return []  # check_inputs has said so already
+    argv = ["scan", "--data", folder, "--caption-extension", values.get("caption_extension") or ".txt",
+            "--default-caption", values.get("default_caption") or "", "--no-enable-bucket"]
+    answer = ask_engine(argv, engine_python, timeout=900)
+    return [answer["error"]] if "error" in answer else []

@@ -20,6 +20,11 @@ from typing import Any, Optional
 
 from .settings import REPO_ROOT, UISettings
 
+try:  # Python 3.11+; A1111 runs 3.10, which has tomli through its own requirements
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - depends on the host
+    import tomli as tomllib  # type: ignore[no-redef]
+
 TAB_TITLE, TAB_ID = "StableTune", "stabletune"
 SECTION = ("stabletune", "StableTune")
 OPT_RUNS_DIR = "stabletune_runs_dir"
@@ -56,10 +61,27 @@ def register() -> None:
 
 
 # ---- settings ----------------------------------------------------------------------------------------------
+def settings_category() -> Optional[str]:
+    """The settings category the section goes in (A1111 >= 1.7 groups sections; without one it lands in
+    "Uncategorized"): A1111's "training", else (Forge has none) a StableTune category of its own."""
+    try:
+        from modules.options import categories
+    except ImportError:  # an older WebUI: no categories at all
+        return None
+    known = getattr(categories, "mapping", {})
+    if "training" in known:
+        return "training"
+    if SECTION[0] not in known:
+        categories.register_category(SECTION[0], SECTION[1])
+    return SECTION[0]
+
+
 def _option(default: Any, label: str, info: str = "") -> Any:
     from modules import shared
 
-    option = shared.OptionInfo(default, label, section=SECTION)
+    category = settings_category()
+    option = shared.OptionInfo(default, label, section=SECTION,
+                               **({"category_id": category} if category else {}))
     if info and hasattr(option, "info"):  # A1111 >= 1.3
         option = option.info(info)
     if hasattr(option, "needs_reload_ui"):  # the tab reads these when it is built
@@ -173,7 +195,27 @@ def unload_checkpoint() -> str:
             "generation.")
 
 
+def is_demo_run(run_dir: Path) -> bool:
+    """Does the run train the tiny demo model? Its LoRA only fits that model: A1111 reports it as a network
+    with errors on any real SD1 checkpoint. (stabletune_core.demo builds it under the cache folder; that
+    module needs pydantic 2, which A1111 lacks, so its folder rule is repeated here.)"""
+    try:
+        with open(Path(run_dir) / "config.toml", "rb") as f:
+            model = str(tomllib.load(f).get("pretrained_model_name_or_path") or "")
+    except (OSError, ValueError):
+        return False
+    cache = Path(os.environ.get("STABLETUNE_CACHE", Path.home() / ".cache" / "stabletune")).expanduser().resolve()
+    try:
+        relative = Path(model).expanduser().resolve().relative_to(cache)
+    except ValueError:
+        return False
+    return relative.parts[0].startswith("demo-")
+
+
 def before_start(run_dir: Path, copy_to: Optional[Path]) -> str:
+    if is_demo_run(run_dir):
+        return ("Demo run on the tiny demo model: its LoRA stays in the run folder and is not copied into the "
+                "WebUI's Lora folder (it only works with the demo model).")
     if copy_to is not None:
         _write_json(Path(run_dir) / MARKER, {"copy_to": str(copy_to), "copied": {}})
     return unload_checkpoint()

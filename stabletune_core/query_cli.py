@@ -46,7 +46,13 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     try:
         config = build_config(values)
     except ConfigError as exc:
-        return {"problems": exc.problems, "config": None, "notes": []}
+        # The world too (folders, model, disk) with the bad fields at their defaults: every problem at once.
+        bad = {name for name in values if any(p.startswith(name) for p in exc.problems)}
+        try:
+            rest = check_inputs(build_config({k: v for k, v in values.items() if k not in bad}))
+        except ConfigError:
+            rest = []
+        return {"problems": exc.problems + [p for p in rest if p not in exc.problems], "config": None, "notes": []}
     problems = check_inputs(config)
     if not problems and args.write:
         config.save_toml(args.write)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from stabletune_core.runs.jsonfiles import append_jsonl, read_jsonl, write_json_atomic, write_text_atomic
 from stabletune_core.runs.layout import RunPaths
-from stabletune_core.runs.reader import RunReader, find_runs, list_runs, log_tail, pid_alive
+from stabletune_core.runs.reader import (ENDED_EARLY, RunReader, find_runs, last_error, list_runs, log_tail,
+                                         pid_alive)
 from stabletune_core.runs.writer import RunWriter
 
 
@@ -70,13 +71,40 @@ def test_status_alive_for_own_process_and_stale_for_dead_one(tmp_path: Path) -> 
 
     gone = make_run(tmp_path / "gone", pid=dead_pid())
     status = RunReader(gone.paths.root).status()
-    assert not status["alive"] and status["stale"]
+    assert not status["alive"] and status["stale"] and status["state"] == "failed"
 
     done = make_run(tmp_path / "done", state="finished", pid=dead_pid())
     status = RunReader(done.paths.root).status()
     assert not status["alive"] and not status["stale"]
 
     assert RunReader(tmp_path / "missing").status()["state"] == "unknown"
+
+
+def test_a_dead_run_is_failed_with_a_reason_and_finished_runs_drop_old_errors(tmp_path: Path) -> None:
+    """Issue 12.2/3: stale means failed, with the engine's last error, else the checkpoint to resume from,
+    else that it ended before its first checkpoint; an old error does not survive into `finished`."""
+    early = make_run(tmp_path / "early", state="loading", pid=dead_pid())
+    status = RunReader(early.paths.root).status()
+    assert status["state"] == "failed" and status["stale"] and status["reported_state"] == "loading"
+    assert status["error"] == ENDED_EARLY
+
+    said = make_run(tmp_path / "said", pid=dead_pid(), error="Only 12 MB free on /tmp; free some space.")
+    assert RunReader(said.paths.root).status()["error"] == "Only 12 MB free on /tmp; free some space."
+
+    logged = make_run(tmp_path / "logged", pid=dead_pid())
+    write_text_atomic(logged.paths.log, "step 3\nerror: Model /m does not exist; point it at a checkpoint.\n")
+    assert last_error(logged.paths.root) == "Model /m does not exist; point it at a checkpoint."
+    assert RunReader(logged.paths.root).status()["error"] == "Model /m does not exist; point it at a checkpoint."
+
+    killed = make_run(tmp_path / "killed", step=7, pid=dead_pid())
+    (killed.paths.checkpoints / "step_000005").mkdir()
+    (killed.paths.checkpoints / "step_000005" / "manifest.json").write_text("{}")
+    assert "Resume continues from the checkpoint at step 5" in RunReader(killed.paths.root).status()["error"]
+
+    done = make_run(tmp_path / "done", state="finished", pid=dead_pid(), error="disk full at step 4")
+    status = RunReader(done.paths.root).status()
+    assert status["state"] == "finished" and "error" not in status
+    assert RunReader(tmp_path / "missing").status() == {"state": "unknown", "alive": False, "stale": False}
 
 
 def test_pid_alive() -> None:

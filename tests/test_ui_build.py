@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from ui_tools import require
+
 ROOT = Path(__file__).resolve().parent.parent
 CHECK = ROOT / "tests" / "ui_build_check.py"
 VENVS = {"current": Path(sys.executable), "gradio-4.40": ROOT / ".venv-g440" / "bin" / "python",
@@ -18,8 +20,7 @@ VENVS = {"current": Path(sys.executable), "gradio-4.40": ROOT / ".venv-g440" / "
 @pytest.mark.parametrize("name", list(VENVS))
 def test_blocks_build_without_torch(name: str) -> None:
     python = VENVS[name]
-    if not python.exists():
-        pytest.skip(f"{python} does not exist (CI creates it)")
+    require(python.exists(), f"{python} does not exist")
     done = subprocess.run([str(python), str(CHECK)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from stabletune_core.runs.jsonfiles import write_json_atomic
+from ui_tools import require
+from stabletune_core.runs.writer import RunWriter
+
 CHROMIUM = Path(os.environ.get("STABLETUNE_CHROMIUM", "/usr/bin/chromium"))
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts" / "ui"
@@ -26,8 +30,16 @@ FORM = {"max_train_steps": "200", "validation_steps": "10", "save_steps": "500"}
 ENGINE_WAIT_S = 240
 GROUP_OF = {f["name"]: f["group"] for f in json.loads((ROOT / "extension" / "config_schema.json").read_text())["fields"]}  # the engine may share 2 CPU cores with other jobs
 
-sync_api = pytest.importorskip("playwright.sync_api")
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} missing (apt-get install chromium)")
+try:
+    from playwright import sync_api
+except ImportError:  # reported by the fixture below
+    sync_api = None
+
+
+@pytest.fixture(autouse=True)
+def browser_tools() -> None:
+    require(sync_api, "playwright's Python package is missing (python install.py --dev)")
+    require(CHROMIUM.exists(), f"{CHROMIUM} is missing (apt-get install chromium chromium-driver)")
 
 
 def free_port() -> int:
@@ -38,6 +50,10 @@ def free_port() -> int:
 
 @pytest.fixture
 def app_url(tmp_path: Path):
+    yield from serve_app(tmp_path)
+
+
+def serve_app(tmp_path: Path):
     runs = tmp_path / "runs"
     port = free_port()
     log = open(tmp_path / "app.log", "wb")
@@ -68,6 +84,45 @@ def stop_engines(runs: Path) -> None:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+
+def launch_browser(p):
+    return p.chromium.launch(executable_path=str(CHROMIUM), args=[
+        "--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"])
+
+
+def watch_console(page) -> list[str]:
+    """Errors the page logs (Vega reports a broken chart here, e.g. `translate(0,1.797e308)`)."""
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    return errors
+
+
+def chart(page, name: str) -> dict:
+    """What the Vega plot `name` draws: its line paths, legend entries and axis labels."""
+    return page.evaluate("""(name) => {
+        const q = (sel) => [...document.querySelectorAll(`#plot-${name} ${sel}`)];
+        return {paths: q('g.mark-line path').map(p => p.getAttribute('d') || ''),
+                legend: q('.role-legend-label text').map(t => t.textContent),
+                labels: q('.role-axis-label text').map(t => t.textContent),
+                transforms: q('g').map(g => g.getAttribute('transform') || '').join(' ')};
+    }""", name)
+
+
+def drawn(page, name: str, series: set[str], timeout_s: float = 30) -> dict:
+    """Wait until plot `name` draws every one of `series` as a real line on a real axis."""
+    deadline = time.time() + timeout_s
+    while True:
+        seen = chart(page, name)
+        ok = (series <= set(seen["legend"]) and sum(len(d) > 20 for d in seen["paths"]) >= len(series)
+              and len(set(seen["labels"])) >= 3 and "e+308" not in seen["transforms"]
+              and not any("NaN" in d for d in seen["paths"]))
+        if ok:
+            return seen
+        if time.time() > deadline:
+            raise AssertionError(f"plot {name} is not drawn with {series}: {seen}")
+        page.wait_for_timeout(500)
 
 
 def shoot(page, name: str) -> None:
@@ -106,12 +161,68 @@ def run_dir_state(run: Path) -> str:
         return ""
 
 
-def test_demo_start_monitor_samples_stop(app_url) -> None:
+def fake_live_run(runs: Path, name: str, pid: int) -> RunWriter:
+    """A run directory as a live engine leaves it, owned by `pid` (no engine: the charts only read files)."""
+    writer = RunWriter(runs / name)
+    writer.status("training", step=0, max_steps=100)
+    status = json.loads(writer.paths.status.read_text())
+    write_json_atomic(writer.paths.status, {**status, "pid": pid})
+    return writer
+
+
+def test_charts_stay_drawn_through_new_series_gaps_and_another_run(tmp_path: Path) -> None:
+    """Issue 12.1: the Monitor page stays open while a run's series set grows (clip threshold appears once
+    the clipper has warmed up), metrics have NaN/Inf gaps, and another (empty, then filling) run is attached."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    server = serve_app(tmp_path)
+    url, runs = next(server)
+    try:
+        first = fake_live_run(runs, "first", sleeper.pid)
+        for step in range(1, 11):  # no clip threshold yet, no VRAM on CPU
+            first.metric(step, loss=1 / step, lr=1e-3, grad_norm=0.5 + step / 100, ram_mb=900 + step)
+        with sync_api.sync_playwright() as p:
+            browser = launch_browser(p)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            errors = watch_console(page)
+            page.goto(url)
+            open_tab(page, "Monitor")
+            drawn(page, "grad", {"grad norm"})
+            drawn(page, "loss", {"loss", "loss (EMA)"})
+            for step in range(11, 21):  # the clipper starts reporting; some steps are non-finite
+                bad = step in (13, 17)
+                first.metric(step, loss="nan" if bad else 1 / step, lr=1e-3,
+                             grad_norm="inf" if bad else 0.5 + step / 100, clip_threshold=0.7, ram_mb=900 + step)
+            drawn(page, "grad", {"grad norm", "clip threshold"})
+            drawn(page, "loss", {"loss", "loss (EMA)"})
+            shoot(page, "charts-1-series-grow")
+
+            second = fake_live_run(runs, "second", sleeper.pid)  # a new run, attached before its first step
+            open_tab(page, "Train")
+            page.locator("#train-run input").click()
+            page.get_by_role("option", name="second", exact=True).click()
+            open_tab(page, "Monitor")
+            page.wait_for_timeout(2500)
+            for step in range(1, 8):
+                second.metric(step, loss=2 / step, lr=5e-4, grad_norm=1.0, clip_threshold=2.0, ram_mb=700)
+            for name, series in (("loss", {"loss", "loss (EMA)"}), ("lr", {"learning rate"}),
+                                 ("grad", {"grad norm", "clip threshold"}), ("memory", {"RAM"})):
+                drawn(page, name, series)
+            wait_text(page, "#monitor-summary", "7 logged steps", 30)
+            shoot(page, "charts-2-second-run")
+            browser.close()
+        assert not [e for e in errors if "vega" in e.lower() or "1.797" in e or "translate" in e], errors
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        next(server, None)
+
+
+def test_demo_start_monitor_samples_stop_and_start_again(app_url) -> None:
     url, runs = app_url
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
-            "--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"])
+        browser = launch_browser(p)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors = watch_console(page)
         try:
             page.goto(url)
             open_tab(page, "Model & hyperparameters")
@@ -157,8 +268,26 @@ def test_demo_start_monitor_samples_stop(app_url) -> None:
             wait_text(page, "#train-status", "stopped", 30)
             shoot(page, "3-train")
 
-            open_tab(page, "Diagnostics")
-            page.locator("#diag-refresh").click()
+            # Issue 12.1: a second run started with the page open: the charts follow it and stay drawn.
+            open_tab(page, "Monitor")
+            drawn(page, "loss", {"loss", "loss (EMA)"})
+            first_summary = page.locator("#monitor-summary").inner_text()
+            open_tab(page, "Train")
+            page.locator("#train-start").click()
+            wait_text(page, "#train-message", "Started", 60)
+            second = runs / "demo-2"
+            assert (second / "config.toml").exists()
+            open_tab(page, "Monitor")
+            page.wait_for_function("(old) => { const t = document.querySelector('#monitor-summary').innerText; "
+                                   "return t !== old && t.includes('logged steps'); }", arg=first_summary,
+                                   timeout=ENGINE_WAIT_S * 1000)
+            for name, series in (("loss", {"loss", "loss (EMA)"}), ("lr", {"learning rate"}), ("memory", {"RAM"})):
+                drawn(page, name, series, timeout_s=60)
+            shoot(page, "4b-monitor-second-run")
+            assert not [e for e in errors if "vega" in e.lower() or "1.797" in e or "translate" in e], errors
+
+            open_tab(page, "Diagnostics")  # refreshed live: no button to click
+            page.wait_for_timeout(3000)
             settle(page)
             shoot(page, "6-diagnostics")
             open_tab(page, "Runs")

@@ -3,7 +3,9 @@ diagnostics, status line, the launcher and app.py's flags."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -85,7 +87,7 @@ def test_problems_land_next_to_their_field(form: Form) -> None:
         == "min_bucket_reso"
     updates = form.problem_updates(["lora_rank is 0 but must be at least 1."])
     by_name = dict(zip(form.names, updates))
-    assert by_name["lora_rank"]["info"].startswith("⚠ lora_rank is 0")
+    assert by_name["lora_rank"]["info"].startswith("⚠ LoRA rank (lora_rank) is 0")
     assert not by_name["seed"]["info"].startswith("⚠")
 
 
@@ -143,6 +145,23 @@ def test_metrics_frames_for_the_plots() -> None:
     assert list(events["kind"]) == ["b", "a"]
 
 
+def test_plot_updates_never_send_empty_frames_or_a_changed_series_set() -> None:
+    """Issue 12.1: a LinePlot keeps the axes and colours of the first frame it drew, so an empty frame, an
+    Inf, or a series that appears later would leave it blank or incomplete."""
+    early = plots.metrics_frame([{"step": s, "grad_norm": 0.5, "clip_threshold": "nan"} for s in range(1, 4)])
+    late = plots.metrics_frame([{"step": s, "grad_norm": "inf" if s == 5 else 0.5, "clip_threshold": 1.0}
+                                for s in range(1, 8)])
+    grad = plots.plot_frame(late, "grad")
+    assert grad["value"].map(math.isfinite).all() and 5 not in set(grad[grad["series"] == "grad norm"]["step"])
+    assert plots.plot_update(plots.plot_frame(plots.metrics_frame([]), "grad"), None) == (None, ())
+    value, drawn = plots.plot_update(plots.plot_frame(early, "grad"), ())
+    assert drawn == ("grad norm",) and len(value) == 3
+    value, drawn = plots.plot_update(grad, drawn)  # the clip threshold appears: clear first ...
+    assert value is None and drawn == ()
+    value, drawn = plots.plot_update(grad, drawn)  # ... then the plot is rebuilt with both series
+    assert drawn == ("clip threshold", "grad norm") and set(value["series"]) == set(drawn)
+
+
 def test_sample_gallery_lines_up_prompts_and_seeds(tmp_path: Path) -> None:
     paths = RunPaths(tmp_path)
     for step in (40, 80):
@@ -155,11 +174,15 @@ def test_sample_gallery_lines_up_prompts_and_seeds(tmp_path: Path) -> None:
     reader = RunReader(tmp_path)
     items, columns = samples.gallery(reader)
     assert columns == 4 and len(items) == 8
-    assert items[0][1] == "step 40 · a red circle · seed 42" and items[4][1].startswith("step 80")
+    # Issue 12.8: newest step first, one row per step (prompt x seed columns), a caption on every image.
+    assert items[0][1] == "step 80 · a red circle · seed 42" and items[4][1] == "step 40 · a red circle · seed 42"
+    assert [label.split(" · ", 1)[1] for _, label in items[:4]] == [
+        "a red circle · seed 42", "a red circle · seed 43", "a blue square · seed 42", "a blue square · seed 43"]
     choices = samples.choices(reader)
     assert choices[0] == samples.ALL and "p01_s43: a blue square · seed 43" in choices
     items, columns = samples.gallery(reader, choices[1])
-    assert [label for _, label in items] == ["step 40", "step 80"] and columns == 2
+    assert [label for _, label in items] == ["step 80 · a red circle · seed 42", "step 40 · a red circle · seed 42"]
+    assert columns == 2
 
 
 def test_diagnostics_read_spectra_and_warnings(tmp_path: Path) -> None:
@@ -184,12 +207,52 @@ def test_diagnostics_read_spectra_and_warnings(tmp_path: Path) -> None:
     assert diagnostics.available(reader) == ["spectra.jsonl"]
 
 
+def test_diagnostics_tab_is_live_and_draws_every_module_activations_and_val_loss(ui) -> None:
+    """Issue 12.4: no leftover "once the diagnostics work lands"; a run with one spectra step still draws;
+    the effective rank shows every module (one heatmap row each, no legend); activation statistics and the
+    validation loss with its best point and early-stopping triggers; redrawn by the live refresh only when
+    something new was written."""
+    from stabletune_core.runs.jsonfiles import append_jsonl
+    from extension.tabs import diagnostics as diag_tab
+
+    assert "lands" not in diag_tab.EMPTY
+    writer = RunWriter(ui.settings.runs_dir / "diag-run")
+    writer.status("stopped", step=20)
+    folder = writer.paths.diagnostics
+    names = [f"unet.up_blocks.{b}.attentions.0.transformer_blocks.0.attn1.to_{q}" for b in range(3) for q in "qkv"]
+    for name in names:  # one spectra step only
+        append_jsonl(folder / "spectra.jsonl", {"step": 10, "module": name, "singular_values": [3.0, 1.0, 0.1]})
+        append_jsonl(folder / "activations.jsonl", {"step": 10, "module": name, "mean": 0.1, "var": 2.0,
+                                                    "zero_fraction": 0.0})
+    for step, value in ((5, 0.5), (10, 0.4), (15, 0.45), (20, 0.47)):
+        append_jsonl(folder / "val_loss.jsonl", {"step": step, "val_loss": value})
+    writer.event("early_stopping_trigger", "Validation loss rose.", step=15)
+    seen = {"run": writer.paths.root}
+    info, module, spectrum, rank, activations, val, warnings = diag_tab.refresh(ui, seen, None, "var")
+    assert "9 modules" in info and module["value"] == sorted(names)[0]
+    assert spectrum is not None and rank is not None and activations is not None
+    rank_axes = rank.axes[0]
+    assert len(rank_axes.get_yticklabels()) == 9 and rank_axes.get_legend() is None
+    assert rank_axes.get_xlim()[1] > rank_axes.get_xlim()[0]  # one step: a real column, not a zero-width one
+    val_axes = val.axes[0]
+    labels = [t.get_text() for t in val_axes.get_legend().get_texts()]
+    assert "best 0.4 (step 10)" in labels and "early-stopping trigger" in labels
+    assert all(v == {"__type__": "update"} for v in diag_tab.refresh(ui, seen, None, "var"))  # nothing new
+    for step in range(1, 21):
+        writer.metric(step, loss=1.0 / step)
+    from extension.tabs import monitor
+
+    summary, loss, *_ = monitor.refresh(ui, {"run": writer.paths.root})
+    assert set(loss["series"]) == {"loss", "loss (EMA)", "validation loss"}
+    assert "best validation loss 0.4 at step 10" in summary
+
+
 def test_status_line() -> None:
     line = status_line("demo", {"state": "training", "step": 40, "max_steps": 120, "sec_per_step": 0.25,
                                 "eta_seconds": 20, "loss": 0.1234}, {"kind": "samples", "message": "Made 4 images."})
     assert "step 40/120" in line and "4.00 it/s" in line and "ETA 0:00:20" in line and "Made 4 images" in line
     assert speed(4.0) == "4.00 s/it" and speed(None) == "–"
-    assert "engine process is gone" in status_line("x", {"state": "training", "stale": True}, None)
+    assert "ETA" not in status_line("x", {"state": "stopped", "eta_seconds": 5}, None)
 
 
 # ---- launcher ---------------------------------------------------------------------------------------------
@@ -254,6 +317,204 @@ def test_hub_reattaches_to_the_live_run(tmp_path: Path) -> None:
     assert RunHub(tmp_path).attach_default() == tmp_path / "live"
 
 
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory: pytest.TempPathFactory):
+    """The whole UI built in this process (no browser): its context, for calling the tabs' handlers."""
+    from extension.settings import UISettings
+    from extension.ui import build_ui
+
+    return build_ui(UISettings(runs_dir=tmp_path_factory.mktemp("ui-runs"),
+                               user_presets_dir=tmp_path_factory.mktemp("user-presets"))).stabletune_context
+
+
+def raw_form(ctx, **values) -> list:
+    """What the browser sends for the whole form: the defaults as widgets show them, with `values`."""
+    from extension.form import display_value
+
+    shown = {n: display_value(f, f["default"]) for n, f in ctx.form.fields.items()}
+    shown.update(values)
+    return [shown[n] for n in ctx.form.names]
+
+
+def test_start_refuses_a_dataset_without_usable_images(ui, tmp_path: Path) -> None:
+    """Issue 12.2: Check settings and Start run the engine's dataset check; no run folder is made."""
+    from extension.tabs import model as model_tab, train as train_tab
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("no images here")
+    raw = raw_form(ui, train_data_dir=str(empty), pretrained_model_name_or_path=str(tmp_path),
+                   output_dir=str(tmp_path / "run"))
+    checked = model_tab._check(ui, *raw)[0]
+    assert "holds no images" in checked and "valid" not in checked
+    message = train_tab._start(ui, *raw)[0]
+    assert message.startswith("**Fix these before starting:**") and f"Dataset folder {empty} holds no images" in message
+    assert not (tmp_path / "run").exists() and ui.hub.attached is None
+
+
+def test_train_buttons_progress_and_eta_follow_the_state(ui, tmp_path: Path) -> None:
+    """Issue 12.7: no Pause while stopped, Continue only when paused, Resume only with a checkpoint; a real
+    progress bar; no ETA once stopped."""
+    from extension.tabs import train as train_tab
+
+    run = ui.settings.runs_dir / "buttons"
+    writer = RunWriter(run)
+    writer.status("training", step=30, max_steps=120, eta_seconds=90, sec_per_step=0.5)  # this pid: alive
+    ui.hub.attach(run)
+    seen: dict = {}
+    line, _, _, bar, *buttons = train_tab.refresh(ui, seen)
+    enabled = dict(zip(train_tab.BUTTONS, (b["interactive"] for b in buttons)))
+    assert enabled == {"start": False, "pause": True, "resume": False, "save": True, "stop": True,
+                       "continue_run": False}
+    assert 'aria-valuenow="30"' in bar and "width:25.0%" in bar and "ETA 0:01:30" in line
+    assert all(b == {"__type__": "update"} for b in train_tab.refresh(ui, seen)[4:])  # unchanged: not resent
+    writer.status("paused", step=30)
+    assert [b["interactive"] for b in train_tab.refresh(ui, seen)[4:]] == [False, False, True, True, True, False]
+    writer.status("stopped", step=31)
+    (writer.paths.checkpoints / "step_000031").mkdir()
+    (writer.paths.checkpoints / "step_000031" / "manifest.json").write_text("{}")
+    line, _, _, bar, *buttons = train_tab.refresh(ui, seen)
+    assert [b["interactive"] for b in buttons] == [True, False, False, False, False, True]
+    assert "ETA" not in line and "stopped" in line
+    ui.hub.attach(None)
+
+
+def test_presets_saved_to_the_user_folder_model_hint_and_regularisers(ui, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 12.11: Save preset writes to the user's folder (not the repository's presets/), which the list
+    and Load see; an empty model list says how to fill it; perceptual loss sits with the regularisers."""
+    from extension import models
+    from extension.tabs import model as model_tab
+
+    shipped = sorted(p.name for p in PRESETS.iterdir())
+    monkeypatch.setattr(ui.settings, "user_presets_dir", tmp_path / "mine")
+    message, choices = model_tab._save(ui, "my-style", *raw_form(ui, learning_rate=3e-4))
+    assert (tmp_path / "mine" / "my-style.toml").is_file() and str(tmp_path / "mine") in message
+    assert sorted(p.name for p in PRESETS.iterdir()) == shipped
+    assert "my-style" in choices["choices"] and "demo" in choices["choices"]
+    loaded = model_tab._load(ui, "my-style", *raw_form(ui))
+    assert loaded[0].startswith("Loaded preset **my-style**")
+    assert dict(zip(ui.form.names, loaded[1:]))["learning_rate"]["value"] == 3e-4
+    assert "--model-dir" in models.found_info([], [])
+    assert "--model-dir" in models.found_info([], [tmp_path], "Diffusers folder")
+    folder = tmp_path / "tiny-sd1"
+    folder.mkdir()
+    assert model_tab.source_for_path(str(folder), "Checkpoint file")["value"] == "Diffusers folder"
+    assert model_tab.source_for_path(str(tmp_path / "x.safetensors"), "Diffusers folder")["value"] == "Checkpoint file"
+    assert "value" not in model_tab.source_for_path(str(folder), "Diffusers folder")
+    groups = dict(model_tab.form_groups(ui))
+    assert {"perceptual_lambda", "snr_gamma", "noise_offset"} <= set(groups["regularisation"])
+    assert not any(n.startswith("perceptual_") for n in groups.get("diagnostics", []))
+
+
+def test_every_problem_is_listed_named_by_label_and_its_accordion_marked(ui, tmp_path: Path) -> None:
+    """Issue 12.6: a bad learning rate and a missing dataset are both listed; fields are named by their
+    label, shown as errors, and the accordion holding a bad field opens and is marked."""
+    from extension.tabs import model as model_tab
+
+    raw = raw_form(ui, learning_rate=-1, lora_rank="many", train_data_dir=str(tmp_path / "missing"),
+                   pretrained_model_name_or_path=str(tmp_path), output_dir=str(tmp_path / "run"))
+    message, *updates = model_tab._check(ui, *raw)
+    assert "does not exist" in message and "learning_rate" in message and "lora_rank" in message
+    label = ui.form.fields["learning_rate"]["label"]
+    assert f"{label} (learning_rate) " in message
+    fields = dict(zip(ui.form.names, updates[:len(ui.form.names)]))
+    assert fields["learning_rate"]["info"].startswith("⚠ ") and fields["learning_rate"]["elem_classes"] == [
+        "stabletune-field-error"]
+    assert fields["seed"]["elem_classes"] == [] and not fields["seed"]["info"].startswith("⚠")
+    marks = dict(zip([g for g, _ in model_tab.form_groups(ui)], updates[len(ui.form.names):]))
+    assert marks["optimization"]["label"].startswith("⚠ ") and marks["optimization"]["open"] is True
+    assert marks["lora"]["label"].startswith("⚠ ")  # lora_rank
+    assert not marks["validation"]["label"].startswith("⚠")
+
+
+def test_each_browser_follows_its_own_run(ui) -> None:
+    """Issue 12.5: attaching a run in one browser (its Train dropdown / Runs tab) does not switch another
+    browser's view; every live tab reads the run of the browser asking."""
+    from extension.tabs import monitor, runs as runs_tab, train as train_tab
+
+    paths = {}
+    for name, steps in (("view-a", 3), ("view-b", 5)):
+        writer = RunWriter(ui.settings.runs_dir / name)
+        writer.status("training", step=steps, max_steps=10)
+        for step in range(1, steps + 1):
+            writer.metric(step, loss=1.0 / step)
+        paths[name] = writer.paths.root
+    before = ui.hub.attached
+    assert runs_tab._attach(ui, "view-b")[1]["value"] == "view-b"
+    train_tab._attach(ui, "view-b")
+    assert ui.hub.attached == before  # nothing global moved
+    first, second = {"run": paths["view-a"]}, {"run": paths["view-b"]}
+    assert monitor.refresh(ui, first)[0].startswith("3 logged steps")
+    assert monitor.refresh(ui, second)[0].startswith("5 logged steps")
+    assert train_tab.refresh(ui, first)[0].startswith("**view-a**")
+    assert train_tab._control(ui, "pause", "view-b").startswith("Sent **pause** to view-b")
+    assert (paths["view-b"] / "control.json").exists() and not (paths["view-a"] / "control.json").exists()
+    for path in paths.values():
+        RunWriter(path).status("stopped", step=1)
+
+
+def test_runs_tab_deletes_confirmed_loads_settings_and_zips_a_checkpoint(ui, tmp_path: Path) -> None:
+    """Issue 12.9: delete needs the confirmation and never takes a dataset or model; a run's settings load
+    into the form; the newest checkpoint downloads as a zip; the live column says yes or no."""
+    import zipfile
+
+    from extension.tabs import runs as runs_tab
+
+    data = tmp_path / "data"
+    data.mkdir()
+    run = write_run_config({"pretrained_model_name_or_path": str(tmp_path), "train_data_dir": str(data),
+                            "output_dir": str(ui.settings.runs_dir / "old-run"), "learning_rate": 3e-4})
+    writer = RunWriter(run)
+    writer.status("stopped", step=4)
+    checkpoint = writer.paths.checkpoints / "step_000004"
+    checkpoint.mkdir()
+    (checkpoint / "manifest.json").write_text("{}")
+    (checkpoint / "adapter.safetensors").write_bytes(b"weights")
+    assert set(runs_tab.table(ui).loc[lambda t: t["run"] == "old-run", "live"]) == {"no"}
+
+    message, *form = runs_tab._load_settings(ui, "old-run")
+    assert message.startswith("Loaded the") and dict(zip(ui.form.names, form))["learning_rate"]["value"] == 3e-4
+
+    message, files = runs_tab._zip(ui, "old-run")
+    with zipfile.ZipFile(files[-1]) as archive:
+        assert sorted(archive.namelist()) == ["adapter.safetensors", "manifest.json"]
+
+    assert "Tick the box" in runs_tab._delete(ui, "old-run", False)[0] and run.exists()
+    inside = ui.settings.runs_dir / "holds-data"
+    (inside / "imgs").mkdir(parents=True)  # a dataset kept inside a run folder
+    write_run_config({"pretrained_model_name_or_path": str(tmp_path), "train_data_dir": str(inside / "imgs"),
+                      "output_dir": str(inside)})
+    assert "move that out first" in runs_tab._delete(ui, "holds-data", True)[0] and (inside / "imgs").exists()
+    assert runs_tab._delete(ui, "old-run", True)[0].startswith("Deleted **old-run**")
+    assert not run.exists() and data.exists() and tmp_path.exists()
+
+
+def test_dead_engine_shows_failed_with_its_sentence_not_starting(tmp_path: Path) -> None:
+    """Issue 12.2/3: a run whose engine died before its first checkpoint reads `failed: <reason>` after a
+    UI restart, never `starting` with advice to resume; the sentence leads the Train status line."""
+    run = tmp_path / "run"
+    writer = RunWriter(run)
+    writer.status("starting", step=0)
+    data = json.loads(writer.paths.status.read_text())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    RunPaths(run).status.write_text(json.dumps({**data, "pid": dead.pid}))
+    RunPaths(run).log.write_text("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+                                 "stabletune_core.data.scan.DatasetError: Dataset folder /d holds no images "
+                                 "(.png): put your training images in it or choose another folder.\n")
+    hub = RunHub(tmp_path)  # a fresh UI: it did not start this engine
+    status = hub.status(run)
+    assert status["state"] == "failed" and status["reported_state"] == "starting"
+    assert status["error"].startswith("Dataset folder /d holds no images")
+    line = status_line("run", status, None)
+    assert line.startswith("**run**: **failed**: Dataset folder /d holds no images")
+    assert "Traceback" not in line and "resume" not in line.lower() and "ETA" not in line
+    RunPaths(run).log.write_text("loading model\n")  # died without a word (OOM killer)
+    status = RunHub(tmp_path).status(run)
+    assert status["state"] == "failed" and status["error"] == "the trainer process ended before its first checkpoint"
+
+
 # ---- dataset tab (the scan runs in the engine's Python) ---------------------------------------------------
 @pytest.fixture
 def shapes_dir(tmp_path: Path) -> Path:
@@ -294,6 +555,7 @@ def test_app_defaults_to_localhost_and_limits_allowed_paths(tmp_path: Path) -> N
     assert options["allowed_paths"] == [str((tmp_path / "runs").resolve())]
     options = app.launch_options(app.parse_args(["--listen", "--allow-dir", str(tmp_path), "--port", "9000"]))
     assert options["server_name"] == "0.0.0.0" and options["server_port"] == 9000
+    assert app.parse_args([]).port == 7870 != 7860  # issue 12.10: A1111 serves on 7860
     assert str(tmp_path.resolve()) in options["allowed_paths"]
 
 
@@ -309,9 +571,40 @@ def test_share_always_has_a_login() -> None:
 def test_share_password_is_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     launched = {}
     monkeypatch.setattr("extension.ui.build_ui", lambda settings: _FakeBlocks(launched))
-    app.main(["--share", "--runs-dir", str(tmp_path)])
+    app.main(["--share", "--port", str(free_port()), "--runs-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "password" in out and launched["auth"][1] in out and launched["share"] is True
+
+
+def test_listen_without_auth_gets_a_printed_password(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys) -> None:
+    """Issue 12.10: --listen is reachable by the network like --share: a generated login, printed."""
+    launched = {}
+    monkeypatch.setattr("extension.ui.build_ui", lambda settings: _FakeBlocks(launched))
+    port = free_port()
+    app.main(["--listen", "--port", str(port), "--runs-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert launched["server_name"] == "0.0.0.0" and launched["auth"][0] == app.SHARE_USER
+    assert f"'{launched['auth'][1]}'" in out and f"0.0.0.0:{port}" in out
+    assert app.login(app.parse_args(["--listen", "--auth", "me:pw"])) == ("me", "pw")
+
+
+def test_busy_port_is_one_sentence(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, str(ROOT / "app.py"), "--port", str(port), "--runs-dir",
+                               str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode != 0 and "Traceback" not in done.stderr + done.stdout
+    assert done.stderr.strip() == f"StableTune: port {port} is in use (another StableTune, or a WebUI?); pass " \
+                                  "--port N with a free port."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class _FakeBlocks:
@@ -323,6 +616,26 @@ class _FakeBlocks:
 
     def launch(self, server_name=None, server_port=None, share=False, auth=None, allowed_paths=None) -> None:
         self.record.update(server_name=server_name, share=share, auth=auth, allowed_paths=allowed_paths)
+
+
+def test_demo_runs_are_not_copied_into_the_webui(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 12.14: a LoRA of the tiny demo model is no SD1 LoRA; only real runs get the copy marker."""
+    from extension import webui
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("STABLETUNE_CACHE", str(cache))
+    monkeypatch.setattr(webui, "unload_checkpoint", lambda: "unloaded")
+    demo, real = tmp_path / "demo-run", tmp_path / "real-run"
+    for run, model in ((demo, cache / "demo-v1" / "tiny-sd1"), (real, tmp_path / "sd15.safetensors")):
+        run.mkdir()
+        (run / "config.toml").write_text(f'pretrained_model_name_or_path = "{model}"\n')
+    note = webui.before_start(demo, tmp_path / "Lora")
+    assert "not copied" in note and not (demo / webui.MARKER).exists()
+    (demo / "output").mkdir()
+    (demo / "output" / "demo_lora.safetensors").write_bytes(b"lora")
+    (demo / "status.json").write_text('{"state": "finished"}')
+    assert webui.copy_finished_lora(demo) is None and not (tmp_path / "Lora").exists()
+    assert webui.before_start(real, tmp_path / "Lora") == "unloaded" and (real / webui.MARKER).exists()
 
 
 def test_ui_modules_do_not_shell_out() -> None:
@@ -345,7 +658,7 @@ def test_resume_button_restarts_the_attached_run_from_its_checkpoint(tmp_path: P
     ctx = UIContext(settings=UISettings(runs_dir=tmp_path / "runs", engine_python=fake_engine(tmp_path)),
                     hub=RunHub(tmp_path / "runs"), form=Form(fields), groups=[])
     ctx.hub.attach(run)
-    message, _ = train._continue_run(ctx)
+    message, *_ = train._continue_run(ctx, "old")
     assert message.startswith("Started **old**"), message
     assert TrainConfig.from_toml(RunPaths(run).config).resume_from_checkpoint == "auto"
     assert train.free_run_dir(run) == tmp_path / "runs" / "old-2"  # Start never reuses a run's folder

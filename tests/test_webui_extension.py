@@ -12,12 +12,15 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from ui_tools import require
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = ROOT / "tests" / "fake_webui"
@@ -26,11 +29,11 @@ HOSTS = {"gradio-3.41": ROOT / ".venv-g341" / "bin" / "python", "gradio-4.40": R
 SHIPPED = ("install.py", "requirements.txt", "requirements-dev.txt", "app.py", "scripts", "extension",
            "stabletune_core", "presets")
 PROBE = "stabletune-probe==1.0"
+CHROMIUM = Path(os.environ.get("STABLETUNE_CHROMIUM", "/usr/bin/chromium"))
 
 
 def need(python: Path) -> str:
-    if not python.exists():
-        pytest.skip(f"{python} does not exist (CI creates it: see .ci/run)")
+    require(python.exists(), f"{python} does not exist")
     return str(python)
 
 
@@ -117,8 +120,10 @@ def engine_install(webui: Path) -> SimpleNamespace:
     record = ext / "stabletune-engine.json"
     stamp = record.stat().st_mtime_ns
     second = run(argv, env, webui)
+    planned = run([*argv, "--dry-run"], env, webui)
     after = {host: freeze(host), base: freeze(base)}
-    return SimpleNamespace(ext=ext, host=host, base=base, first=first.stdout, second=second.stdout, log=log,
+    return SimpleNamespace(ext=ext, host=host, base=base, first=first.stdout, second=second.stdout,
+                           planned=planned.stdout, log=log,
                            before=before, after=after, record=record, stamp=stamp)
 
 
@@ -155,8 +160,7 @@ def test_install_in_a_python_310_webui_uses_a_newer_python(webui: Path, tmp_path
     """The pinned diffusers/transformers need Python 3.11; a 3.10 WebUI gets an engine venv made by a newer
     Python from PATH, which cannot share the WebUI's packages."""
     old = python310()
-    if old is None:
-        pytest.skip("no Python 3.10 on this machine")
+    require(old, "no Python 3.10 on this machine")
     host = tmp_path / "venv310"
     subprocess.run([old, "-m", "venv", "--without-pip", host], check=True)
     ext = copy_installer(tmp_path / "stabletune")
@@ -196,6 +200,10 @@ def test_install_makes_engine_venv_and_never_touches_host(engine_install: Simple
     # Idempotent: the second WebUI start installs nothing and leaves the record alone.
     assert "nothing to install" in e.second and "pip install" not in e.second and "creating" not in e.second
     assert e.record.stat().st_mtime_ns == e.stamp
+    # Issue 12.13: an installed engine venv is checked itself; no claims of pins lacking or torch to download.
+    for later in (e.second, e.planned):
+        assert "lacks" not in later and "GB" not in later and "would" not in later, later
+        assert later.strip().splitlines()[-1].endswith("has the engine's packages; nothing to install.")
 
 
 def test_standalone_install_is_unchanged(tmp_path: Path) -> None:
@@ -221,6 +229,9 @@ def check_tab(report: dict, webui: Path, gradio: str) -> None:
     assert report["torch_imported"] is False
     assert set(report["settings"]) == {"stabletune_runs_dir", "stabletune_trainer_python", "stabletune_copy_lora"}
     assert all(s["section"] == ["stabletune", "StableTune"] for s in report["settings"].values())
+    # Issue 12.15: not "Uncategorized": A1111's Training category (the fake A1111 has it; Forge has none,
+    # so StableTune registers its own there).
+    assert {s["category"] for s in report["settings"].values()} == {"training"}
     assert report["settings"]["stabletune_runs_dir"]["default"] == str(webui / "outputs" / "stabletune")
     assert report["model_dirs"] == [str(webui / "models" / "Stable-diffusion")]
     assert "webui-model.safetensors" in report["model_choices"]
@@ -267,3 +278,63 @@ def test_tab_in_forge_gradio_440(webui: Path, tmp_path: Path) -> None:
     assert report["lora_files"]["handmade.safetensors"] == "older lora"
     assert report["lora_files"]["handmade-2.safetensors"] == "new lora"
     assert "handmade-2.safetensors" in report["status_note"] and report["status_note"] in report["train_status_line"]
+
+
+def test_reload_ui_in_a1111_with_the_page_open_does_not_freeze(webui: Path, tmp_path: Path) -> None:
+    """Issue 12.12: A1111 1.10's Reload UI calls demo.close() while a browser shows the tab; a live refresh
+    running as a never-ending `every=` job made close() wait forever. The page must keep refreshing, close
+    must return, and the relaunched WebUI must serve."""
+    try:
+        from playwright import sync_api
+    except ImportError:
+        sync_api = None
+    require(sync_api, "playwright's Python package is missing (python install.py --dev)")
+    require(CHROMIUM.exists(), f"{CHROMIUM} is missing (apt-get install chromium chromium-driver)")
+    host = need(HOSTS["gradio-3.41"])
+    port, go = free_port(), tmp_path / "go"
+    env = host_env(webui, tmp_path / "calls.jsonl")
+    server = subprocess.Popen([host, str(FAKE / "reload_ui.py"), str(webui / "extensions" / "stabletune"), str(port),
+                               str(go)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              cwd=webui)
+    try:
+        assert server.stdout.readline().strip().endswith("ready") or wait_ready(server)
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--headless",
+                                                                             "--disable-gpu"])
+            page = browser.new_page()
+            ticks: list[str] = []
+            page.on("request", lambda r: ticks.append(r.url) if "/run/predict" in r.url or "/queue" in r.url
+                    else None)
+            sockets: list = []
+            page.on("websocket", lambda ws: sockets.append(ws))
+            page.goto(f"http://127.0.0.1:{port}/")
+            page.locator("#train-status").filter(has_text="No run attached").first.wait_for(state="attached", timeout=60_000)
+            page.wait_for_timeout(6000)  # several refresh periods with the page open
+            # A never-ending refresh job keeps its websocket open; with A1111's FastAPI 0.94 stack that is
+            # what close() waited for. (This venv's newer uvicorn closes it, so close alone does not hang here.)
+            open_jobs = [ws.url for ws in sockets if not ws.is_closed()]
+            go.touch()  # Reload UI
+            out, _ = server.communicate(timeout=120)
+            browser.close()
+    finally:
+        if server.poll() is None:
+            server.kill()
+    report = json.loads(out.strip().splitlines()[-1])
+    assert open_jobs == [], "a refresh job still holds a connection open when the WebUI closes"
+    assert report["close_s"] is not None and report["close_s"] < 30, out[-3000:]
+    assert report["relaunched"], out[-3000:]
+    assert len(ticks) >= 3, ticks  # the tab did refresh itself while open
+
+
+def wait_ready(server: subprocess.Popen) -> bool:
+    """The harness prints Gradio's own lines before `ready`."""
+    for line in server.stdout:
+        if line.strip().endswith("ready"):
+            return True
+    return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,4 +1,5 @@
-"""Diagnostics tab: LoRA singular-value spectra per module over time, effective rank, collapse warnings."""
+"""Diagnostics tab, refreshed live: LoRA singular-value spectra per module, effective rank of every module,
+activation statistics, the validation loss with early stopping's marks, and collapse warnings."""
 from __future__ import annotations
 
 from typing import Any
@@ -6,43 +7,71 @@ from typing import Any
 import gradio as gr
 
 from .. import diagnostics
-from ..compat import listen, make, update
+from ..compat import listen, make, unchanged, update, user_change
 from ..context import UIContext
 
 TITLE = "Diagnostics"
-EMPTY = ("No spectra yet. The engine writes `diagnostics/spectra.jsonl` (singular values of each LoRA module "
-         "at each validation step) once the diagnostics work lands; this tab reads whatever the run has.")
+EMPTY = ("Nothing recorded yet: the run writes spectra, activation statistics and the validation loss under "
+         "`diagnostics/` at its validation and diagnostics steps (see the Diagnostics and Validation settings).")
+OUTPUTS = ("diag.info", "diag.module", "diag.heatmap", "diag.rank", "diag.activations", "diag.val", "diag.warnings")
 
 
 def build(ctx: UIContext) -> None:
     p = ctx.parts
     p["diag.info"] = make(gr.Markdown, value=EMPTY, elem_id="diag-info")
     with gr.Row():
-        p["diag.module"] = make(gr.Dropdown, label="Module", choices=[], value=None, scale=4)
-        p["diag.refresh"] = make(gr.Button, value="Refresh", scale=1, elem_id="diag-refresh")
+        p["diag.val"] = make(gr.Plot, label="Validation loss (best and early-stopping triggers marked)",
+                             elem_id="diag-val")
+    with gr.Row():
+        p["diag.module"] = make(gr.Dropdown, label="Module (singular values)", choices=[], value=None, scale=4)
+        p["diag.stat"] = make(gr.Radio, label="Activation statistic", choices=list(diagnostics.ACTIVATION_STATS),
+                              value="var", scale=2)
     with gr.Row():
         p["diag.heatmap"] = make(gr.Plot, label="Singular values over steps")
-        p["diag.rank"] = make(gr.Plot, label="Effective rank")
+        p["diag.rank"] = make(gr.Plot, label="Effective rank (module x step)", elem_id="diag-rank")
+    p["diag.activations"] = make(gr.Plot, label="Activation statistics (module x step)", elem_id="diag-activations")
     p["diag.warnings"] = make(gr.Dataframe, label="Collapse warnings", headers=["step", "kind", "message"],
                               interactive=False, wrap=True)
 
 
-def _refresh(ctx: UIContext, module: str | None) -> list[Any]:
-    reader = ctx.hub.reader()
+def figures(ctx: UIContext, run: Any, module: str | None, stat: str | None) -> list[Any]:
+    reader = ctx.hub.reader(run) if run else None
     if reader is None:
-        return [EMPTY, update(choices=[], value=None), None, None, []]
+        return [EMPTY, update(choices=[], value=None), None, None, None, None, []]
     records = diagnostics.spectra(reader)
     names = diagnostics.modules(records)
     module = module if module in names else (names[0] if names else None)
     files = diagnostics.available(reader)
-    info = (f"{len(records)} spectra of {len(names)} modules. Files: {', '.join(files)}" if records
-            else EMPTY + (f" Files present: {', '.join(files)}." if files else ""))
+    info = (f"{len(records)} spectra of {len(names)} modules. Files: {', '.join(files)}" if files else EMPTY)
     return [info, update(choices=names, value=module), diagnostics.heatmap(records, module),
-            diagnostics.rank_lines(records), diagnostics.warnings(reader)]
+            diagnostics.rank_heatmap(records), diagnostics.activation_heatmap(diagnostics.activations(reader), stat or "var"),
+            diagnostics.val_loss_figure(reader), diagnostics.warnings(reader)]
 
 
 def wire(ctx: UIContext) -> None:
     p = ctx.parts
-    outputs = [p["diag.info"], p["diag.module"], p["diag.heatmap"], p["diag.rank"], p["diag.warnings"]]
-    listen(p["diag.refresh"].click, lambda m: _refresh(ctx, m), [p["diag.module"]], outputs)
-    listen(p["diag.module"].change, lambda m: _refresh(ctx, m), [p["diag.module"]], outputs)
+    outputs = [p[k] for k in OUTPUTS]
+    for control in ("diag.module", "diag.stat"):
+        listen(user_change(p[control]),
+               lambda m, s, run: figures(ctx, ctx.run_path(run) or ctx.hub.attach_default(), m, s),
+               [p["diag.module"], p["diag.stat"], p["train.run"]], outputs)
+
+
+def live_inputs(ctx: UIContext) -> list[Any]:
+    return [ctx.parts["diag.module"], ctx.parts["diag.stat"]]
+
+
+def live_outputs(ctx: UIContext) -> list[Any]:
+    return [ctx.parts[k] for k in OUTPUTS]
+
+
+def refresh(ctx: UIContext, seen: dict[str, Any], module: str | None, stat: str | None) -> list[Any]:
+    """Redrawn only when a diagnostics file or the events grew (figures are costly to send)."""
+    run = ctx.run_of(seen)
+    folder = ctx.hub.reader(run).paths.diagnostics if run else None
+    sizes = tuple(sorted((f.name, f.stat().st_size) for f in folder.glob("*.jsonl"))) if folder and folder.is_dir() else ()
+    key = (str(run), sizes, len(ctx.hub.reader(run).events()) if run else 0)
+    if seen.get("diagnostics") == key:
+        return [unchanged()] * len(OUTPUTS)
+    seen["diagnostics"] = key
+    return figures(ctx, run, module, stat)

@@ -20,6 +20,25 @@ GROUP_TITLES = {"model": "Model", "data": "Data & captions", "lora": "LoRA", "op
                 "precision": "Precision & memory", "guards": "Guards (NaN, OOM, clipping)",
                 "validation": "Validation images", "diagnostics": "Diagnostics", "output": "Checkpoints & output"}
 OPEN_GROUPS = ("lora", "optimization")
+# The form's own grouping where the engine's (config.py) groups by implementation: the loss regularisers
+# sit together, after Optimization.
+GROUP_TITLES["regularisation"] = "Regularisation (noise offset, min-SNR, perceptual loss)"
+REGULARISERS = ("noise_offset", "snr_gamma", "perceptual_")
+
+
+def ui_group(name: str, group: str) -> str:
+    return "regularisation" if name.startswith(REGULARISERS) else group
+
+
+def form_groups(ctx: UIContext) -> list[tuple[str, list[str]]]:
+    """(group, field names) in the order the accordions appear."""
+    order = list(ctx.groups)
+    order.insert(order.index("optimization") + 1 if "optimization" in order else len(order), "regularisation")
+    fields = {g: [] for g in order}
+    for group in ctx.groups:
+        for name in ctx.form.ui_fields(group, PLACED):
+            fields[ui_group(name, group)].append(name)
+    return [(g, names) for g, names in fields.items() if names]
 
 
 def build(ctx: UIContext) -> None:
@@ -28,7 +47,7 @@ def build(ctx: UIContext) -> None:
         with make(gr.Column, scale=2):
             gr.Markdown("### Preset")
             with gr.Row():
-                p["model.preset"] = make(gr.Dropdown, label="Preset", choices=presets.list_presets(settings.presets_dir),
+                p["model.preset"] = make(gr.Dropdown, label="Preset", choices=presets.list_all(settings.preset_folders),
                                          value=None, elem_id="preset-choice", scale=3)
                 p["model.load"] = make(gr.Button, value="Load preset", elem_id="preset-load", scale=1)
             with gr.Row():
@@ -39,14 +58,16 @@ def build(ctx: UIContext) -> None:
         with make(gr.Column, scale=3):
             gr.Markdown("### Base model")
             p["model.source"] = make(gr.Radio, label="Source", choices=list(models.SOURCES), value=models.SOURCES[0])
+            found = models.find_models(models.SOURCES[0], settings.model_dirs)
             p["model.found"] = make(gr.Dropdown, label="Found in the model folders (or type the path below)",
-                                    choices=models.find_models(models.SOURCES[0], settings.model_dirs), value=None)
+                                    choices=found, value=None, info=models.found_info(found, settings.model_dirs),
+                                    elem_id="model-found")
             ctx.form.build(["pretrained_model_name_or_path"])
-    for group in ctx.groups:
-        names = ctx.form.ui_fields(group, PLACED)
+    for group, names in form_groups(ctx):
         if names:
             with make(gr.Accordion, label=GROUP_TITLES.get(group, group.title()), open=group in OPEN_GROUPS,
-                      elem_id=f"group-{group}"):
+                      elem_id=f"group-{group}") as accordion:
+                p[f"model.group.{group}"] = accordion
                 _grid(ctx, names)
     with gr.Row():
         p["model.check"] = make(gr.Button, value="Check settings", elem_id="check-settings")
@@ -59,26 +80,41 @@ def _grid(ctx: UIContext, names: list[str], per_row: int = 3) -> None:
             ctx.form.build(names[start:start + per_row])
 
 
-def problems_text(problems: list[str], notes: list[str]) -> str:
+def problems_text(problems: list[str], notes: list[str], form: Any = None) -> str:
     if not problems:
         text = "✅ Settings are valid."
     else:
-        text = "**Fix these before starting:**\n\n" + "\n".join(f"- ⚠ {p}" for p in problems)
+        shown = [form.labelled(p) if form else p for p in problems]
+        text = "**Fix these before starting:**\n\n" + "\n".join(f"- ⚠ {p}" for p in shown)
     return text + "".join(f"\n\nℹ {note}" for note in notes)
 
 
 def check(ctx: UIContext, raw: tuple[Any, ...]) -> tuple[dict[str, Any], list[str], list[str]]:
     """(values, problems, notes) of the form as it stands."""
-    values, problems = ctx.form.values(raw)
-    if problems:
-        return values, problems, []
+    values, unreadable = ctx.form.values(raw)
+    if unreadable:  # still check the rest, so every problem is listed at once
+        problems, _ = validate(values, ctx.settings.engine_python)  # `values` lacks the unreadable fields
+        return values, unreadable + [p for p in problems if p not in unreadable], []
     problems, notes = validate(values, ctx.settings.engine_python)
     return values, problems, notes
 
 
 def _check(ctx: UIContext, *raw: Any) -> list[Any]:
     _, problems, notes = check(ctx, raw)
-    return [problems_text(problems, notes), *ctx.form.problem_updates(problems)]
+    return [problems_text(problems, notes, ctx.form), *ctx.form.problem_updates(problems), *group_marks(ctx, problems)]
+
+
+def group_marks(ctx: UIContext, problems: list[str]) -> list[Any]:
+    """Each accordion with a bad field opens and says so in its title; the others get their title back."""
+    bad = set(ctx.form.problem_fields(problems))
+    marks = []
+    for group, names in form_groups(ctx):
+        title = GROUP_TITLES.get(group, group.title())
+        if bad & set(names):
+            marks.append(update(label=f"⚠ {title}: fix the fields marked ⚠", open=True))
+        else:
+            marks.append(update(label=title))
+    return marks
 
 
 def _load(ctx: UIContext, name: str | None, *raw: Any) -> list[Any]:
@@ -86,7 +122,7 @@ def _load(ctx: UIContext, name: str | None, *raw: Any) -> list[Any]:
         return ["Choose a preset first.", *ctx.form.updates({})]
     current, _ = ctx.form.values(raw)
     values = {**ctx.form.defaults(), **{k: current[k] for k in MACHINE_FIELDS if k in current}}
-    values.update(presets.load_preset(ctx.settings.presets_dir, name, ctx.aliases()))
+    values.update(presets.load_preset(presets.folder_of(ctx.settings.preset_folders, name), name, ctx.aliases()))
     message = f"Loaded preset **{name}**."
     if name == presets.DEMO_PRESET:
         answer = ask_engine(["demo-assets"], ctx.settings.engine_python)
@@ -108,13 +144,24 @@ def _save(ctx: UIContext, name: str, *raw: Any) -> list[Any]:
     if problems:
         return ["⚠ " + " ".join(problems), update()]
     recipe = {k: v for k, v in ctx.form.non_default(values).items() if k not in MACHINE_FIELDS}
-    path = presets.save_preset(ctx.settings.presets_dir, name, recipe, comment="Saved from the StableTune UI.")
+    path = presets.save_preset(ctx.settings.user_presets_dir, name, recipe, comment="Saved from the StableTune UI.")
     return [f"Saved preset **{name}** ({len(recipe)} settings) to {path}.",
-            update(choices=presets.list_presets(ctx.settings.presets_dir), value=name)]
+            update(choices=presets.list_all(ctx.settings.preset_folders), value=name)]
 
 
 def _found(source: str, choice: str | None) -> Any:
     return update(value=choice) if choice else update()
+
+
+def _source(ctx: UIContext, source: str) -> Any:
+    found = models.find_models(source, ctx.settings.model_dirs)
+    return update(choices=found, value=None, info=models.found_info(found, ctx.settings.model_dirs, source))
+
+
+def source_for_path(path: str | None, source: str | None) -> Any:
+    """The Source radio follows the model path (a preset or a typed path): a folder is a diffusers folder."""
+    guessed = models.guess_source(str(path or "").strip()) if path else None
+    return update(value=guessed) if guessed and guessed != source else update()
 
 
 def wire(ctx: UIContext) -> None:
@@ -124,8 +171,12 @@ def wire(ctx: UIContext) -> None:
            [p["model.preset_message"], *form.inputs])
     listen(p["model.save"].click, lambda name, *raw: _save(ctx, name, *raw), [p["model.preset_name"], *form.inputs],
            [p["model.preset_message"], p["model.preset"]])
-    listen(p["model.source"].change,
-           lambda source: update(choices=models.find_models(source, ctx.settings.model_dirs), value=None),
-           [p["model.source"]], [p["model.found"]])
+    listen(p["model.source"].change, lambda source: _source(ctx, source), [p["model.source"]], [p["model.found"]])
     listen(p["model.found"].change, _found, [p["model.source"], p["model.found"]], [model_path])
-    listen(p["model.check"].click, lambda *raw: _check(ctx, *raw), form.inputs, [p["model.problems"], *form.inputs])
+    listen(model_path.change, source_for_path, [model_path, p["model.source"]], [p["model.source"]])
+    listen(p["model.check"].click, lambda *raw: _check(ctx, *raw), form.inputs,
+           [p["model.problems"], *form.inputs, *accordions(ctx)])
+
+
+def accordions(ctx: UIContext) -> list[Any]:
+    return [ctx.parts[f"model.group.{g}"] for g, _ in form_groups(ctx)]

@@ -1,4 +1,4 @@
-"""Monitor tab: live loss (raw + EMA), learning rate, gradient norm vs clip threshold, memory, and the
+"""Monitor tab: live loss (raw + EMA + validation), learning rate, gradient norm vs clip threshold, memory, and the
 guards' events."""
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ from typing import Any
 
 import gradio as gr
 
-from .. import plots
+from .. import diagnostics, plots
 from ..compat import make, unchanged
 from ..context import UIContext
 
 TITLE = "Monitor"
+PLOTS = ("loss", "lr", "grad", "memory")
 
 
 def _plot(ctx: UIContext, name: str) -> None:
@@ -44,13 +45,22 @@ def live_outputs(ctx: UIContext) -> list[Any]:
 
 
 def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
-    reader = ctx.hub.reader()
+    run = ctx.run_of(seen)
+    reader = ctx.hub.reader(run) if run else None
     metrics = reader.metrics() if reader else []
     events = reader.events() if reader else []
-    key = (str(ctx.hub.attached), len(metrics), len(events))
+    val = diagnostics.val_loss_points(reader) if reader else []
+    key = (str(run), len(metrics), len(events), len(val))
     if seen.get("monitor") == key:  # nothing new: send nothing, the browser keeps its plots
         return [unchanged()] * 6
-    seen["monitor"] = key
-    frame = plots.metrics_frame(metrics)
-    return [plots.summary(frame), *(plots.plot_frame(frame, n) for n in ("loss", "lr", "grad", "memory")),
-            plots.events_frame(events)]
+    frame = plots.with_val_loss(plots.metrics_frame(metrics), val)
+    drawn = seen.setdefault("monitor.series", {})
+    values, waiting = [], False
+    for name in PLOTS:
+        long = plots.plot_frame(frame, name)
+        value, drawn[name] = plots.plot_update(long, drawn.get(name))
+        values.append(value)
+        waiting |= value is None and not long.empty  # cleared for a new series set: data on the next tick
+    if not waiting:
+        seen["monitor"] = key
+    return [plots.summary(frame), *values, plots.events_frame(events)]

@@ -1,15 +1,24 @@
-"""Runs tab: every run in the runs folder with its state; attach one (also after a UI restart) and
-download its LoRA."""
+"""Runs tab: every run in the runs folder with its state; attach one (also after a UI restart), download
+its LoRA or newest checkpoint, load its settings into the form, delete it (confirmed; only the run folder)."""
 from __future__ import annotations
 
 import datetime
+import shutil
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
 import pandas as pd
 
-from ..compat import listen, make, update
+from ..compat import listen, make, unchanged, update
 from ..context import UIContext
+from stabletune_core.runs.layout import RunPaths
+from stabletune_core.runs.reader import RunReader
+
+try:  # Python 3.11+; A1111 hosts may run 3.10 with tomli
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - depends on the host
+    import tomli as tomllib  # type: ignore[no-redef]
 
 TITLE = "Runs"
 COLUMNS = ["run", "state", "step", "live", "updated", "LoRA files"]
@@ -25,8 +34,14 @@ def build(ctx: UIContext) -> None:
         p["runs.refresh"] = make(gr.Button, value="Refresh", scale=1, elem_id="runs-refresh")
         p["runs.attach"] = make(gr.Button, value="Attach (Train, Monitor, Samples follow it)", variant="primary",
                                 scale=2, elem_id="runs-attach")
-    p["runs.message"] = make(gr.Markdown, value="")
-    p["runs.files"] = make(gr.File, label="LoRA files of the chosen run (click to download)", file_count="multiple",
+    with gr.Row():
+        p["runs.load"] = make(gr.Button, value="Load its settings into the form", elem_id="runs-load")
+        p["runs.zip"] = make(gr.Button, value="Zip its newest checkpoint for download", elem_id="runs-zip")
+        p["runs.confirm"] = make(gr.Checkbox, value=False, label="Yes, delete this run's folder (checkpoints, "
+                                 "samples, LoRAs). Datasets and models are never touched.", elem_id="runs-confirm")
+        p["runs.delete"] = make(gr.Button, value="Delete run", variant="stop", elem_id="runs-delete")
+    p["runs.message"] = make(gr.Markdown, value="", elem_id="runs-message")
+    p["runs.files"] = make(gr.File, label="Files of the chosen run (click to download)", file_count="multiple",
                            interactive=False, elem_id="runs-files")
 
 
@@ -36,7 +51,7 @@ def table(ctx: UIContext) -> pd.DataFrame:
         reader = ctx.hub.reader(run.path)
         updated = datetime.datetime.fromtimestamp(run.updated_at).strftime("%Y-%m-%d %H:%M") if run.updated_at else ""
         step = f"{run.step}/{run.max_steps}" if run.max_steps else str(run.step)
-        rows.append([ctx.run_label(run.path), run.state, step, "yes" if run.alive else "", updated,
+        rows.append([ctx.run_label(run.path), run.state, step, "yes" if run.alive else "no", updated,
                      ", ".join(p.name for p in reader.loras())])
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -56,13 +71,87 @@ def _choose(ctx: UIContext, label: str | None) -> Any:
 def _attach(ctx: UIContext, label: str | None) -> list[Any]:
     if not label:
         return ["Choose a run first.", update()]
-    ctx.hub.attach(ctx.run_path(label))
-    return [f"Attached **{label}**: the Train, Monitor, Samples and Diagnostics tabs now show it.",
-            update(choices=ctx.run_labels(), value=label)]
+    # This browser's Train dropdown is what its tabs follow; other browsers keep their own run.
+    return [f"Attached **{label}**: the Train, Monitor, Samples and Diagnostics tabs of this page now show it.",
+            update(choices=ctx.run_labels(ctx.run_path(label)), value=label)]
+
+
+def delete_problem(ctx: UIContext, run: Path | None, confirmed: bool) -> str | None:
+    """Why `run` may not be deleted, or None. Only a run folder directly in the runs folder, not live,
+    and holding neither the dataset nor the model it trained on."""
+    if run is None:
+        return "Choose a run first."
+    if not confirmed:
+        return "Tick the box to confirm: the run's checkpoints, samples and LoRAs are deleted for good."
+    paths = RunPaths(run)
+    if run.resolve().parent != ctx.settings.runs_dir or not (paths.config.exists() or paths.status.exists()):
+        return f"{run} is not a run folder in {ctx.settings.runs_dir}; only runs there can be deleted here."
+    if ctx.hub.is_live(run):
+        return f"{ctx.run_label(run)} is still running; stop it first."
+    try:
+        with open(paths.config, "rb") as f:
+            config = tomllib.load(f)
+    except (OSError, ValueError):
+        config = {}
+    for key in ("train_data_dir", "pretrained_model_name_or_path"):
+        source = str(config.get(key) or "")
+        if source and Path(source).expanduser().resolve().is_relative_to(run.resolve()):
+            return f"{ctx.run_label(run)} holds its own {key} ({source}); move that out first."
+    return None
+
+
+def _delete(ctx: UIContext, label: str | None, confirmed: bool) -> list[Any]:
+    run = ctx.run_path(label)
+    problem = delete_problem(ctx, run, confirmed)
+    if problem:
+        return [f"⚠ {problem}", unchanged(), unchanged(), update(value=False)]
+    shutil.rmtree(run)
+    labels = ctx.run_labels()
+    return [f"Deleted **{label}** ({run}).", table(ctx), update(choices=labels, value=None), update(value=False)]
+
+
+def _load_settings(ctx: UIContext, label: str | None) -> list[Any]:
+    run = ctx.run_path(label)
+    try:
+        with open(RunPaths(run).config, "rb") as f:
+            values = tomllib.load(f)
+    except (OSError, ValueError, TypeError):
+        return [f"⚠ {label or 'No run'} has no readable config.toml.", *ctx.form.updates({})]
+    values.pop("output_dir", None)  # Start makes a new run folder; Resume continues this one
+    known = {k: v for k, v in values.items() if k in ctx.form.components}
+    return [f"Loaded the {len(known)} settings of **{label}** into the form; Start makes a new run with them.",
+            *ctx.form.updates(known)]
+
+
+def zip_checkpoint(run: Path) -> Path | None:
+    """The newest checkpoint of `run` as RUN/downloads/step_NNNNNN.zip (made once), or None."""
+    checkpoints = RunReader(run).checkpoints()
+    if not checkpoints:
+        return None
+    target = RunPaths(run).root / "downloads" / f"{checkpoints[-1].name}.zip"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = shutil.make_archive(str(target.with_suffix("")) + ".partial", "zip", checkpoints[-1])
+        Path(partial).replace(target)
+    return target
+
+
+def _zip(ctx: UIContext, label: str | None) -> list[Any]:
+    run = ctx.run_path(label)
+    archive = zip_checkpoint(run) if run else None
+    if archive is None:
+        return [f"⚠ {label or 'No run chosen'}: no checkpoint to download.", unchanged()]
+    files = [*(_choose(ctx, label) or []), str(archive)]
+    return [f"Newest checkpoint of **{label}** zipped: {archive.name} (below).", files]
 
 
 def wire(ctx: UIContext) -> None:
     p = ctx.parts
+    listen(p["runs.delete"].click, lambda label, ok: _delete(ctx, label, ok), [p["runs.choice"], p["runs.confirm"]],
+           [p["runs.message"], p["runs.table"], p["runs.choice"], p["runs.confirm"]])
+    listen(p["runs.load"].click, lambda label: _load_settings(ctx, label), [p["runs.choice"]],
+           [p["runs.message"], *ctx.form.inputs])
+    listen(p["runs.zip"].click, lambda label: _zip(ctx, label), [p["runs.choice"]], [p["runs.message"], p["runs.files"]])
     listen(p["runs.refresh"].click, lambda label: _refresh(ctx, label), [p["runs.choice"]],
            [p["runs.table"], p["runs.choice"], p["runs.files"]])
     listen(p["runs.choice"].change, lambda label: _choose(ctx, label), [p["runs.choice"]], [p["runs.files"]])

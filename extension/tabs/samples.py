@@ -18,12 +18,14 @@ def build(ctx: UIContext) -> None:
                              elem_id="samples-view")
     gr.Markdown("Each row is one validation step; each column keeps its prompt and seed, so you see the same "
                 "picture change as the LoRA learns. Pick one prompt/seed above to see it across all steps in a row.")
-    p["samples.gallery"] = make(gr.Gallery, label="Validation images", columns=4, height=520, object_fit="contain",
+    p["samples.gallery"] = make(gr.Gallery, label="Validation images (newest step first)", columns=4, height="auto",
+                                object_fit="contain", show_label=True, preview=False,
                                 elem_id="samples-gallery")
 
 
-def _show(ctx: UIContext, view: str) -> Any:
-    reader = ctx.hub.reader()
+def _show(ctx: UIContext, view: str, label: str | None = None) -> Any:
+    run = ctx.run_path(label) or ctx.hub.attach_default()
+    reader = ctx.hub.reader(run) if run else None
     if reader is None:
         return update(value=[])
     items, columns = samples.gallery(reader, view)
@@ -32,7 +34,8 @@ def _show(ctx: UIContext, view: str) -> Any:
 
 def wire(ctx: UIContext) -> None:
     p = ctx.parts
-    listen(user_change(p["samples.view"]), lambda view: _show(ctx, view), [p["samples.view"]], [p["samples.gallery"]])
+    listen(user_change(p["samples.view"]), lambda view, label: _show(ctx, view, label),
+           [p["samples.view"], p["train.run"]], [p["samples.gallery"]])
 
 
 def live_inputs(ctx: UIContext) -> list[Any]:
@@ -44,8 +47,9 @@ def live_outputs(ctx: UIContext) -> list[Any]:
 
 
 def refresh(ctx: UIContext, seen: dict[str, Any], view: str) -> list[Any]:
-    reader = ctx.hub.reader()
-    key = (str(ctx.hub.attached), samples.signature(reader) if reader else ())
+    run = ctx.run_of(seen)
+    reader = ctx.hub.reader(run) if run else None
+    key = (str(run), samples.signature(reader) if reader else ())
     if seen.get("samples") == key:  # only a new step's images are worth re-sending the gallery
         return [unchanged(), unchanged()]
     seen["samples"] = key
@@ -53,4 +57,4 @@ def refresh(ctx: UIContext, seen: dict[str, Any], view: str) -> list[Any]:
         return [update(choices=[samples.ALL], value=samples.ALL), update(value=[])]
     choices = samples.choices(reader)
     view = view if view in choices else samples.ALL
-    return [update(choices=choices, value=view), _show(ctx, view)]
+    return [update(choices=choices, value=view), _show(ctx, view, str(run))]

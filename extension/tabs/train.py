@@ -11,7 +11,7 @@ import gradio as gr
 from ..compat import listen, make, unchanged, update, user_change
 from ..context import UIContext
 from ..status import status_line
-from .model import check, problems_text
+from .model import accordions, check, group_marks, problems_text
 from stabletune_core.launch import LaunchError, spawn, write_run_config
 from stabletune_core.runs.layout import RunPaths
 from stabletune_core.runs.reader import log_tail
@@ -44,10 +44,32 @@ def build(ctx: UIContext) -> None:
                                          elem_id=f"train-{command}")
         p["train.continue_run"] = make(gr.Button, value="Resume run from checkpoint",
                                        elem_id="train-resume-run")
+    p["train.progress"] = make(gr.HTML, value=progress_bar({"state": "none"}), elem_id="train-progress")
     p["train.message"] = make(gr.Markdown, value=LIVE_STATES_TEXT, elem_id="train-message")
     with make(gr.Accordion, label="Engine log (train.log, last lines)", open=False):
         p["train.log"] = make(gr.Textbox, label="train.log", lines=12, max_lines=12, interactive=False,
                               elem_id="train-log")
+
+
+def progress_bar(status: dict[str, Any]) -> str:
+    """A progress bar of step / max_steps (empty when nothing is attached or the length is unknown)."""
+    step, total = int(status.get("step") or 0), status.get("max_steps")
+    if status.get("state") == "none" or not total:
+        return ""
+    percent = max(0.0, min(100.0, 100.0 * step / float(total)))
+    colour = {"failed": "#d9534f", "finished": "#5cb85c"}.get(status.get("state"), "var(--color-accent, #f97316)")
+    return (f'<div class="stabletune-progress" role="progressbar" aria-valuenow="{step}" aria-valuemin="0" '
+            f'aria-valuemax="{int(total)}" title="step {step} of {int(total)}" style="height:10px;border-radius:5px;'
+            f'background:var(--border-color-primary, #ddd);overflow:hidden"><div style="height:100%;'
+            f'width:{percent:.1f}%;background:{colour}"></div></div>')
+
+
+def buttons_for(status: dict[str, Any], has_checkpoint: bool) -> dict[str, bool]:
+    """Which Train buttons make sense in this state (the others are disabled)."""
+    live = bool(status.get("alive"))
+    paused = status.get("state") == "paused"
+    return {"start": not live, "pause": live and not paused, "resume": live and paused, "save": live,
+            "stop": live, "continue_run": not live and has_checkpoint}
 
 
 def free_run_dir(path: Path) -> Path:
@@ -74,10 +96,10 @@ def _launch(ctx: UIContext, values: dict[str, Any]) -> str:
 
 
 def _start(ctx: UIContext, *raw: Any) -> list[Any]:
-    attached = ctx.hub.attached
-    if attached and ctx.hub.is_live(attached):
-        return [f"⚠ **{ctx.run_label(attached)}** is still running; stop it first (one run per machine).",
-                unchanged(), unchanged(), *ctx.form.updates({})]
+    live = next((r.path for r in ctx.hub.runs() if ctx.hub.is_live(r.path)), None)
+    if live:
+        return [f"⚠ **{ctx.run_label(live)}** is still running; stop it first (one run per machine).",
+                unchanged(), unchanged(), *ctx.form.updates({}), *(unchanged() for _ in accordions(ctx))]
     values, problems, notes = check(ctx, raw)
     if not problems:
         name = values.get("output_name") or "lora"
@@ -87,65 +109,89 @@ def _start(ctx: UIContext, *raw: Any) -> list[Any]:
         values["output_dir"] = str(free_run_dir(wanted.resolve()))
         message = _launch(ctx, values)
     else:
-        message = problems_text(problems, notes)
+        message = problems_text(problems, notes, ctx.form)
     return [message, update(value=values.get("output_dir", "")) if not problems else unchanged(),
             update(choices=ctx.run_labels(), value=ctx.run_label(ctx.hub.attached)),
-            *ctx.form.problem_updates(problems)]
+            *ctx.form.problem_updates(problems), *group_marks(ctx, problems)]
 
 
-def _control(ctx: UIContext, command: str) -> str:
-    reader = ctx.hub.reader()
-    if reader is None or not ctx.hub.is_live():
+def _control(ctx: UIContext, command: str, label: str | None = None) -> str:
+    run = ctx.run_path(label) or ctx.hub.attach_default()
+    if run is None or not ctx.hub.is_live(run):
         return "⚠ No live run is attached; start one or attach a running one in **Runs**."
-    reader.send(command)
-    return f"Sent **{command}** to {ctx.run_label(ctx.hub.attached)}; the engine acts on it after the current step."
+    ctx.hub.reader(run).send(command)
+    return f"Sent **{command}** to {ctx.run_label(run)}; the engine acts on it after the current step."
 
 
-def _continue_run(ctx: UIContext) -> list[Any]:
-    run = ctx.hub.attached
+def _continue_run(ctx: UIContext, label: str | None = None) -> list[Any]:
+    run = ctx.run_path(label) or ctx.hub.attach_default()
     if run is None:
-        return ["⚠ Attach a run first (dropdown above or the **Runs** tab).", unchanged()]
+        return ["⚠ Attach a run first (dropdown above or the **Runs** tab).", unchanged(), unchanged()]
     if ctx.hub.is_live(run):
-        return [f"⚠ {ctx.run_label(run)} is still running.", unchanged()]
+        return [f"⚠ {ctx.run_label(run)} is still running.", unchanged(), unchanged()]
     config = RunPaths(run).config
     if not config.is_file():
-        return [f"⚠ {ctx.run_label(run)} has no config.toml to resume from.", unchanged()]
+        return [f"⚠ {ctx.run_label(run)} has no config.toml to resume from.", unchanged(), unchanged()]
     with open(config, "rb") as f:
         values = tomllib.load(f)
     values.update(resume_from_checkpoint="auto", output_dir=str(run))
-    return [_launch(ctx, values), update(choices=ctx.run_labels(), value=ctx.run_label(ctx.hub.attached))]
+    return [_launch(ctx, values), update(choices=ctx.run_labels(run), value=ctx.run_label(run)),
+            status_now(ctx, run)]
+
+
+def status_now(ctx: UIContext, run: Path | None) -> str:
+    """The run's status line right away (not at the next refresh)."""
+    if run is None:
+        return status_line("", {"state": "none"}, None)
+    events = ctx.hub.reader(run).events()
+    return status_line(ctx.run_label(run), ctx.hub.status(run), events[-1] if events else None)
 
 
 def _attach(ctx: UIContext, label: str | None) -> Any:
-    ctx.hub.attach(ctx.run_path(label))
+    """Only this browser follows the chosen run (its dropdown value); other browsers keep theirs."""
     return f"Attached **{label}**." if label else LIVE_STATES_TEXT
 
 
 def wire(ctx: UIContext) -> None:
     p, form = ctx.parts, ctx.form
     listen(p["train.start"].click, lambda *raw: _start(ctx, *raw), form.inputs,
-           [p["train.message"], form.components["output_dir"], p["train.run"], *form.inputs])
+           [p["train.message"], form.components["output_dir"], p["train.run"], *form.inputs, *accordions(ctx)])
     for command, _ in CONTROLS:
-        listen(p[f"train.{command}"].click, lambda c=command: _control(ctx, c), None, [p["train.message"]])
-    listen(p["train.continue_run"].click, lambda: _continue_run(ctx), None, [p["train.message"], p["train.run"]])
+        listen(p[f"train.{command}"].click, lambda label, c=command: _control(ctx, c, label), [p["train.run"]],
+               [p["train.message"]])
+    listen(p["train.continue_run"].click, lambda label: _continue_run(ctx, label), [p["train.run"]],
+           [p["train.message"], p["train.run"], p["train.status"]])
     listen(user_change(p["train.run"]), lambda label: _attach(ctx, label), [p["train.run"]], [p["train.message"]])
 
 
+BUTTONS = ("start", "pause", "resume", "save", "stop", "continue_run")
+
+
 def live_outputs(ctx: UIContext) -> list[Any]:
-    return [ctx.parts["train.status"], ctx.parts["train.log"], ctx.parts["train.run"]]
+    return [ctx.parts["train.status"], ctx.parts["train.log"], ctx.parts["train.run"], ctx.parts["train.progress"],
+            *(ctx.parts[f"train.{b}"] for b in BUTTONS)]
 
 
 def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
-    run = ctx.hub.attach_default()
-    labels = ctx.run_labels()
+    run = ctx.run_of(seen)
+    labels = ctx.run_labels(run)
     dropdown = unchanged()
     if (labels, run) != seen.get("train.runs"):
         seen["train.runs"] = (labels, run)
         dropdown = update(choices=labels, value=ctx.run_label(run))
     if run is None:
-        return [status_line("", {"state": "none"}, None), "", dropdown]
-    reader = ctx.hub.reader(run)
-    events = reader.events()
-    line = status_line(ctx.run_label(run), ctx.hub.status(run), events[-1] if events else None)
-    note = ctx.settings.run_note(run) if ctx.settings.run_note else None
-    return [line + (f"\n\n{note}" if note else ""), log_tail(run), dropdown]
+        status, line, log, has_checkpoint = {"state": "none"}, status_line("", {"state": "none"}, None), "", False
+    else:
+        reader = ctx.hub.reader(run)
+        events = reader.events()
+        status = ctx.hub.status(run)
+        line = status_line(ctx.run_label(run), status, events[-1] if events else None)
+        note = ctx.settings.run_note(run) if ctx.settings.run_note else None
+        line += f"\n\n{note}" if note else ""
+        log, has_checkpoint = log_tail(run), bool(reader.checkpoints())
+    enabled = buttons_for(status, has_checkpoint)
+    buttons = [unchanged()] * len(BUTTONS)
+    if seen.get("train.buttons") != enabled:  # only send what changed: a button mid-click keeps its state
+        seen["train.buttons"] = enabled
+        buttons = [update(interactive=enabled[b]) for b in BUTTONS]
+    return [line, log, dropdown, progress_bar(status), *buttons]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,9 @@ from .jsonfiles import read_json, read_jsonl, write_json_atomic
 from .layout import RunPaths
 
 FINAL_STATES = ("finished", "stopped", "failed")
+ENDED_EARLY = "the trainer process ended before its first checkpoint"
+# The last line of a Python traceback: "package.module.SomeError: what went wrong".
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Stop|Interrupt)): (.+)$")
 
 
 @dataclass
@@ -66,12 +70,36 @@ class RunReader:
         self._events_offset = 0
 
     def status(self) -> dict[str, Any]:
-        """status.json plus `alive`, and `stale` when it claims to run but its process is gone."""
+        """status.json plus `alive`, and `stale` when it claimed to run but its process is gone.
+
+        A stale run is reported as `failed` (its state as written stays in `reported_state`) with `error`:
+        the engine's own last error, else why it cannot be trusted to be resumable. A finished or stopped
+        run carries no error (an old one, e.g. a recovered disk-full, may linger in status.json).
+        """
         status = read_json(self.paths.status) or {"state": "unknown"}
+        state = status.get("state")
         alive = pid_alive(status.get("pid")) and status.get("host", os.uname().nodename) == os.uname().nodename
-        status["alive"] = alive and status.get("state") not in FINAL_STATES
-        status["stale"] = status.get("state") not in FINAL_STATES + ("unknown",) and not alive
+        status["alive"] = alive and state not in FINAL_STATES
+        status["stale"] = state not in FINAL_STATES + ("unknown",) and not alive
+        if state in ("finished", "stopped"):
+            status.pop("error", None)
+        elif status["stale"]:
+            status.update(state="failed", reported_state=state, error=self.ended_reason(status.get("error")))
+        elif state == "failed" and not status.get("error"):
+            status["error"] = self.ended_reason(None)
         return status
+
+    def ended_reason(self, written: str | None) -> str:
+        """One sentence for a run whose engine is gone: its written error, the last error in train.log,
+        else whether a checkpoint exists to resume from."""
+        reason = written or last_error(self.paths.root)
+        if reason:
+            return reason
+        checkpoints = self.checkpoints()
+        if checkpoints:
+            return (f"the trainer process ended unexpectedly (killed or crashed); Resume continues from the "
+                    f"checkpoint at step {int(checkpoints[-1].name.split('_')[1])}")
+        return ENDED_EARLY
 
     def metrics(self) -> list[dict[str, Any]]:
         """One record per step, in step order, across resumes (see `latest_timeline`)."""
@@ -140,6 +168,19 @@ def find_runs(parent: Path | str) -> list[RunSummary]:
         elif paths.config.exists():
             runs.append(RunSummary(folder, "unknown", 0, None, False, paths.config.stat().st_mtime))
     return sorted(runs, key=lambda r: r.updated_at or 0, reverse=True)
+
+
+def last_error(root: Path | str) -> str | None:
+    """The engine's last word on why it stopped, from train.log: an `error: ...` line (the CLI's one
+    sentence) or the message of a traceback's final exception line; None when the log has neither."""
+    for line in reversed(log_tail(root, lines=60).splitlines()):
+        line = line.strip()
+        if line.startswith("error: "):
+            return line[len("error: "):]
+        match = _EXCEPTION_LINE.match(line)
+        if match:
+            return match.group(2)
+    return None
 
 
 def log_tail(root: Path | str, lines: int = 20) -> str:

@@ -51,7 +51,8 @@ def main() -> None:
     load_scripts(args.ext)
     report["root_on_path_after_load"] = str(args.ext) in sys.path
     script_callbacks.ui_settings_callback()
-    report["settings"] = {k: {"default": v.default, "section": list(v.section), "reload": v.reload_ui}
+    report["settings"] = {k: {"default": v.default, "section": list(v.section), "reload": v.reload_ui,
+                              "category": v.category_id}
                           for k, v in shared.opts.data_labels.items()}
     tabs = script_callbacks.ui_tabs_callback()
     report["tabs"] = [[type(b).__name__, isinstance(b, gr.Blocks), title, elem_id] for b, title, elem_id in tabs]

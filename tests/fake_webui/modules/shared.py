@@ -8,7 +8,7 @@ class OptionInfo:
     def __init__(self, default=None, label="", component=None, component_args=None, onchange=None, section=None,
                  refresh=None, comment_before="", comment_after="", infotext=None, restrict_api=False,
                  category_id=None):
-        self.default, self.label, self.section = default, label, section
+        self.default, self.label, self.section, self.category_id = default, label, section, category_id
         self.comment_after, self.reload_ui, self.do_not_save = comment_after, False, False
 
     def info(self, text):

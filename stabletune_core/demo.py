@@ -64,7 +64,8 @@ def demo_assets() -> tuple[Path, Path]:
     The dataset holds 12 purple shapes (the concept) and 24 shapes in the base colours, captioned the same way:
     prior preservation, as DreamBooth and kohya users do it. Without those, the LoRA finds the cheapest way to
     make purple (tint everything towards blue): measured on the toy base, red then comes out magenta (red
-    100 % -> 0 %) and green cyan; with them, every base colour stays at 100 % while purple goes 0 % -> 83 %.
+    100 % -> 0 %) and green cyan. With them, and a text-encoder LoRA that separates "purple" from "red" (its
+    nearest word in the toy text encoder), every base colour stays at 100 % while purple goes 0 % -> 97 %.
     """
     from .toy import toy_base_model
     from .toy.world import CONCEPT_COLOR, base_scenes, concept_scenes, write_dataset

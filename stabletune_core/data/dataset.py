@@ -347,7 +347,7 @@ class BatchFeed:
 
     def __next__(self) -> dict[str, Any]:
         batch = next(self._iterator)
-        self.position = batch["next_position"]
+        self.position = tuple(batch["next_position"])  # a tuple whatever pin_memory's thread made of it
         return batch
 
 

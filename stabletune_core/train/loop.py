@@ -246,8 +246,8 @@ def build_caches(s: Session) -> None:
                                     text_cached=s.text_cache is not None)
     if off:
         offload(off.values(), s.device)
-        s.run.event("placement", f"{', '.join(off)} wait on the CPU: their outputs are cached, so they come to "
-                    f"the {s.device.type} only to sample images.", modules=list(off), device=str(s.device))
+        s.run.event("placement", f"{', '.join(off)} stay on the CPU after caching: their outputs are cached, so "
+                    f"only sampling brings them to {s.device}.", modules=list(off), device=str(s.device))
 
 
 # ---- the pieces of a step ----------------------------------------------------------------------------------

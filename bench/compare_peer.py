@@ -9,9 +9,14 @@ CPU mode (default) times, each in its own process so peak RSS is that variant's 
   (c) cached (b) plus the latent and text-embedding caches
 
 Variants run in rotated rounds (abc, bca, cab, ...) so drifting machine load hits them alike; the report
-is the median over rounds of each variant's median step time. Target: (b) <= 1.03 x (a).
+is the median over rounds of each variant's median step time. Targets: (b) <= 1.03 x (a), (c) <= 0.75 x (a).
+
+With --side_by_side, (a) runs in the same process as (b) and (c), one peer step between each two StableTune
+steps of the real `train()`, and the report is the median of the per-pair ratios: on a shared, busy CPU this
+is far steadier than separate processes (their load differs by tens of percent from one minute to the next).
 
     python bench/compare_peer.py                 # tiny model on drawn shapes, CPU
+    python bench/compare_peer.py --side_by_side --threads 1   # the same, steps interleaved in one process
     python bench/compare_peer.py --gpu           # SD1.5-sized random weights at 512 px (needs CUDA)
 
 GPU mode builds SD1.5's architecture from the shipped config with random weights and, for fp32 without
@@ -52,71 +57,150 @@ def peak_rss_mb() -> float:
 
 
 # --------------------------------------------------------------------------------------------- (a) peer
-def run_peer(model: str, data: str, resolution: int, batch: int, steps: int) -> list[float]:
-    """The bare loop. Returns one duration per step."""
-    import torch
-    import torch.nn.functional as F
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from peft import LoraConfig
-    from PIL import Image
-    from torchvision import transforms
-    from transformers import CLIPTextModel, CLIPTokenizer
+class PeerLoop:
+    """The bare loop, one step per call."""
 
-    torch.manual_seed(SEED)
-    tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer")
-    text_encoder = CLIPTextModel.from_pretrained(model, subfolder="text_encoder")
-    vae = AutoencoderKL.from_pretrained(model, subfolder="vae")
-    unet = UNet2DConditionModel.from_pretrained(model, subfolder="unet")
-    scheduler = DDPMScheduler.from_pretrained(model, subfolder="scheduler")
-    for m in (unet, vae, text_encoder):
-        m.requires_grad_(False)
-    unet.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights="gaussian", target_modules=TARGETS))
-    params = [p for p in unet.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=LR)
-    unet.train()
+    def __init__(self, model: str, data: str, resolution: int, batch: int) -> None:
+        import torch
+        from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+        from peft import LoraConfig
+        from torchvision import transforms
+        from transformers import CLIPTextModel, CLIPTokenizer
 
-    images = sorted(p for p in Path(data).iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"))
-    captions = [p.with_suffix(".txt").read_text().strip() if p.with_suffix(".txt").exists() else "" for p in images]
-    tf = transforms.Compose([transforms.Resize(resolution), transforms.CenterCrop(resolution), transforms.ToTensor(),
-                             transforms.Normalize([0.5], [0.5])])
-    times = []
-    for step in range(steps):
+        torch.manual_seed(SEED)
+        self.tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer")
+        self.text_encoder = CLIPTextModel.from_pretrained(model, subfolder="text_encoder")
+        self.vae = AutoencoderKL.from_pretrained(model, subfolder="vae")
+        self.unet = UNet2DConditionModel.from_pretrained(model, subfolder="unet")
+        self.scheduler = DDPMScheduler.from_pretrained(model, subfolder="scheduler")
+        for m in (self.unet, self.vae, self.text_encoder):
+            m.requires_grad_(False)
+        self.unet.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights="gaussian",
+                                         target_modules=TARGETS))
+        self.params = [p for p in self.unet.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=LR)
+        self.unet.train()
+        self.images = sorted(p for p in Path(data).iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"))
+        self.captions = [p.with_suffix(".txt").read_text().strip() if p.with_suffix(".txt").exists() else ""
+                         for p in self.images]
+        self.tf = transforms.Compose([transforms.Resize(resolution), transforms.CenterCrop(resolution),
+                                      transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
+        self.batch = batch
+        self.count = 0
+
+    def step(self) -> float:
+        """One training step; returns its duration in seconds."""
+        import torch
+        import torch.nn.functional as F
+        from PIL import Image
+
         start = time.perf_counter()
-        rows = [(step * batch + i) % len(images) for i in range(batch)]
-        pixels = torch.stack([tf(Image.open(images[i]).convert("RGB")) for i in rows])
-        ids = tokenizer([captions[i] for i in rows], padding="max_length", max_length=tokenizer.model_max_length,
-                        truncation=True, return_tensors="pt").input_ids
+        rows = [(self.count * self.batch + i) % len(self.images) for i in range(self.batch)]
+        self.count += 1
+        pixels = torch.stack([self.tf(Image.open(self.images[i]).convert("RGB")) for i in rows])
+        ids = self.tokenizer([self.captions[i] for i in rows], padding="max_length",
+                             max_length=self.tokenizer.model_max_length, truncation=True, return_tensors="pt").input_ids
         with torch.no_grad():
-            latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
-            hidden = text_encoder(ids, return_dict=False)[0]
+            latents = self.vae.encode(pixels).latent_dist.sample() * self.vae.config.scaling_factor
+            hidden = self.text_encoder(ids, return_dict=False)[0]
         noise = torch.randn_like(latents)
-        t = torch.randint(0, scheduler.config.num_train_timesteps, (batch,))
-        pred = unet(scheduler.add_noise(latents, noise, t), t, hidden, return_dict=False)[0]
+        t = torch.randint(0, self.scheduler.config.num_train_timesteps, (self.batch,))
+        pred = self.unet(self.scheduler.add_noise(latents, noise, t), t, hidden, return_dict=False)[0]
         loss = F.mse_loss(pred.float(), noise.float())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         loss.item()  # the peer logs its loss every step too
-        times.append(time.perf_counter() - start)
-    return times
+        return time.perf_counter() - start
+
+
+def run_peer(model: str, data: str, resolution: int, batch: int, steps: int) -> list[float]:
+    """The bare loop. Returns one duration per step."""
+    peer = PeerLoop(model, data, resolution, batch)
+    return [peer.step() for _ in range(steps)]
 
 
 # ------------------------------------------------------------------------------------------ (b), (c) ours
-def run_stabletune(model: str, data: str, resolution: int, batch: int, steps: int, cached: bool,
-                   out: Path) -> list[float]:
+def stabletune_config(model: str, data: str, resolution: int, batch: int, steps: int, cached: bool, out: Path):
     from stabletune_core.config import build_config
-    from stabletune_core.train.loop import train
 
-    config = build_config(dict(
+    return build_config(dict(
         pretrained_model_name_or_path=model, train_data_dir=data, output_dir=str(out), resolution=resolution,
         bucket_step=8, min_bucket_reso=min(256, resolution // 2), max_bucket_reso=max(1024, resolution * 2),
         train_batch_size=batch, lora_rank=RANK, lora_alpha=ALPHA, learning_rate=LR, max_train_steps=steps,
         seed=SEED, save_steps=10**6, logging_steps=1, nan_guard=True, oom_guard=True, clip_mode="fixed",
         max_grad_norm=1.0, cache_latents=cached, cache_text_embeddings=cached, save_precision="fp32"))
-    train(config)
+
+
+def run_stabletune(model: str, data: str, resolution: int, batch: int, steps: int, cached: bool,
+                   out: Path) -> list[float]:
+    from stabletune_core.train.loop import train
+
+    train(stabletune_config(model, data, resolution, batch, steps, cached, out))
     stamps = [json.loads(line)["time"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def run_side_by_side(peer: PeerLoop, model: str, data: str, resolution: int, batch: int, steps: int, cached: bool,
+                     out: Path) -> tuple[list[float], list[float]]:
+    """StableTune's real `train()`, with one peer step run between each two of its steps, in this process.
+
+    The peer step runs where the loop polls for UI commands (obey_control); StableTune's step i is the time
+    from the end of that poll to the end of the next one, less the peer step inside it. Alternating step by
+    step puts both under the same machine load, which a shared CPU changes from one second to the next.
+    Returns (StableTune step times, peer step times), pair by pair.
+    """
+    from stabletune_core.train import loop
+
+    poll = loop.obey_control
+    ours, theirs, mark = [], [], [None]
+
+    def obey_control_then_peer_step(s):
+        start = time.perf_counter()
+        answer = poll(s)
+        polled = time.perf_counter() - start
+        if mark[0] is not None:
+            ours.append(start - mark[0] + polled)
+            theirs.append(peer.step())
+        mark[0] = time.perf_counter()
+        return answer
+
+    loop.obey_control = obey_control_then_peer_step
+    try:
+        loop.train(stabletune_config(model, data, resolution, batch, steps, cached, out))
+    finally:
+        loop.obey_control = poll
+    return ours, theirs
+
+
+def side_by_side_report(args: argparse.Namespace, model: str, data: str) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    peer = PeerLoop(model, data, args.resolution, args.batch)
+    for _ in range(args.warmup):
+        peer.step()
+    pairs: dict[str, list[tuple[float, float]]] = {"b": [], "c": []}
+    for r in range(args.rounds):
+        for variant in ("bc" if r % 2 == 0 else "cb"):
+            out = Path(tempfile.mkdtemp(prefix=f"bench-{variant}-")) / "run"
+            ours, theirs = run_side_by_side(peer, model, data, args.resolution, args.batch, args.steps,
+                                            variant == "c", out)
+            pairs[variant] += list(zip(ours, theirs))[args.warmup:]
+            ratio = statistics.median(a / b for a, b in pairs[variant])
+            print(f"round {r + 1}: ({variant}) / (a) so far: {ratio:.3f}", file=sys.stderr)
+    print(f"\nSide by side in one process (one peer step between each two StableTune steps): tiny SD1 at "
+          f"{args.resolution}px, batch {args.batch}, {args.steps} steps x {args.rounds} rounds per variant, "
+          f"{args.threads} thread(s)")
+    print(f"{'variant':40s} {'pairs':>6s} {'ours s/step':>12s} {'peer s/step':>12s} {'median ratio':>13s}")
+    names = {"b": "(b) StableTune, guards + monitoring", "c": "(c) StableTune + caches"}
+    targets = {"b": 1.03, "c": 0.75}
+    for v in "bc":
+        ratio = statistics.median(a / b for a, b in pairs[v])
+        print(f"{names[v]:40s} {len(pairs[v]):6d} {statistics.median(a for a, _ in pairs[v]):12.4f} "
+              f"{statistics.median(b for _, b in pairs[v]):12.4f} {ratio:13.3f}  "
+              f"({'meets' if ratio <= targets[v] else 'MISSES'} <= {targets[v]})")
 
 
 def child(args: argparse.Namespace) -> None:
@@ -142,6 +226,9 @@ def cpu_report(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="stabletune-peer-"))
     model = args.model or str(build_tiny_sd1(tmp / "model", seed=0))
     data = args.data or str(draw_demo_dataset(tmp / "data", count=16, size=args.resolution, seed=0))
+    if args.side_by_side:
+        side_by_side_report(args, model, data)
+        return
     names = {"a": "(a) bare peft loop", "b": "(b) StableTune, guards + monitoring", "c": "(c) StableTune + caches"}
     results: dict[str, list[dict]] = {v: [] for v in "abc"}
     order = "abc"
@@ -264,6 +351,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="CPU: rotated rounds of (a), (b), (c)")
     parser.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     parser.add_argument("--max_batch", type=int, default=256, help="GPU: stop the largest-batch search here")
+    parser.add_argument("--side_by_side", action="store_true",
+                        help="CPU: one process, peer and StableTune steps alternating (see run_side_by_side)")
     parser.add_argument("--child", choices=["a", "b", "c"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.resolution = args.resolution or (512 if args.gpu else 64)

@@ -331,6 +331,106 @@ def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
     return batch
 
 
+# --------------------------------------------------------------------------- the data loader
+
+Position = tuple[int, int]  # (epoch, sampler batches of that epoch already consumed)
+
+
+class ShardedBatchSampler:
+    """A DataLoader batch_sampler: the global batch order from a data position on, endlessly, this process's
+    share of it.
+
+    Every process walks the same global order (`BucketBatchSampler.batches_for_epoch`) and takes every
+    world-th batch, so the global batch of a step is the same whatever the number of processes. Each yielded
+    batch is a list of keys (index, epoch, place, after): `place` is the batch's own position (it seeds the
+    batch's noise) and `after` the data position once every process has taken its batch of that group: what
+    a checkpoint must store. Positions follow the loop's counter exactly: an epoch is entered when the next
+    batch is drawn, so after the last batch of epoch E the position is (E, batches per epoch).
+    """
+
+    def __init__(self, sampler: BucketBatchSampler, start: Position, *, world: int = 1, rank: int = 0) -> None:
+        self.sampler = sampler
+        self.start = start
+        self.world = world
+        self.rank = rank
+
+    def __iter__(self) -> Iterator[list[tuple[int, int, int, Position]]]:
+        epoch, place = self.start
+        order = self.sampler.batches_for_epoch(epoch)
+        while True:
+            group = []
+            for _ in range(self.world):
+                if place >= len(order):
+                    epoch, place = epoch + 1, 0
+                    order = self.sampler.batches_for_epoch(epoch)
+                group.append((epoch, place, order[place]))
+                place += 1
+            mine_epoch, mine_place, indices = group[self.rank]
+            yield [(index, mine_epoch, mine_place, (epoch, place)) for index in indices]
+
+
+class ExampleDataset(torch.utils.data.Dataset):
+    """`DatasetView.example` addressed by the sampler's keys, so DataLoader workers decode the images.
+
+    An example is a pure function of (seed, epoch, index): which process or worker builds it changes
+    nothing. `decoded_in` records the process that did (the training process when there are no workers).
+    """
+
+    def __init__(self, view: DatasetView, *, with_pixels: bool) -> None:
+        self.view = view
+        self.with_pixels = with_pixels
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def __getitem__(self, key: tuple[int, int, int, Position]) -> dict[str, Any]:
+        index, epoch, place, after = key
+        example = self.view.example(index, epoch, with_pixels=self.with_pixels)
+        example.update(index=index, position=(epoch, place), next_position=after, decoded_in=os.getpid())
+        return example
+
+
+def collate_positioned(examples: list[dict[str, Any]]) -> dict[str, Any]:
+    """`collate`, with the batch's position and the data position after it as single values."""
+    batch = collate(examples)
+    batch["position"] = tuple(examples[0]["position"])
+    batch["next_position"] = tuple(examples[0]["next_position"])
+    return batch
+
+
+class BatchFeed:
+    """A torch DataLoader over the view, from a data position on: workers decode and prefetch the next
+    batches while the training process runs the current step.
+
+    `position` is the data position after the last batch taken. `next(feed)` returns the next collated batch;
+    `restart(position)` starts the order again elsewhere (after a resume), keeping the worker processes.
+    """
+
+    def __init__(self, view: DatasetView, sampler: BucketBatchSampler, start: Position, *, with_pixels: bool,
+                 num_workers: int = 0, world: int = 1, rank: int = 0, pin_memory: bool = False,
+                 prefetch_factor: int = 2) -> None:
+        self.batch_sampler = ShardedBatchSampler(sampler, start, world=world, rank=rank)
+        workers = dict(prefetch_factor=prefetch_factor, persistent_workers=True) if num_workers > 0 else {}
+        self.loader = torch.utils.data.DataLoader(
+            ExampleDataset(view, with_pixels=with_pixels), batch_sampler=self.batch_sampler,
+            collate_fn=collate_positioned, num_workers=num_workers, pin_memory=pin_memory,
+            # Its own generator: making an iterator draws a seed, and that must not move the global torch
+            # RNG (LoRA dropout draws from it; a resumed run makes its iterator at another step).
+            generator=torch.Generator().manual_seed(0), **workers)
+        self.position = tuple(start)
+        self._iterator = iter(self.loader)
+
+    def restart(self, start: Position) -> None:
+        self.batch_sampler.start = tuple(start)
+        self.position = tuple(start)
+        self._iterator = iter(self.loader)  # persistent workers drop what they prefetched and start again
+
+    def __next__(self) -> dict[str, Any]:
+        batch = next(self._iterator)
+        self.position = tuple(batch["next_position"])  # a tuple whatever pin_memory's thread made of it
+        return batch
+
+
 # --------------------------------------------------------------------------- caches
 
 
@@ -394,6 +494,37 @@ class _TensorStore:
             raise
 
 
+_file_hashes: dict[tuple[str, int, int], str] = {}
+
+
+def file_sha256(path: Path | str) -> str:
+    """sha256 of a file's bytes (remembered per path, mtime and size for the life of the process)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    memo = (str(path), stat.st_mtime_ns, stat.st_size)
+    if memo not in _file_hashes:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        _file_hashes[memo] = digest.hexdigest()
+    return _file_hashes[memo]
+
+
+def module_fingerprint(module: torch.nn.Module) -> str:
+    """sha256 of a module's class, config and every weight (names, dtypes, shapes, bytes): the identity of a
+    VAE for a cache shared between runs. A fine-tuned VAE, or the same one in another precision, differs."""
+    digest = hashlib.sha256(type(module).__name__.encode())
+    config = getattr(module, "config", None)
+    if config is not None:
+        digest.update(repr(sorted(dict(config).items())).encode())
+    for name, tensor in module.state_dict().items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 class LatentCache:
     """VAE latents per (image, bucket), in memory or in a folder of safetensors files.
 
@@ -403,10 +534,12 @@ class LatentCache:
     After that, `get`/`get_batch` only read: the cache keeps no reference to
     the VAE, so the loop may move it off the GPU.
 
-    The key is sha1 of path, mtime, size, bucket and `model_id`, so editing an
-    image or switching VAE invalidates its entry; `model_id` should name the
-    VAE and its dtype. Latents are checked for NaN/Inf when computed and when
-    read back. Cached latents are always of the center crop, unflipped.
+    The key is sha256 of the image's bytes, the bucket, the crop (center) and
+    flip (none), and `model_id`, so the same picture under another path or in
+    another run hits the entry, and an edited image or another VAE misses it;
+    `model_id` should name the VAE's weights and dtype (`module_fingerprint`).
+    Latents are checked for NaN/Inf when computed and when read back.
+    `reused` counts the entries the last `build` found already cached.
     """
 
     def __init__(self, folder: Path | None = None, *, model_id: str) -> None:
@@ -414,12 +547,11 @@ class LatentCache:
         self._store = _TensorStore(folder)
         self._keys: list[str] = []
         self._paths: list[Path] = []
+        self.reused = 0
 
     def key(self, path: Path, bucket: Bucket) -> str:
-        stat = Path(path).stat()
-        bucket_text = f"{bucket[0]}x{bucket[1]}"
-        text = f"latents-v1|{Path(path).resolve()}|{stat.st_mtime_ns}|{stat.st_size}|{bucket_text}|{self.model_id}"
-        return hashlib.sha1(text.encode()).hexdigest()
+        text = f"latents-v2|{file_sha256(path)}|{bucket[0]}x{bucket[1]}|crop=center|flip=none|{self.model_id}"
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def build(
         self,
@@ -447,6 +579,7 @@ class LatentCache:
             if self._store.load(key) is None:
                 missing.setdefault(view.item_buckets[index], []).append(index)
         total = sum(len(indices) for indices in missing.values())
+        self.reused = len(self._keys) - total
         with tqdm(total=total, desc="Caching latents", unit="img", disable=disable) as progress:
             for indices in missing.values():
                 for start in range(0, len(indices), batch_size):

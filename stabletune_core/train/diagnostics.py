@@ -93,17 +93,20 @@ class ActivationMonitor(Guard):
         self.probe = None
         self.seconds = 0.0
 
-    def on_start(self, s: Any) -> None:
-        from .validation import build_fixed_set, validation_items
+    def probe_set(self, s: Any) -> Any:
+        """The probe, built when first measured (not before step 1: the first measurement may be far off)."""
+        if self.probe is None:
+            from .validation import build_fixed_set, validation_items
 
-        start = time.perf_counter()
-        items, _ = validation_items(s)
-        t = s.bundle.noise_scheduler.config.num_train_timesteps // 2
-        self.probe = build_fixed_set(s, items[:1], torch.tensor([t]), purpose="probe")
-        self.seconds += time.perf_counter() - start
+            start = time.perf_counter()
+            items, _ = validation_items(s)
+            t = s.bundle.noise_scheduler.config.num_train_timesteps // 2
+            self.probe = build_fixed_set(s, items[:1], torch.tensor([t]), purpose="probe")
+            self.seconds += time.perf_counter() - start
+        return self.probe
 
     def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
-        if not self.every or s.state.step % self.every or not self.probe:
+        if not self.every or s.state.step % self.every:
             return None
         start = time.perf_counter()
         records = self.measure(s)
@@ -116,8 +119,11 @@ class ActivationMonitor(Guard):
 
     @torch.no_grad()
     def measure(self, s: Any) -> list[dict[str, Any]]:
-        from .validation import _conditioning, eval_mode
+        from .validation import eval_mode, fixed_conditioning
 
+        probe, scheduler = self.probe_set(s), s.bundle.noise_scheduler  # built before any hook is in place
+        if not probe:
+            return []
         layers = []
         for prefix, module in s.trained.items():
             for name, layer in s.accelerator.unwrap_model(module).named_modules():
@@ -134,11 +140,10 @@ class ActivationMonitor(Guard):
                 captured.setdefault(name, {})["full"] = out.detach().float()
 
             handles += [lora_b.register_forward_hook(on_delta), layer.register_forward_hook(on_full)]
-        probe, scheduler = self.probe, s.bundle.noise_scheduler
         try:
             with eval_mode(s):
                 noisy = scheduler.add_noise(probe.latents[0], probe.noise[0], probe.timesteps)
-                cond = _conditioning(s, probe.captions[:1], probe.sizes[:1])
+                cond = fixed_conditioning(s, probe, [0])
                 with s.accelerator.autocast():
                     s.trained["unet"](noisy.to(s.weight_dtype), probe.timesteps,
                                       encoder_hidden_states=cond.encoder_hidden_states,

@@ -7,6 +7,7 @@ directory through `RunWriter`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -24,9 +25,11 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from ..config import ConfigError, TrainConfig, check_inputs
-from ..data.dataset import BucketBatchSampler, DatasetView, EmbeddingCache, LatentCache, collate, derive_seed
+from ..data.dataset import (BatchFeed, BucketBatchSampler, DatasetView, EmbeddingCache, LatentCache,
+                            derive_seed, module_fingerprint)
 from ..data.masks import batch_loss_mask, masks_note
 from ..data.scan import scan_dataset
+from ..demo import cache_root
 from ..lora.export import export_kohya_lora
 from ..lora.inject import add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
 from ..models.loading import load_model
@@ -41,6 +44,7 @@ from .loss import add_noise, diffusion_loss, target_for
 from .memory import memory_stats
 from .optim import evaluation_weights, make_lr_scheduler, make_optimizer, optimizer_problems, unet_param_groups
 from .perceptual import Perceptual, perceptual_problems
+from .placement import frozen_modules_to_offload, offload
 from .sampling import make_validation_images
 from .tensorboard import make_tensorboard_log
 from .validation import split_validation
@@ -94,6 +98,7 @@ class Session:
     perceptual: Any = None  # the LPIPS regulariser (perceptual.py) when perceptual_lambda > 0
     sample_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # sample_judge: first and last
     tensorboard: Any = None  # report_to=tensorboard: an observer of the logged metrics and samples
+    feed: BatchFeed | None = None  # the DataLoader that next_batches draws from (made at its first call)
 
     @property
     def device(self) -> torch.device:
@@ -281,18 +286,40 @@ def enable_fast_attention(bundle: ModelBundle, config: TrainConfig, run: RunWrit
 
 
 def build_caches(s: Session) -> None:
+    """Encode latents and caption embeddings once; then the modules no step needs go to the CPU (placement.py).
+
+    With cache_latents_to_disk the latents go to a cache shared by every run (STABLETUNE_CACHE, default
+    ~/.cache/stabletune/latents), keyed by the image's bytes, its bucket and crop, and the VAE's weights and
+    dtype, so a later run on the same images skips encoding. Each latent is a posterior sample seeded by its
+    own pixels: the same whether this run encoded it or found it cached, and the run's RNG is not touched.
+    """
     config = s.config
     folder = Path(config.output_dir) / "cache" if config.cache_latents_to_disk else None
     model_id = f"{Path(config.pretrained_model_name_or_path).resolve()}|{config.mixed_precision}"
     if config.cache_latents:
         s.run.status("caching", step=s.state.step)
-        s.latent_cache = LatentCache(folder / "latents" if folder else None, model_id=model_id)
-        s.latent_cache.build(s.data, lambda pixels: encode_pixels(s, pixels),
-                             disable=not s.accelerator.is_main_process)
+        shared = cache_root() / "latents" if config.cache_latents_to_disk else None
+        vae_id = f"{module_fingerprint(s.bundle.vae)}|{s.bundle.vae.dtype}" if shared else "this-run"
+        s.latent_cache = LatentCache(shared, model_id=vae_id)
+
+        def encode(pixels: torch.Tensor) -> torch.Tensor:
+            seed = derive_seed("cached-latent", hashlib.sha256(pixels.numpy().tobytes()).hexdigest())
+            return encode_pixels(s, pixels, torch.Generator().manual_seed(seed % 2**63))
+
+        encoded = s.latent_cache.build(s.data, encode, disable=not s.accelerator.is_main_process)
+        where = f" in {shared}" if shared else ""
+        s.run.event("latent_cache", f"Encoded {encoded} images and reused {s.latent_cache.reused} cached latents"
+                    f"{where}.", encoded=encoded, reused=s.latent_cache.reused, folder=str(shared) if shared else None)
     if config.cache_text_embeddings:
         s.text_cache = EmbeddingCache(folder / "text" if folder else None, model_id=model_id)
         s.text_cache.build(s.data, lambda captions: encode_text(s, captions, grad=False),
                            disable=not s.accelerator.is_main_process)
+    off = frozen_modules_to_offload(s.bundle, config, latents_cached=s.latent_cache is not None,
+                                    text_cached=s.text_cache is not None)
+    if off:
+        offload(off.values(), s.device)
+        s.run.event("placement", f"{', '.join(off)} stay on the CPU after caching: their outputs are cached, so "
+                    f"only sampling brings them to {s.device}.", modules=list(off), device=str(s.device))
 
 
 # ---- the pieces of a step ----------------------------------------------------------------------------------
@@ -447,25 +474,20 @@ def next_batches(s: Session, count: int) -> list[dict[str, Any]]:
     """This process's share of the next `count` x processes sampler batches; moves the data position.
 
     Every process walks the same global order and takes every world-th batch, so the global batch of a step
-    is the same whatever the number of processes.
+    is the same whatever the number of processes. The batches come from a torch DataLoader (data/dataset.py
+    `BatchFeed`) whose workers decode the next ones while this step runs; it is made at the first call, after
+    a resume has restored the data position, and restarted if that position moved under it.
     """
-    world, rank = s.accelerator.num_processes, s.accelerator.process_index
-    picked: list[tuple[int, int, list[int]]] = []
-    for n in range(count * world):
-        order = s.sampler.batches_for_epoch(s.state.epoch)
-        if s.state.batch_in_epoch >= len(order):
-            s.state.epoch += 1
-            s.state.batch_in_epoch = 0
-            order = s.sampler.batches_for_epoch(s.state.epoch)
-        if n % world == rank:
-            picked.append((s.state.epoch, s.state.batch_in_epoch, order[s.state.batch_in_epoch]))
-        s.state.batch_in_epoch += 1
-    batches = []
-    for epoch, place, indices in picked:
-        batch = collate([s.data.example(i, epoch, with_pixels=s.latent_cache is None) for i in indices])
-        batch["index"] = indices
-        batch["position"] = (epoch, place)  # seeds this batch's noise (see noise_generator)
-        batches.append(batch)
+    position = (s.state.epoch, s.state.batch_in_epoch)
+    if s.feed is None:
+        config = s.config
+        s.feed = BatchFeed(s.data, s.sampler, position, with_pixels=s.latent_cache is None,
+                           num_workers=config.dataloader_num_workers, world=s.accelerator.num_processes,
+                           rank=s.accelerator.process_index, pin_memory=s.device.type == "cuda")
+    elif s.feed.position != position:
+        s.feed.restart(position)
+    batches = [next(s.feed) for _ in range(count)]
+    s.state.epoch, s.state.batch_in_epoch = s.feed.position
     return batches
 
 

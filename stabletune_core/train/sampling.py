@@ -11,6 +11,7 @@ from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestra
 
 from ..config import TrainConfig
 from ..models.base import ModelBundle
+from .placement import on_device
 
 SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "euler_a": EulerAncestralDiscreteScheduler,
             "dpm++": DPMSolverMultistepScheduler}
@@ -35,18 +36,10 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
     for module in (bundle.unet, *bundle.text_encoders):
         module.eval()  # LoRA dropout off while sampling
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
     extra = {"eta": config.validation_ddim_eta} if config.validation_sampler == "ddim" else {}
     try:
-        for p, prompt in enumerate(prompts):
-            for seed in sample_seeds(config):
-                generator = torch.Generator("cpu").manual_seed(seed)
-                image = pipe(prompt, height=size, width=size, num_inference_steps=config.validation_inference_steps,
-                             guidance_scale=config.validation_guidance_scale, generator=generator, **extra).images[0]
-                path = folder / f"p{p:02d}_s{seed}.png"
-                image.save(path)
-                paths.append(path)
-        (folder / "prompts.json").write_text(json.dumps({"prompts": prompts, "seeds": sample_seeds(config)}))
+        with on_device((bundle.vae, *bundle.text_encoders), device):  # they may wait on the CPU (placement.py)
+            paths = _render(pipe, prompts, config, folder, size, extra)
     finally:
         for module, was_training in zip((bundle.unet, *bundle.text_encoders), training):
             module.train(was_training)
@@ -54,4 +47,18 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()  # sampling must not leave VRAM behind for the next training step
+    return paths
+
+
+def _render(pipe, prompts: list[str], config: TrainConfig, folder: Path, size: int, extra: dict) -> list[Path]:
+    paths = []
+    for p, prompt in enumerate(prompts):
+        for seed in sample_seeds(config):
+            generator = torch.Generator("cpu").manual_seed(seed)
+            image = pipe(prompt, height=size, width=size, num_inference_steps=config.validation_inference_steps,
+                         guidance_scale=config.validation_guidance_scale, generator=generator, **extra).images[0]
+            path = folder / f"p{p:02d}_s{seed}.png"
+            image.save(path)
+            paths.append(path)
+    (folder / "prompts.json").write_text(json.dumps({"prompts": prompts, "seeds": sample_seeds(config)}))
     return paths

@@ -22,6 +22,7 @@ from ..data.dataset import DatasetView, derive_seed
 from ..data.scan import DataItem, DatasetScan
 from .guards.base import Guard
 from .loss import add_noise, diffusion_loss, target_for
+from .placement import on_device
 
 VAL_LOSS_FILE = "val_loss.jsonl"
 
@@ -71,6 +72,9 @@ class FixedSet:
     sizes: list[dict[str, tuple[int, int]]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     timesteps: torch.Tensor | None = None  # K
+    # Per image: its caption's text-encoder output (1 x ...), when the text encoders are not trained (their
+    # output cannot change, and they may be waiting on the CPU once training captions are cached).
+    text: list[dict[str, torch.Tensor]] | None = None
 
     def __len__(self) -> int:
         return len(self.latents)
@@ -83,7 +87,10 @@ def fixed_timesteps(num_train_timesteps: int, count: int) -> torch.Tensor:
 
 @torch.no_grad()
 def build_fixed_set(s: Any, items: list[DataItem], timesteps: torch.Tensor, *, purpose: str = "val") -> FixedSet:
-    """Encode `items` once (center crop, no flip, the caption as written) with fixed noise per image."""
+    """Encode `items` once (center crop, no flip, the caption as written) with fixed noise per image.
+
+    The VAE (and the frozen text encoders) may wait on the CPU after caching (placement.py): they come to the
+    training device for this and go back."""
     config = s.config
     view = DatasetView(DatasetScan(Path(config.train_data_dir), list(items)), config.resolution,
                        enable_bucket=config.enable_bucket, bucket_step=config.bucket_step,
@@ -92,10 +99,12 @@ def build_fixed_set(s: Any, items: list[DataItem], timesteps: torch.Tensor, *, p
     vae = s.bundle.vae
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     out = FixedSet(timesteps=timesteps.to(s.device))
-    for i, item in enumerate(items):
-        example = view.example(i, 0)
-        pixels = example["pixel_values"][None].to(s.device, dtype=vae.dtype)
-        latents = ((vae.encode(pixels).latent_dist.mean - shift) * s.bundle.latent_scaling).float()
+    examples = [view.example(i, 0) for i in range(len(items))]
+    with on_device([vae], s.device):
+        encoded = [vae.encode(e["pixel_values"][None].to(s.device, dtype=vae.dtype)).latent_dist.mean
+                   for e in examples]
+    for i, (item, example) in enumerate(zip(items, examples)):
+        latents = ((encoded[i] - shift) * s.bundle.latent_scaling).float()
         generator = torch.Generator().manual_seed(derive_seed(purpose, config.seed, Path(item.path).name) % 2**63)
         noise = torch.randn((len(timesteps), *latents.shape[1:]), generator=generator)
         out.latents.append(latents)
@@ -103,6 +112,10 @@ def build_fixed_set(s: Any, items: list[DataItem], timesteps: torch.Tensor, *, p
         out.captions.append(item.caption)
         out.sizes.append({k: example[k] for k in ("original_size", "crop_top_left", "target_size")})
         out.paths.append(str(item.path))
+    if not config.train_text_encoder and items:
+        with on_device(s.bundle.text_encoders, s.device), s.accelerator.autocast():
+            text = s.bundle.family.encode_text(s.bundle, out.captions)
+        out.text = [{k: v[i : i + 1].to(s.device) for k, v in text.items()} for i in range(len(items))]
     return out
 
 
@@ -140,6 +153,16 @@ def _conditioning(s: Any, captions: list[str], sizes: list[dict]) -> Any:
     return s.bundle.family.make_conditioning(s.bundle, text, sizes)
 
 
+def fixed_conditioning(s: Any, fixed: FixedSet, indices: list[int]) -> Any:
+    """The conditioning of images `indices` of `fixed`: from the text encoded at build time, or encoded now
+    (when the text encoders train)."""
+    sizes = [fixed.sizes[i] for i in indices]
+    if fixed.text is None:
+        return _conditioning(s, [fixed.captions[i] for i in indices], sizes)
+    text = {k: torch.cat([fixed.text[i][k] for i in indices]) for k in fixed.text[indices[0]]}
+    return s.bundle.family.make_conditioning(s.bundle, text, sizes)
+
+
 @torch.no_grad()
 def fixed_set_loss(s: Any, fixed: FixedSet) -> float:
     """Mean diffusion loss (no SNR weighting) over every image and fixed timestep of `fixed`.
@@ -159,7 +182,7 @@ def fixed_set_loss(s: Any, fixed: FixedSet) -> float:
             clean = torch.cat([fixed.latents[i].expand(k, *fixed.latents[i].shape[1:]) for i in indices])
             noise = torch.cat([fixed.noise[i] for i in indices])
             timesteps = fixed.timesteps.repeat(len(indices))
-            cond = _conditioning(s, [fixed.captions[i] for i in indices], [fixed.sizes[i] for i in indices])
+            cond = fixed_conditioning(s, fixed, indices)
             cond = cond.index(torch.arange(len(indices), device=s.device).repeat_interleave(k))
             for rows in (slice(a, a + chunk) for a in range(0, len(timesteps), chunk)):
                 loss = _loss_of(s, scheduler, clean[rows], noise[rows], timesteps[rows], cond.index(rows))
@@ -213,7 +236,11 @@ class ValidationLossGuard(Guard):
         self.held_out = False
         self.seconds = 0.0  # time spent measuring, for the overhead benchmark
 
-    def on_start(self, s: Any) -> None:
+    def fixed_set(self, s: Any) -> FixedSet:
+        """The fixed set, built when first measured, not before step 1: a run whose first validation is at step
+        100 (or never, when validation_loss_every > max steps) should not wait for it at start-up."""
+        if self.fixed is not None:
+            return self.fixed
         import time
 
         start = time.perf_counter()
@@ -226,10 +253,10 @@ class ValidationLossGuard(Guard):
                     f"timesteps {timesteps.tolist()} with fixed noise.", step=s.state.step, held_out=self.held_out,
                     paths=self.fixed.paths)
         self.seconds += time.perf_counter() - start
+        return self.fixed
 
     def measure(self, s: Any) -> float:
-        assert self.fixed is not None, "on_start builds the validation set"
-        return fixed_set_loss(s, self.fixed)
+        return fixed_set_loss(s, self.fixed_set(s))
 
     def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
         if not self.every or s.state.step % self.every:

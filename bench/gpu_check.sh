@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one go (under 8 minutes on one GPU), with a results table written to
+# bench/RESULTS.md (between the gpu_check markers; the rest of the file is left alone).
+#
+#   bash bench/gpu_check.sh
+#
+# What runs, each under its own time limit (the limits add up to 7.5 minutes):
+#   1. the tests that skip without CUDA: sampling leaves no VRAM behind, the real fp16 overflow -> bf16/fp32
+#      fallback, preflight's largest micro-batch, cached-away modules off the GPU (pytest)   <= 170 s
+#   2. bench/compare_peer.py --gpu: it/s, peak VRAM and largest batch at 512 px, fp32 vs mixed + GC  <= 170 s
+#   3. bench/cache_memory.py: peak VRAM and time to step 1 with caches, before/after item 7          <= 110 s
+#
+# Which Python: $PYTHON if set, else .venv/bin/python when it exists, else python3. It needs the packages of
+# requirements.txt (a CUDA build of torch) and pytest; nothing is installed by this script. To use a fresh
+# environment instead: python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -r requirements.txt pytest,
+# then PYTHON=.venv-gpu/bin/python bash bench/gpu_check.sh.
+#
+# On a machine without CUDA it prints one line and exits 0. Exit status: 0 when every check passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
+elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
+else PY=python3
+fi
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_check: a GPU is here but $PY has no CUDA-enabled torch; set PYTHON to one that has." >&2
+    exit 2
+  fi
+  echo "gpu_check: no CUDA device here, so there is nothing to check (run it on a GPU machine)."
+  exit 0
+fi
+
+GPU_TESTS=(
+  tests/test_guards.py::test_sampling_does_not_leak_vram
+  tests/test_guards.py::test_fp16_divergence_falls_back_and_finishes_finite
+  tests/test_guards.py::test_preflight_finds_the_largest_micro_batch_on_gpu
+  tests/test_cache.py::test_cached_away_modules_leave_the_gpu_and_sampling_brings_the_vae_back
+)
+
+OUT="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+       STABLETUNE_CACHE="$OUT/cache"
+: > "$OUT/steps"
+
+check() {  # check NAME SECONDS COMMAND...: run it under a time limit, keep its log, record status and time
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  echo "gpu_check: $name (at most ${limit}s)"
+  t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  echo "$name $rc $(( $(date +%s) - t0 ))" >> "$OUT/steps"
+  tail -n 15 "$OUT/$name.log"
+}
+
+check tests 170 "$PY" -m pytest -q -rA -p no:cacheprovider --junitxml="$OUT/tests.xml" "${GPU_TESTS[@]}"
+check compare_peer 170 "$PY" bench/compare_peer.py --gpu --max_batch 128
+check cache_memory 110 "$PY" bench/cache_memory.py
+
+"$PY" - "$OUT" bench/RESULTS.md <<'EOF'
+"""Turn the logs of this run into the gpu_check section of bench/RESULTS.md."""
+import datetime
+import re
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import torch
+
+out, results = Path(sys.argv[1]), Path(sys.argv[2])
+steps = [line.split() for line in (out / "steps").read_text().splitlines()]
+rows = ["| check | result | seconds |", "|---|---|---|"]
+for name, rc, seconds in steps:
+    verdict = "pass" if rc == "0" else ("TIMED OUT" if rc in ("124", "137") else f"FAIL (exit {rc})")
+    rows.append(f"| {name} | {verdict} | {seconds} |")
+tests = ["| test | outcome | seconds |", "|---|---|---|"]
+if (out / "tests.xml").exists():
+    for case in ET.parse(out / "tests.xml").iter("testcase"):
+        outcome = next((tag for tag in ("failure", "error", "skipped") if case.find(tag) is not None), "passed")
+        tests.append(f"| {case.get('classname')}::{case.get('name')} | {outcome} | {float(case.get('time', 0)):.1f} |")
+
+
+def table_of(name):
+    log = out / f"{name}.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    keep = [l for l in text.splitlines() if not re.match(r"^(round|gpu_check|\s*$)", l)]
+    return "\n".join(keep[-12:])
+
+
+stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+section = "\n".join([
+    "<!-- gpu_check:start -->",
+    f"## GPU checks ({torch.cuda.get_device_name()}, torch {torch.__version__}, {stamp})",
+    "", "Written by `bash bench/gpu_check.sh`.", "", *rows, "", *tests, "",
+    "### compare_peer.py --gpu", "```", table_of("compare_peer"), "```", "",
+    "### cache_memory.py", "```", table_of("cache_memory"), "```",
+    "<!-- gpu_check:end -->", ""])
+old = results.read_text() if results.exists() else "# Benchmark results\n\n"
+pattern = re.compile(r"<!-- gpu_check:start -->.*?<!-- gpu_check:end -->\n?", re.S)
+results.write_text(pattern.sub(lambda m: section, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + section)
+print(f"gpu_check: results in {results}")
+EOF
+
+failed=$(awk '$2 != 0' "$OUT/steps" | wc -l)
+echo "gpu_check: $(( $(wc -l < "$OUT/steps") - failed )) of $(wc -l < "$OUT/steps") checks passed; logs in $OUT"
+[[ $failed -eq 0 ]]

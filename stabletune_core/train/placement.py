@@ -1,0 +1,58 @@
+"""Where the frozen modules live once their outputs are cached.
+
+With latents cached the VAE is only needed to sample images (and for the LPIPS term); with text embeddings
+cached and the text encoders not trained, they are only needed to sample and to encode the validation
+captions once. Keeping them on the GPU for the whole run costs hundreds of MB (SD1.5) to gigabytes (SDXL)
+of VRAM that training could use, so they move to the CPU after caching and come back only while needed.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from ..config import TrainConfig
+from ..models.base import ModelBundle
+from .guards.memory import free_memory
+
+CPU = torch.device("cpu")
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def frozen_modules_to_offload(bundle: ModelBundle, config: TrainConfig, *, latents_cached: bool,
+                              text_cached: bool) -> dict[str, torch.nn.Module]:
+    """The modules no training step needs any more, by name."""
+    off: dict[str, torch.nn.Module] = {}
+    if latents_cached and config.perceptual_lambda <= 0:  # the LPIPS term decodes with the VAE every step
+        off["vae"] = bundle.vae
+    if text_cached and not config.train_text_encoder:
+        off.update({f"text_encoder_{i}": e for i, e in enumerate(bundle.text_encoders)})
+    return off
+
+
+def offload(modules: Iterable[torch.nn.Module], device: torch.device) -> None:
+    """Move `modules` to the CPU and give their memory on `device` back."""
+    for module in modules:
+        module.to(CPU)
+    if device.type != "cpu":  # on a CPU they were there already; a gc pass would only cost start-up time
+        free_memory(device)
+
+
+@contextlib.contextmanager
+def on_device(modules: Iterable[torch.nn.Module], device: torch.device) -> Iterator[None]:
+    """Run the body with `modules` on `device`, then put each back where it was (a no-op for the ones already
+    there: on a CPU run, or when nothing was offloaded)."""
+    moved = [(m, module_device(m)) for m in modules if module_device(m) != device]
+    for module, _ in moved:
+        module.to(device)
+    try:
+        yield
+    finally:
+        for module, home in moved:
+            module.to(home)
+        if moved:
+            free_memory(device)

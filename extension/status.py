@@ -42,6 +42,8 @@ def status_line(name: str, status: dict[str, Any], last_event: dict[str, Any] | 
     if status.get("exit_code") is not None:
         parts.append(f"engine exited with code {status['exit_code']}")
     line = " · ".join(parts)
+    if status.get("summary") and state in ("finished", "stopped"):
+        line += f"\n\n{status['summary']}"  # e.g. the demo's learning summary, scored on its validation images
     if last_event and state != "failed":
         line += f"\n\nLast event: *{last_event.get('kind', '')}* — {last_event.get('message', '')}"
     return line

@@ -662,3 +662,10 @@ def test_resume_button_restarts_the_attached_run_from_its_checkpoint(tmp_path: P
     assert message.startswith("Started **old**"), message
     assert TrainConfig.from_toml(RunPaths(run).config).resume_from_checkpoint == "auto"
     assert train.free_run_dir(run) == tmp_path / "runs" / "old-2"  # Start never reuses a run's folder
+
+
+def test_train_status_shows_the_runs_learning_summary_when_it_ends() -> None:
+    summary = "Learning summary (validation images showing their colour, first -> last sampling): purple 0 % -> 97 %."
+    assert summary in status_line("demo", {"state": "finished", "step": 400, "max_steps": 400, "summary": summary},
+                                  None)
+    assert summary not in status_line("demo", {"state": "training", "step": 4, "summary": summary}, None)

@@ -134,3 +134,24 @@ def test_overfitting_run_stops_early_and_exports_the_best(tiny_config, textures)
     down = next(k for k in exported if k.endswith("lora_down.weight"))
     assert not torch.equal(exported[down], final[down])
     assert any(torch.equal(exported[down], v) for v in adapter.values() if v.shape == exported[down].shape)
+
+
+def test_a_big_enough_dataset_holds_images_out_by_default_and_says_so(tiny_config, tmp_path):
+    """validation_split left empty: 10 % (at least one image) of a dataset of 8 or more is held out."""
+    import shutil
+
+    from stabletune_core.train.loop import setup
+
+    s = setup(tiny_config(validation_split=None, validation_loss_every=5))
+    events = [json.loads(line) for line in s.run.paths.events.read_text().splitlines()]
+    held = next(e for e in events if e["kind"] == "validation_split")
+    assert len(s.validation_items) == 1 and len(held["held_out"]) == 1 and "automatic" in held["message"]
+    assert str(s.validation_items[0].path) not in {str(s.data.items[i].path) for i, _ in s.data.entries()}
+
+    small = tmp_path / "seven"
+    shutil.copytree(s.config.train_data_dir, small)
+    for leftover in sorted(small.glob("*.png"))[7:]:
+        leftover.unlink()
+        leftover.with_suffix(".txt").unlink(missing_ok=True)
+    s = setup(tiny_config(validation_split=None, train_data_dir=str(small), output_dir=str(tmp_path / "run7")))
+    assert s.validation_items == []  # too few images to spare one

@@ -316,3 +316,13 @@ def test_perceptual_term_does_not_depend_on_the_micro_batch_and_decodes_in_fp32(
     assert term > 1e-2 * flat(without).norm()  # it is really there
     for other in (grads_2, grads_1):  # and the same whatever the micro-batch, up to float summation order
         assert (flat(other) - flat(grads_4)).norm() <= 1e-3 * term
+
+
+def test_validation_epochs_becomes_steps_as_diffusers_means_it(tiny_config, one_thread):
+    """diffusers' flag counts epochs: 8 images at batch 4 are 2 steps an epoch, so every 3 epochs = 6 steps."""
+    from stabletune_core.train.loop import setup
+
+    s = setup(tiny_config(validation_epochs=3, validation_prompt="a red circle", validation_split=0))
+    assert s.config.validation_steps == 6
+    events = (s.run.paths.events).read_text()
+    assert "validation_epochs 3 = validation images every 6 steps" in events

@@ -13,8 +13,11 @@ from .config import (ConfigError, TrainConfig, add_config_arguments, build_confi
 class ShortErrorParser(argparse.ArgumentParser):
     """A wrong flag gets one line naming it and where to look, not the full usage of 110 flags."""
 
+    command: str = ""  # set by run_command: the help to point at is the command's, not the top level's
+
     def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"error: {message}; see `{self.prog} --help` for every flag.", file=sys.stderr)
+        prog = self.prog if self.prog.endswith(self.command) else f"{self.prog} {self.command}".rstrip()
+        print(f"error: {message}; see `{prog} --help` for every flag.", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -53,6 +56,8 @@ def run_command(argv: list[str] | None = None) -> int:
     schema = commands.add_parser("schema", help="Print the TrainConfig JSON schema (for UIs).")
     schema.set_defaults()
 
+    raw = sys.argv[1:] if argv is None else argv
+    ShortErrorParser.command = next((a for a in raw if not a.startswith("-")), "") if raw else ""
     args = parser.parse_args(argv)
     try:
         if args.command == "train":

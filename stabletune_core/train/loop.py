@@ -477,8 +477,8 @@ def save(s: Session, reason: str) -> Path | None:
         s.checkpoint_failures += 1
         s.run.event("checkpoint_failed", str(exc), step=s.state.step, console=True)
         if s.checkpoint_failures >= CHECKPOINT_FAILURE_LIMIT:
-            raise RunFailed(f"{s.checkpoint_failures} checkpoints in a row could not be written (the last at step "
-                            f"{s.state.step}: {exc}) {last_good_sentence(s)}") from None
+            raise RunFailed(f"Stopped at step {s.state.step} because {s.checkpoint_failures} checkpoints in a row "
+                            f"could not be written ({exc.reason or exc}); {last_good_sentence(s)}") from None
         s.run.status("training", step=s.state.step, max_steps=s.max_steps, error=str(exc))
         return None
     s.checkpoint_failures = 0
@@ -490,13 +490,13 @@ def save(s: Session, reason: str) -> Path | None:
 
 
 def last_good_sentence(s: Session) -> str:
+    """What to do after checkpoints failed, naming the last good one (lower case: it ends a sentence)."""
     from .checkpoint import list_checkpoints
 
     folders = list_checkpoints(s.run.paths.checkpoints)
     if not folders:
-        return "No checkpoint of this run exists yet; free some space and start it again."
-    return (f"The last good checkpoint, {folders[-1].name}, is kept; free some space and continue with "
-            "--resume auto.")
+        return "free some space and start the run again (it has no checkpoint yet)."
+    return f"free some space and continue with --resume auto from the last good checkpoint, {folders[-1].name}."
 
 
 def resume(s: Session) -> None:
@@ -663,7 +663,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     path = export(s)
     if final_checkpoint_failed:
         written = f"the LoRA was written to {path}" if path else "the LoRA was not written"
-        raise RunFailed(f"The final checkpoint at step {state.step} could not be written ({written}). "
+        raise RunFailed(f"The final checkpoint at step {state.step} could not be written ({written}); "
                         f"{last_good_sentence(s)}")
     run.status(stop_reason, step=state.step, max_steps=s.max_steps, eta_seconds=0, lora=str(path) if path else None)
     run.event(stop_reason, f"Run {stop_reason} at step {state.step}.", step=state.step,

@@ -30,6 +30,9 @@ EXIT_OUT_OF_MEMORY = 3
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
+SENTENCE_ERRORS = ("DatasetError", "ModelLoadError", "CheckpointError")  # their message is the sentence
+
+
 class RunFailed(RuntimeError):
     """The run cannot go on; the message is the sentence for the user (console and status.json)."""
 
@@ -43,25 +46,23 @@ def is_disk_full(exc: BaseException) -> bool:
         if isinstance(exc, RuntimeError) and ("No space left" in text or "file write failed" in text
                                                or "Disk quota" in text):
             return True
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return False
 
 
 def failure_sentences(exc: BaseException, output_dir: str | None) -> tuple[list[str], int] | None:
     """The sentences and exit code of an expected failure; None for a bug."""
-    from ..data.scan import DatasetError
-    from ..models.base import ModelLoadError
-
     if isinstance(exc, ConfigError):
         return list(exc.problems), EXIT_CONFIG
+    # Matched by name: importing their modules imports torch, which a config error should not wait for.
+    if type(exc).__name__ == "OutOfMemoryStop":
+        return [str(exc)], EXIT_OUT_OF_MEMORY
+    if isinstance(exc, RunFailed) or type(exc).__name__ in SENTENCE_ERRORS:
+        return [str(exc)], EXIT_FAILED
     if is_disk_full(exc):
         where = f" in {output_dir}" if output_dir else ""
         return [f"The disk is full: StableTune could not write{where} (No space left on device); free some "
                 "space, then continue the run with --resume auto (its last good checkpoint is kept)."], EXIT_FAILED
-    if type(exc).__name__ == "OutOfMemoryStop":  # guards.memory imports torch; match by name
-        return [str(exc)], EXIT_OUT_OF_MEMORY
-    if isinstance(exc, (RunFailed, DatasetError, ModelLoadError)) or type(exc).__name__ == "CheckpointError":
-        return [str(exc)], EXIT_FAILED
     if isinstance(exc, PermissionError) and exc.filename:
         return [f"Permission denied for {exc.filename}; choose files and folders you can read and write."], \
             EXIT_FAILED

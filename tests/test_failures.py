@@ -89,7 +89,8 @@ def user_files(tiny_model: Path, shapes_dataset: Path):
 
 
 # ---- item 1 + "Done when": the seed's recommended command ------------------------------------------------------
-SEED_COMMAND = ["--mixed_precision", "fp16", "--gradient_checkpointing", "--validation_prompt", "a red circle | a blue square",
+SEED_COMMAND = ["--mixed_precision", "fp16", "--gradient_checkpointing",
+                "--validation_prompt", "a red circle | a blue square",
                 "--validation_steps", "2", "--validation_inference_steps", "2", "--num_validation_images", "1",
                 "--learning_rate", "1e-4", "--lora_alpha", "8", "--gradient_accumulation_steps", "2",
                 "--max_train_steps", "2"]
@@ -122,8 +123,11 @@ def test_sampling_works_in_every_precision(precision, tiny_config, one_thread):
     import numpy as np
     from PIL import Image
 
+    from accelerate.state import AcceleratorState
+
     from stabletune_core.train.loop import sample, setup
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # each precision needs its own Accelerator
     config = tiny_config(mixed_precision=precision, gradient_checkpointing=True, validation_prompt="a red circle",
                          validation_inference_steps=2, num_validation_images=1,
                          enable_xformers_memory_efficient_attention=True)
@@ -397,14 +401,10 @@ def test_first_signal_saves_a_checkpoint_and_the_lora_then_stops(signum, tiny_mo
 
 def test_second_ctrl_c_exits_at_once(tiny_model, shapes_dataset, tmp_path):
     run = tmp_path / "run"
-    proc = _start(base_flags(tiny_model, shapes_dataset, run) + ["--max_train_steps", "100000",
-                                                                  "--validation_prompt", "a red circle",
-                                                                  "--validation_steps", "1",
-                                                                  "--validation_inference_steps", "50",
-                                                                  "--num_validation_images", "4"])
+    proc = _start(base_flags(tiny_model, shapes_dataset, run) + ["--max_train_steps", "100000"])
     _wait_for_step(run, proc)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)
+    time.sleep(0.05)  # within the step the first one lets finish
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130

@@ -219,7 +219,8 @@ def _no_images_sentence(root: Path, skipped: list[SkippedFile]) -> str:
             hint = "GIF files are not trained on: convert them to PNG, or choose another folder."
         else:
             hint = "put your training images in it or choose another folder."
-        return f"Dataset folder {root} holds no images ({extensions}){f'; it has {found} files' if found else ''}: {hint}"
+        has = f"; it has {found} files" if found else ""
+        return f"Dataset folder {root} holds no images ({extensions}){has}: {hint}"
     examples = "; ".join(entry.reason.rstrip(".") for entry in skipped[:3])
     more = f" (and {len(skipped) - 3} more)" if len(skipped) > 3 else ""
     return (

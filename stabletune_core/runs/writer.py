@@ -45,9 +45,10 @@ class RunWriter:
         it now, so it is also one line on stderr (the UI's Train tab shows train.log, which holds stderr)."""
         if not self.enabled:
             return
-        if console:
-            print(f"{kind}: {message}" if step is None else f"{kind} (step {step}): {message}", file=sys.stderr,
-                  flush=True)
+        if console:  # tqdm.write keeps a live progress bar below the line instead of gluing the two together
+            from tqdm import tqdm
+
+            tqdm.write(f"{kind}: {message}" if step is None else f"{kind} (step {step}): {message}", file=sys.stderr)
         append_jsonl(self.paths.events, {"time": time.time(), "step": step, "kind": kind, "message": message,
                                          **data})
 

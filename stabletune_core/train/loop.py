@@ -610,46 +610,47 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
         module.train()
     for guard in s.guards:
         guard.on_start(s)
-    while state.step < s.max_steps:
-        signum = stop_signal(s)
-        if signum:
-            if signals.ACTIVE is not None:
-                signals.ACTIVE.honoured = True
-            run.event("stop", f"{signal_name(signum)} at step {state.step}; saving a checkpoint and the LoRA.",
-                      step=state.step, console=True)
-            stop_reason = "stopped"
-            break
-        batches = next_batches(s, s.config.gradient_accumulation_steps)
-        s.batch_paths = [str(p) for b in batches for p in b["path"]]
-        loss, grad_norm = training_step(s, batches)
-        state.step += 1
-        state.images_seen += sum(len(b["caption"]) for b in batches) * s.accelerator.num_processes
+    try:  # the progress bar ends its line whatever happens, so a failure sentence starts on its own
+        while state.step < s.max_steps:
+            signum = stop_signal(s)
+            if signum:
+                if signals.ACTIVE is not None:
+                    signals.ACTIVE.honoured = True
+                run.event("stop", f"{signal_name(signum)} at step {state.step}; saving a checkpoint and the LoRA.",
+                          step=state.step, console=True)
+                stop_reason = "stopped"
+                break
+            batches = next_batches(s, s.config.gradient_accumulation_steps)
+            s.batch_paths = [str(p) for b in batches for p in b["path"]]
+            loss, grad_norm = training_step(s, batches)
+            state.step += 1
+            state.images_seen += sum(len(b["caption"]) for b in batches) * s.accelerator.num_processes
 
-        now = time.perf_counter()
-        sec_per_step = (now - last_time) if sec_per_step is None else 0.9 * sec_per_step + 0.1 * (now - last_time)
-        last_time = now
-        metrics = dict(loss=loss, lr=s.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
-                       clip_threshold=None, epoch=state.epoch, images_seen=state.images_seen,
-                       sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
-        verdicts = [guard.after_step(s, metrics) for guard in s.guards]
-        if state.step % s.config.logging_steps == 0 or state.step == s.max_steps:
-            run.metric(state.step, **metrics, **memory_stats(s.device))
-            run.status("training", step=state.step, max_steps=s.max_steps, epoch=state.epoch,
-                       sec_per_step=sec_per_step, eta_seconds=sec_per_step * (s.max_steps - state.step), loss=loss)
-        progress.update(1)
-        progress.set_postfix(loss=f"{loss:.4f}")
-        nonfinite = s.guard("nonfinite")
-        if nonfinite is not None and nonfinite.hopeless(state.step - first_step):
-            progress.close()
-            raise RunFailed(nonfinite.hopeless_sentence(s, state.step - first_step))
-        if s.config.validation_prompts and state.step % s.config.validation_steps == 0:
-            sample(s)
-        if state.step % s.config.save_steps == 0 and state.step < s.max_steps:
-            save(s, "every save_steps")
-        if "stop" in verdicts or obey_control(s) == "stop":
-            stop_reason = "stopped"
-            break
-    progress.close()
+            now = time.perf_counter()
+            sec_per_step = (now - last_time) if sec_per_step is None else 0.9 * sec_per_step + 0.1 * (now - last_time)
+            last_time = now
+            metrics = dict(loss=loss, lr=s.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                           clip_threshold=None, epoch=state.epoch, images_seen=state.images_seen,
+                           sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
+            verdicts = [guard.after_step(s, metrics) for guard in s.guards]
+            if state.step % s.config.logging_steps == 0 or state.step == s.max_steps:
+                run.metric(state.step, **metrics, **memory_stats(s.device))
+                run.status("training", step=state.step, max_steps=s.max_steps, epoch=state.epoch,
+                           sec_per_step=sec_per_step, eta_seconds=sec_per_step * (s.max_steps - state.step), loss=loss)
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss:.4f}")
+            nonfinite = s.guard("nonfinite")
+            if nonfinite is not None and nonfinite.hopeless(state.step - first_step):
+                raise RunFailed(nonfinite.hopeless_sentence(s, state.step - first_step))
+            if s.config.validation_prompts and state.step % s.config.validation_steps == 0:
+                sample(s)
+            if state.step % s.config.save_steps == 0 and state.step < s.max_steps:
+                save(s, "every save_steps")
+            if "stop" in verdicts or obey_control(s) == "stop":
+                stop_reason = "stopped"
+                break
+    finally:
+        progress.close()
     nonfinite = s.guard("nonfinite")
     if nonfinite is not None and state.step > first_step and nonfinite.hopeless(state.step - first_step, end=True):
         raise RunFailed(nonfinite.hopeless_sentence(s, state.step - first_step))

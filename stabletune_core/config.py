@@ -430,6 +430,10 @@ def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
         elif not _looks_like_path(model) and config.local_files_only and not _in_hub_cache(model):
             problems.append(f"Model '{model}' is not a local file or folder and is not in the local hub cache; "
                             "download it once or set local_files_only=false with internet access.")
+    resume = config.resume_from_checkpoint
+    if resume and resume not in ("auto", "latest") and not Path(resume).expanduser().is_dir():
+        problems.append(f"resume_from_checkpoint: {resume} is not a checkpoint folder; give a folder "
+                        "RUN/checkpoints/step_NNNNNN, or --resume auto for the newest good one.")
     out = Path(config.output_dir).expanduser()
     probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
     if out.exists() and not out.is_dir():

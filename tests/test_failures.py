@@ -6,11 +6,9 @@ status.json `failed` with the same sentence, and that the dataset and the model 
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import shutil
 import signal
 import stat
 import struct
@@ -265,9 +263,12 @@ def test_all_steps_non_finite_fails_without_a_useless_lora(tiny_model, shapes_da
 
 def test_rollback_reports_the_real_rate_during_warm_up(tiny_config, one_thread):
     """In warm-up the current rate is ~0; the rollback names the schedule's peak before and after."""
+    from accelerate.state import AcceleratorState
+
     from stabletune_core.train import faults
     from stabletune_core.train.loop import train as train_loop
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # an earlier test may have left another precision
     config = tiny_config(lr_scheduler="linear", lr_warmup_steps=100, max_train_steps=4, learning_rate=2e-4,
                          nan_max_bad=2)
     faults.install("nan_loss@1,nan_loss@2")
@@ -447,8 +448,8 @@ def test_nan_learning_rate_is_not_a_number():
 
 def test_unexpected_errors_are_one_line_and_the_traceback_goes_to_a_file(tiny_model, shapes_dataset, tmp_path):
     code = ("import sys\nfrom stabletune_core.train import loop\n"
-            "def broken(s):\n    raise KeyError('surprise')\n"
-            "loop.resume = broken\nfrom stabletune_core.cli import main\nsys.exit(main(['train', *sys.argv[1:]]))")
+            "def broken(config, report):\n    raise KeyError('surprise')\n"
+            "loop.find_resume_checkpoint = broken\nfrom stabletune_core.cli import main\nsys.exit(main(['train', *sys.argv[1:]]))")
     run = tmp_path / "run"
     result = train(base_flags(tiny_model, shapes_dataset, run), entry=[sys.executable, "-c", code])
     sentence = assert_failed(result, run, "internal error: KeyError: 'surprise'; please report it", code=1)

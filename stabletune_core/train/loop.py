@@ -128,11 +128,8 @@ def find_resume_checkpoint(config: TrainConfig, report: Any) -> Checkpoint | Non
     target = config.resume_from_checkpoint
     if not target:
         return None
-    if target not in ("auto", "latest"):
+    if target not in ("auto", "latest"):  # check_inputs made sure it is a folder
         path = Path(target).expanduser()
-        if not path.is_dir():
-            raise ConfigError([f"resume_from_checkpoint: {path} is not a checkpoint folder; give a folder "
-                               "RUN/checkpoints/step_NNNNNN, or --resume auto for the newest good one."])
         try:
             return load_checkpoint(path)
         except (CheckpointError, RuntimeError, OSError, ValueError) as exc:

@@ -6,12 +6,33 @@ import json
 import sys
 from pathlib import Path
 
-from .config import ConfigError, TrainConfig, add_config_arguments, build_config, config_from_args, read_toml
+from .config import (ConfigError, TrainConfig, add_config_arguments, build_config, check_inputs, config_from_args,
+                     read_toml)
+
+
+class ShortErrorParser(argparse.ArgumentParser):
+    """A wrong flag gets one line naming it and where to look, not the full usage of 110 flags."""
+
+    command: str = ""  # set by run_command: the help to point at is the command's, not the top level's
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        prog = self.prog if self.prog.endswith(self.command) else f"{self.prog} {self.command}".rstrip()
+        print(f"error: {message}; see `{prog} --help` for every flag.", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stabletune_core", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    try:
+        code = run_command(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a wrong flag (2)
+        code = exc.code if isinstance(exc.code, int) else 1
+    _exit_accelerate_quietly(code)
+    return code
+
+
+def run_command(argv: list[str] | None = None) -> int:
+    parser = ShortErrorParser(prog="python -m stabletune_core", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=ShortErrorParser)
 
     train = commands.add_parser("train", help="Train a LoRA (every TrainConfig field is a flag).")
     add_config_arguments(train)
@@ -43,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     schema = commands.add_parser("schema", help="Print the TrainConfig JSON schema (for UIs).")
     schema.set_defaults()
 
+    raw = sys.argv[1:] if argv is None else argv
+    ShortErrorParser.command = next((a for a in raw if not a.startswith("-")), "") if raw else ""
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
@@ -61,27 +84,95 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(TrainConfig.model_json_schema(), indent=1))
             return 0
     except ConfigError as exc:
+        if args.command == "train":  # the run directory, when the flags name one, says `failed` too
+            from types import SimpleNamespace
+
+            from .train import outcome
+
+            where = SimpleNamespace(output_dir=_raw_output_dir(args), resume_from_checkpoint=None)
+            return outcome.report_failure(exc, where.output_dir, may_write_status=bool(where.output_dir) and
+                                          outcome.prepare_status_dir(where))
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
         return 2
     return 1
 
 
-def run_train(config: TrainConfig) -> int:
-    from .train.loop import train  # torch loads only when there is something to train
+def _raw_output_dir(args: argparse.Namespace) -> str | None:
+    """output_dir as typed (or from --config) when the config itself could not be built."""
+    if getattr(args, "output_dir", None):
+        return str(args.output_dir)
+    try:
+        return str(read_toml(args.config).get("output_dir") or "") or None if args.config else None
+    except ConfigError:
+        return None
 
-    from .train.guards import OutOfMemoryStop
+
+def run_train(config: TrainConfig) -> int:
+    """Train, and end in a known state: finished (0), stopped by a signal (128 + signal), or failed with one
+    sentence on stderr and in status.json (non-zero, see train/outcome.py). Never a traceback."""
+    from .train import outcome, signals
 
     for note in config.notes():
         print(f"note: {note}", file=sys.stderr)
+    stop = signals.StopSignals(on_second=lambda signum: _quit_now(config, signum))
+    signals.ACTIVE = stop.install()
     try:
+        problems = check_inputs(config)  # bad input answers in a second, before torch is even imported
+        if problems:
+            raise ConfigError(problems)
+        from .train.loop import train  # torch loads only when there is something to train
+
         path = train(config)
-    except OutOfMemoryStop as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 3
+    except BaseException as exc:  # every way out of a run ends in a known state
+        if isinstance(exc, SystemExit):
+            raise
+        if isinstance(exc, KeyboardInterrupt):  # only when our handler was not installed (e.g. a thread)
+            exc = outcome.RunFailed("Interrupted before the run could save; continue it with --resume auto.")
+        return outcome.report_failure(exc, config.output_dir, may_write_status=outcome.prepare_status_dir(config))
+    finally:
+        stop.restore()
+        signals.ACTIVE = None
     if path:
         print(f"LoRA written to {path}")
-    return 0
+    return stop.exit_code
+
+
+def _quit_now(config: TrainConfig, signum: int) -> None:
+    """The second Ctrl-C / SIGTERM: record where the run is, then the process exits at once."""
+    from .runs.writer import record_outcome
+
+    record_outcome(config.output_dir, "stopped", f"Stopped at once by a second {signal_name(signum)} without "
+                   "saving; continue from the last checkpoint with --resume auto.")
+    print(f"error: stopped at once by a second {signal_name(signum)}; nothing was saved after the last "
+          "checkpoint.", file=sys.stderr, flush=True)
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def _exit_accelerate_quietly(code: int) -> None:
+    """Under a user's `accelerate launch train_lora.py ...` (one process), accelerate turns any non-zero exit of
+    its child into a 20-line CalledProcessError traceback under our one sentence. Asking the launcher to stop
+    (SIGTERM, which it answers with a plain exit 143, no traceback) after the sentence is out avoids that."""
+    import os
+    import signal
+
+    if code == 0 or "ACCELERATE_MIXED_PRECISION" not in os.environ or "LOCAL_RANK" in os.environ:
+        return  # not under accelerate's single-process launcher (torchrun sets LOCAL_RANK)
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return
+    if "accelerate" in parent and "launch" in parent:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher then terminates us; we are exiting anyway
+        os.kill(os.getppid(), signal.SIGTERM)
 
 
 def run_preflight(config: TrainConfig) -> int:

@@ -151,7 +151,8 @@ class TrainConfig(BaseModel):
         "1/(SNR+1)), as kohya's sd-scripts.", "optimization")
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = knob(
         None, "Override the model's prediction type. Empty = the model's own.", "optimization")
-    seed: int = knob(42, "Seed of everything random: the same seed gives the same run.", "optimization")
+    seed: int = knob(42, "Seed of everything random: the same seed gives the same run. -1 = a random seed, "
+                     "recorded in the run's config.toml.", "optimization", ge=-1, le=2**32 - 1)
 
     # ---- precision & memory --------------------------------------------------------------------------
     mixed_precision: Literal["no", "fp16", "bf16"] = knob(
@@ -219,6 +220,8 @@ class TrainConfig(BaseModel):
     resume_from_checkpoint: Optional[str] = knob(
         None, "Continue a run: 'auto'/'latest' (newest good checkpoint in the run directory) or a checkpoint path.",
         "output", aliases=("resume",))
+    allow_restart: bool = knob(False, "With resume_from_checkpoint auto: when the run's checkpoints exist but none "
+                               "can be read, start over from step 0 instead of refusing.", "output")
     logging_steps: int = knob(1, "Write metrics every this many steps.", "output", ge=1)
     report_to: str = knob(
         "jsonl", "Where metrics go besides metrics.jsonl (always written): 'jsonl' (nowhere else) or 'tensorboard' "
@@ -414,6 +417,8 @@ def _sentence(error: dict[str, Any]) -> str:
         return f"{field} is {value!r} but must be at least {ctx['ge']}."
     if kind == "greater_than":
         return f"{field} is {value!r} but must be greater than {ctx['gt']}."
+    if isinstance(value, float) and value != value:
+        return f"{field} is not a number (NaN); give a number."
     if kind == "less_than_equal":
         return f"{field} is {value!r} but must be at most {ctx['le']}."
     if kind == "less_than":
@@ -468,14 +473,23 @@ def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
         elif _looks_like_path(model) and not Path(model).expanduser().exists():
             problems.append(f"Model {model} does not exist; point it at a .safetensors checkpoint or a diffusers "
                             "folder.")
+        elif _looks_like_path(model):
+            problems += _model_problems(Path(model).expanduser())
         elif not _looks_like_path(model) and config.local_files_only and not _in_hub_cache(model):
             problems.append(f"Model '{model}' is not a local file or folder and is not in the local hub cache; "
                             "download it once or set local_files_only=false with internet access.")
+    resume = config.resume_from_checkpoint
+    if resume and resume not in ("auto", "latest") and not Path(resume).expanduser().is_dir():
+        problems.append(f"resume_from_checkpoint: {resume} is not a checkpoint folder; give a folder "
+                        "RUN/checkpoints/step_NNNNNN, or --resume auto for the newest good one.")
     out = Path(config.output_dir).expanduser()
     problems += output_inside_dataset(out, data)
     probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
     if out.exists() and not out.is_dir():
         problems.append(f"Output path {out} is a file; choose a folder for the run.")
+    elif not probe.is_dir():
+        problems.append(f"Output folder {out} cannot be created: {probe} is a file, not a folder; choose another "
+                        "output_dir.")
     elif not os.access(probe, os.W_OK):
         problems.append(f"Cannot write to {probe}; choose an output folder you own.")
     else:
@@ -496,6 +510,54 @@ def output_inside_dataset(out: Path, data: Path | None) -> list[str]:
         return [f"output_dir {out} {where}, so the run's samples would become training images; choose an "
                 "output folder outside it."]
     return []
+
+
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+
+
+def _model_problems(path: Path) -> list[str]:
+    """What is wrong with a local model path, read without loading it (the header of a .safetensors file, the
+    layout of a folder); checked before the dataset scan so a bad model path costs nothing."""
+    if path.is_dir():
+        if (path / "model_index.json").is_file() or (path / "unet").is_dir():
+            return []
+        return [f"Model folder {path} is not a diffusers model (no model_index.json, no unet/ folder); point at "
+                "the folder that holds model_index.json, or at a .safetensors checkpoint."]
+    suffix = path.suffix.lower()
+    if suffix in PICKLE_SUFFIXES:
+        return [f"Model {path.name} is a {suffix} pickle, which can run code when loaded, so StableTune does not "
+                "open it; convert it to .safetensors with a tool you trust and point at that file."]
+    if suffix != ".safetensors":
+        return [f"Model {path.name} is not a model StableTune can read; use a .safetensors checkpoint or a "
+                "diffusers folder."]
+    problem = _safetensors_problem(path)
+    return [f"Model {path.name} {problem}; download or convert it again."] if problem else []
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file is unusable (None when its header and size agree): its first 8 bytes give the
+    header length, the JSON header gives the byte range of every tensor."""
+    import json
+    import struct
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            if size < 8:
+                return f"is not a safetensors file (only {size} bytes)"
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > min(size - 8, 100 * 2**20):
+                return "is not a safetensors file, or it is truncated (its header is cut off)"
+            header = json.loads(f.read(length))
+    except (OSError, ValueError) as exc:
+        return f"cannot be read as safetensors ({exc})"
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    if not ends:
+        return "holds no tensors"
+    missing = 8 + length + max(ends) - size
+    if missing > 0:
+        return f"is truncated ({missing / 2**20:.1f} MB missing at the end; an interrupted download?)"
+    return None
 
 
 def _looks_like_path(source: str) -> bool:

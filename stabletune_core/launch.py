@@ -46,9 +46,10 @@ def train_command(config_toml: Path, engine_python: str = sys.executable, num_pr
     """The argv that trains the run described by `config_toml`; accelerate spreads it over N devices."""
     tail = ["-m", "stabletune_core", "train", "--config", str(config_toml)]
     if num_processes > 1:
-        # --multi_gpu: one process per device through torchrun, whatever a stale default accelerate config says
+        # --multi_gpu: one process per device through torchrun, whatever a stale default accelerate config says;
+        # --quiet: a failed run's log ends with the engine's sentence, not the launcher's traceback under it
         return [engine_python, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
-                "--multi_gpu", *tail]
+                "--multi_gpu", "--quiet", *tail]
     return [engine_python, *tail]
 
 

@@ -272,7 +272,10 @@ def fake_engine(tmp_path: Path, exit_code: int = 0) -> str:
 
 
 def test_start_writes_config_then_spawns_in_its_own_session(tmp_path: Path, shapes_dir: Path) -> None:
-    values = {"pretrained_model_name_or_path": str(tmp_path), "train_data_dir": str(shapes_dir),
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model_index.json").write_text("{}")  # the config check looks for a diffusers layout
+    values = {"pretrained_model_name_or_path": str(model), "train_data_dir": str(shapes_dir),
               "output_dir": str(tmp_path / "run"), "max_train_steps": 5}
     run_dir = write_run_config(values)
     config = RunPaths(run_dir).config
@@ -651,6 +654,7 @@ def test_resume_button_restarts_the_attached_run_from_its_checkpoint(tmp_path: P
     from extension.settings import UISettings
     from extension.tabs import train
 
+    (tmp_path / "model_index.json").write_text("{}")  # the config check looks for a diffusers layout
     run = write_run_config({"pretrained_model_name_or_path": str(tmp_path), "train_data_dir": str(shapes_dir),
                             "output_dir": str(tmp_path / "runs" / "old")})
     RunWriter(run).status("stopped", step=7)

@@ -8,6 +8,8 @@ user's file.
 
 from __future__ import annotations
 
+import errno
+import itertools
 import os
 import re
 import tempfile
@@ -222,6 +224,14 @@ def _find_images(root: Path, notes: list[str] | None = None) -> Iterator[tuple[P
 
 
 def _check(path: Path, repeats: int, default_caption: str, caption_extension: str) -> DataItem | SkippedFile:
+    if path.is_symlink():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:  # Python < 3.13 reports a loop as RuntimeError, later ones as OSError(ELOOP)
+            return SkippedFile(path, "it is a symbolic link that loops back on itself; replace it with the image")
+        except OSError as exc:
+            what = "loops back on itself" if exc.errno == errno.ELOOP else "points to a file that does not exist"
+            return SkippedFile(path, f"it is a symbolic link that {what}; replace it with the image")
     try:
         with load_image(path) as image:
             width, height = image.size
@@ -250,13 +260,20 @@ def _read_caption(caption_path: Path, default_caption: str) -> str:
 def _no_images_sentence(root: Path, skipped: list[SkippedFile]) -> str:
     extensions = " ".join(sorted(IMAGE_EXTENSIONS))
     if not skipped:
-        return (
-            f"Dataset folder {root} holds no images ({extensions}): "
-            "put your training images in it or choose another folder."
-        )
+        others: dict[str, int] = {}
+        for path in itertools.islice(root.rglob("*"), 10000):
+            if path.suffix and not path.name.startswith("."):
+                others[path.suffix.lower()] = others.get(path.suffix.lower(), 0) + 1
+        found = ", ".join(f"{n} {suffix}" for suffix, n in sorted(others.items(), key=lambda kv: -kv[1])[:3])
+        if ".gif" in others:
+            hint = "GIF files are not trained on: convert them to PNG, or choose another folder."
+        else:
+            hint = "put your training images in it or choose another folder."
+        has = f"; it has {found} files" if found else ""
+        return f"Dataset folder {root} holds no images ({extensions}){has}: {hint}"
     examples = "; ".join(entry.reason.rstrip(".") for entry in skipped[:3])
     more = f" (and {len(skipped) - 3} more)" if len(skipped) > 3 else ""
     return (
         f"Dataset folder {root} holds no usable images: all {len(skipped)} image files were skipped, "
-        f"for example: {examples}{more}."
+        f"for example: {examples}{more}; replace them with readable PNG or JPEG files."
     )

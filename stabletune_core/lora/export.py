@@ -189,12 +189,20 @@ def _check_target(path: Path, overwrite: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
 
 
+def user_permissions(path: Path) -> None:
+    """safetensors creates its files 0600; give them the permissions any file the user makes gets (umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata=metadata)
+        user_permissions(tmp)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -326,6 +334,7 @@ def export_diffusers_lora(
     try:
         pipeline_cls.save_lora_weights(str(tmp_dir), weight_name=weight_name, safe_serialization=True, **kwargs)
         out_dir.mkdir(parents=True, exist_ok=True)
+        user_permissions(tmp_dir / weight_name)
         os.replace(tmp_dir / weight_name, target)
     finally:
         for leftover in tmp_dir.glob("*"):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,11 +39,18 @@ class RunWriter:
         if self.enabled:
             append_jsonl(self.paths.metrics, {"step": step, "time": time.time(), **values})
 
-    def event(self, kind: str, message: str, *, step: int | None = None, **data: Any) -> None:
-        """A decision the engine took and why, in a sentence a user can read."""
-        if self.enabled:
-            append_jsonl(self.paths.events, {"time": time.time(), "step": step, "kind": kind, "message": message,
-                                             **data})
+    def event(self, kind: str, message: str, *, step: int | None = None, console: bool = False,
+              **data: Any) -> None:
+        """A decision the engine took and why, in a sentence a user can read. `console`: the user must know
+        it now, so it is also one line on stderr (the UI's Train tab shows train.log, which holds stderr)."""
+        if not self.enabled:
+            return
+        if console:  # tqdm.write keeps a live progress bar below the line instead of gluing the two together
+            from tqdm import tqdm
+
+            tqdm.write(f"{kind}: {message}" if step is None else f"{kind} (step {step}): {message}", file=sys.stderr)
+        append_jsonl(self.paths.events, {"time": time.time(), "step": step, "kind": kind, "message": message,
+                                         **data})
 
     def take_control(self) -> dict[str, Any] | None:
         """Commands the UI left in control.json (stop, save, pause, resume); each is consumed once."""
@@ -54,3 +62,27 @@ class RunWriter:
         except FileNotFoundError:
             pass
         return command
+
+
+def record_outcome(root: Path | str, state: str, sentence: str | None = None, **fields: Any) -> bool:
+    """Write the final state of a run (failed / stopped) into RUN/status.json, keeping what this process wrote
+    there before (step, max_steps). Used where no RunWriter exists or the failure may have come from it, so
+    it never raises: a full disk or a missing folder leaves status.json as it was and returns False."""
+    paths = RunPaths(Path(root))
+    try:
+        if not paths.root.is_dir():
+            return False
+        previous = read_json(paths.status) or {}
+        status = previous if previous.get("pid") == os.getpid() else {}
+        status.update(fields)
+        status.update(state=state, pid=os.getpid(), host=socket.gethostname(), updated_at=time.time())
+        status.setdefault("started_at", time.time())
+        if sentence is not None:
+            status["error"] = sentence
+        write_json_atomic(paths.status, status)
+        if sentence is not None:
+            append_jsonl(paths.events, {"time": time.time(), "step": status.get("step"), "kind": state,
+                                        "message": sentence})
+        return True
+    except OSError:
+        return False

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..lora.export import user_permissions
 from ..runs.reader import pid_alive
 from . import faults
 
@@ -29,6 +30,8 @@ STATE = "state.pt"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be trusted, with the reason in one sentence."""
+
+    reason: str = ""  # the bare cause (e.g. "No space left on device") for sentences built around it
 
 
 @dataclass
@@ -74,16 +77,19 @@ def save_checkpoint(folder: Path, step: int, adapter: dict[str, torch.Tensor], s
     parent.mkdir(parents=True, exist_ok=True)
     needed = estimate_size(adapter, state)
     free = shutil.disk_usage(parent).free
-    if free < needed:
-        raise CheckpointError(f"Not enough disk space for a checkpoint in {parent}: {free / 2**20:.0f} MB free, "
-                              f"about {needed / 2**20:.0f} MB needed; free some space. The last good checkpoint "
-                              "is kept.")
+    if free < needed:  # disk_usage counts f_bavail: only the space this user may write, not root's reserve
+        error = CheckpointError(f"Not enough disk space for a checkpoint in {parent}: {free / 2**20:.0f} MB free, "
+                                f"about {needed / 2**20:.0f} MB needed; free some space. The last good checkpoint "
+                                "is kept.")
+        error.reason = f"{free / 2**20:.1f} MB free, about {needed / 2**20:.0f} MB needed"
+        raise error
     tmp = parent / f".tmp_{folder.name}_{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
         tmp.mkdir()
         save_file({k: v.detach().contiguous().cpu() for k, v in adapter.items()}, tmp / ADAPTER)
+        user_permissions(tmp / ADAPTER)
         if faults.ACTIVE:
             faults.during_checkpoint_write(step)
         torch.save(state, tmp / STATE)
@@ -104,10 +110,16 @@ def save_checkpoint(folder: Path, step: int, adapter: dict[str, torch.Tensor], s
         os.replace(tmp, folder)
         _fsync_dir(parent)
         shutil.rmtree(old, ignore_errors=True)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"Could not write checkpoint {folder.name} ({exc.strerror or exc}); the last good "
-                              "checkpoint is kept. Check free disk space and permissions.") from exc
+        if isinstance(exc, RuntimeError) and "write" not in str(exc) and "space" not in str(exc):
+            raise  # not an I/O failure: a bug, not a full disk
+        reason = getattr(exc, "strerror", None) or ("No space left on device?" if "file write failed" in str(exc)
+                                                     else str(exc).splitlines()[0])
+        error = CheckpointError(f"Could not write checkpoint {folder.name} ({reason}); the last good "
+                                "checkpoint is kept. Check free disk space and permissions.")
+        error.reason = reason
+        raise error from exc
     return folder
 
 

@@ -97,7 +97,7 @@ class EarlyStoppingGuard(Guard):
                             f"{verdict.best_value:.5f} at step {verdict.best_step}. The best LoRA is "
                             f"{best.name if best else 'not exported'}; the last one is exported too.",
                             step=s.state.step, best_step=verdict.best_step, best_val_loss=verdict.best_value,
-                            best_lora=str(best) if best else None,
+                            best_lora=str(best) if best else None, console=True,
                             best_checkpoint=str(s.best_checkpoint) if s.best_checkpoint else None)
                 return "stop"
         if s.state.step >= s.max_steps and self.best_step is not None:

@@ -7,6 +7,7 @@
     oom@N               the first UNet forward of step N raises torch.cuda.OutOfMemoryError (list it twice
                         to fail twice)
     disk_full@save:N    writing the checkpoint of step N fails with ENOSPC half way through
+    torch_full@save:N   the same, as the RuntimeError torch.save raises for a full disk
     kill@step:N         SIGKILL between the backward pass and the optimizer step of step N
     kill@checkpoint:N   SIGKILL half way through writing the checkpoint of step N
 
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-KINDS = ("nan_loss", "nan_grad", "oom", "disk_full@save", "kill@step", "kill@checkpoint")
+KINDS = ("nan_loss", "nan_grad", "oom", "disk_full@save", "torch_full@save", "kill@step", "kill@checkpoint")
 
 
 def parse(spec: str | None) -> Counter:
@@ -97,3 +98,6 @@ def during_checkpoint_write(step: int) -> None:
         kill_self()
     if take("disk_full@save", step):
         raise OSError(errno.ENOSPC, "No space left on device (injected by STABLETUNE_FAULTS)")
+    if take("torch_full@save", step):
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0 (injected by "
+                           "STABLETUNE_FAULTS): PytorchStreamWriter failed writing file data/0: file write failed")

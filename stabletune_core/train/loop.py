@@ -13,6 +13,7 @@ import math
 import os
 import random
 import sys
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +36,13 @@ from ..lora.inject import add_lora, load_lora_state_dict, lora_parameters, lora_
 from ..models.loading import load_model
 from ..models.base import Conditioning, ModelBundle
 from ..runs.reader import RunReader
+from ..runs.earlier import earlier_run
 from ..runs.writer import RunWriter
-from . import faults
+from . import faults, signals
 from .guards import Guard, make_guards
-from .checkpoint import (CheckpointError, latest_good_checkpoint, load_checkpoint, prune_checkpoints,
+from .checkpoint import (Checkpoint, CheckpointError, latest_good_checkpoint, load_checkpoint, prune_checkpoints,
                          remove_stale_temporaries, save_checkpoint)
+from .outcome import RunFailed
 from .loss import add_noise, diffusion_loss, target_for
 from .memory import memory_stats
 from .optim import evaluation_weights, make_lr_scheduler, make_optimizer, optimizer_problems, unet_param_groups
@@ -99,6 +102,8 @@ class Session:
     sample_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # sample_judge: first and last
     tensorboard: Any = None  # report_to=tensorboard: an observer of the logged metrics and samples
     feed: BatchFeed | None = None  # the DataLoader that next_batches draws from (made at its first call)
+    resume_from: Any = None  # the checkpoint setup found to resume from (read before any model loaded)
+    checkpoint_failures: int = 0  # checkpoints in a row that could not be written (a full disk)
 
     @property
     def device(self) -> torch.device:
@@ -123,7 +128,7 @@ def prepare_run_dir(config: TrainConfig) -> RunWriter:
     writer = RunWriter(config.output_dir, enabled=False)
     if config.resume_from_checkpoint:
         return writer
-    found = earlier_run(writer, config)
+    found = earlier_run(writer.paths, config)
     if not found:
         return writer
     root = writer.paths.root
@@ -145,24 +150,41 @@ def prepare_run_dir(config: TrainConfig) -> RunWriter:
     return writer
 
 
-def earlier_run(writer: RunWriter, config: TrainConfig) -> str:
-    """What in the run folder shows that an earlier run trained there ("" when nothing does)."""
-    paths = writer.paths
-    if paths.checkpoints.is_dir() and any(paths.checkpoints.glob("step_*")):
-        return "checkpoints"
-    if paths.output.is_dir() and any(paths.output.iterdir()):
-        return f"{paths.output.name}/{sorted(p.name for p in paths.output.iterdir())[0]}"
-    if paths.metrics.is_file() and paths.metrics.stat().st_size:
-        return paths.metrics.name
-    if paths.samples.is_dir() and any(paths.samples.iterdir()):
-        return paths.samples.name
-    if paths.config.is_file():
+def resolve_seed(config: TrainConfig) -> tuple[TrainConfig, bool]:
+    """Seed -1 means "random" (as in the WebUIs): draw one and put it in the config, which is saved as the run's
+    config.toml, so the run can be resumed and repeated. Returns (config, whether a seed was drawn)."""
+    if config.seed != -1:
+        return config, False
+    import secrets
+
+    return config.model_copy(update={"seed": secrets.randbelow(2**32)}), True
+
+
+def find_resume_checkpoint(config: TrainConfig, report: Any) -> Checkpoint | None:
+    """The checkpoint `resume_from_checkpoint` names, read and verified before any model loads.
+
+    An explicit path that is missing or corrupt is refused. With auto/latest the newest good one wins (each bad
+    one is reported); when there are checkpoints and none can be read, the run is refused rather than silently
+    restarted from step 0, unless `allow_restart` says so.
+    """
+    target = config.resume_from_checkpoint
+    if not target:
+        return None
+    if target not in ("auto", "latest"):  # check_inputs made sure it is a folder
+        path = Path(target).expanduser()
         try:
-            if TrainConfig.from_toml(paths.config) != config:
-                return f"{paths.config.name} of another configuration"
-        except Exception:  # not even a config of ours: someone else's file
-            return paths.config.name
-    return ""
+            return load_checkpoint(path)
+        except (CheckpointError, RuntimeError, OSError, ValueError) as exc:
+            raise RunFailed(f"Cannot resume from {path}: {str(exc).rstrip('.')}. Choose another checkpoint folder, "
+                            "or --resume auto for the newest good one.") from None
+    parent = RunWriter(config.output_dir, enabled=False).paths.checkpoints
+    bad: list[str] = []
+    checkpoint = latest_good_checkpoint(parent, report=lambda message: (bad.append(message), report(message)))
+    if checkpoint is None and bad and not config.allow_restart:
+        raise RunFailed(f"None of the {len(bad)} checkpoints in {parent} can be read ({bad[0].split(' Falling')[0]}"
+                        "); nothing was changed. Pass --allow_restart to start this run over from step 0 (the bad "
+                        "checkpoints are kept), or resume from a copy of a good checkpoint.")
+    return checkpoint
 
 
 def weight_dtype_for(config: TrainConfig) -> torch.dtype:
@@ -170,10 +192,14 @@ def weight_dtype_for(config: TrainConfig) -> torch.dtype:
 
 
 def setup(config: TrainConfig) -> Session:
+    """Check everything the user pointed at (model, resume checkpoint, then the dataset) before any model loads."""
+    config, random_seed = resolve_seed(config)
     problems = check_inputs(config) + perceptual_problems(config) + optimizer_problems(config)
     if problems:
         raise ConfigError(problems)
     prepare_run_dir(config)
+    bad_checkpoints: list[str] = []
+    resume_from = find_resume_checkpoint(config, bad_checkpoints.append)
     accelerator = Accelerator(mixed_precision=config.mixed_precision)
     previous = RunReader(config.output_dir).status()  # read before our own heartbeat replaces it
     run = RunWriter(config.output_dir, enabled=accelerator.is_main_process)
@@ -184,6 +210,20 @@ def setup(config: TrainConfig) -> Session:
                   step=previous.get("step"), pid=previous.get("pid"))
     if accelerator.is_main_process:
         config.save_toml(run.paths.config)
+        for leftover in remove_stale_temporaries(run.paths.checkpoints):
+            run.event("checkpoint_bad", f"Removed {leftover.name}: a checkpoint whose writing was interrupted.")
+    for message in bad_checkpoints:
+        run.event("checkpoint_bad", message, console=True)
+    if resume_from is None and config.resume_from_checkpoint:
+        run.event("resume", "No checkpoint to resume from; starting from step 0." if not bad_checkpoints else
+                  "No checkpoint could be read; starting over from step 0 (allow_restart).", console=True)
+    if random_seed:
+        run.event("seed", f"Seed -1: this run uses the random seed {config.seed} (recorded in config.toml, so "
+                  "--resume and a rerun with that seed repeat it).", console=True, seed=config.seed)
+    if config.mixed_precision != "no" and accelerator.device.type == "cpu":
+        run.event("precision", f"{config.mixed_precision} was requested but there is no GPU: the frozen model runs "
+                  f"in {config.mixed_precision} on the CPU, which is slow; use mixed_precision no on a CPU.",
+                  console=True)
     for note in config.notes():
         run.event("config", note)
     set_seed(config.seed)
@@ -191,6 +231,9 @@ def setup(config: TrainConfig) -> Session:
     scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension)
     for skipped in scan.skipped:
         run.event("data_skipped", f"Skipped {skipped.path}: {skipped.reason}", path=str(skipped.path))
+    if scan.skipped:
+        run.event("data_skipped", f"Skipped {len(scan.skipped)} unreadable image(s), e.g. {scan.skipped[0].path.name}: "
+                  f"{scan.skipped[0].reason} (all listed in events.jsonl).", console=True)
     scan, held_out = split_validation(scan, config)  # held-out images never reach the sampler
     if held_out:
         how = "validation_split empty: automatic" if config.validation_split is None else "validation_split"
@@ -248,6 +291,9 @@ def setup(config: TrainConfig) -> Session:
         run.event("config", f"validation_epochs {config.validation_epochs} = validation images every "
                   f"{config.validation_steps} steps ({steps_per_epoch} steps per epoch).")
     lr_scheduler = make_lr_scheduler(optimizer, config, max_steps)
+    if config.lr_warmup_steps >= max_steps and config.lr_scheduler not in ("constant", "plateau"):
+        run.event("config", f"lr_warmup_steps ({config.lr_warmup_steps}) is not shorter than the run ({max_steps} "
+                  "steps): the learning rate never reaches its peak; lower lr_warmup_steps.", console=True)
     prepared = accelerator.prepare(*trained.values(), optimizer)
     trained = dict(zip(trained, prepared[:-1]))
     optimizer = prepared[-1]
@@ -257,7 +303,7 @@ def setup(config: TrainConfig) -> Session:
                       params=[p for g in groups for p in g["params"]], trained=trained,
                       state=TrainState(micro_batch_size=config.train_batch_size), max_steps=max_steps,
                       generator=torch.Generator().manual_seed(config.seed), weight_dtype=weight_dtype,
-                      guards=make_guards(config), validation_items=held_out)
+                      guards=make_guards(config), validation_items=held_out, resume_from=resume_from)
     if config.perceptual_lambda > 0:
         session.perceptual = Perceptual(config, device, run)
     if accelerator.is_main_process:  # report_to: observers fed by the loop, never deciding anything
@@ -282,7 +328,7 @@ def enable_fast_attention(bundle: ModelBundle, config: TrainConfig, run: RunWrit
         run.event("attention", "Using xformers memory-efficient attention.")
     except Exception as exc:  # not installed, or no kernel for this device
         run.event("attention", f"xformers is not usable here ({type(exc).__name__}); using PyTorch SDPA, which "
-                  "is as memory-efficient on PyTorch 2.")
+                  "is as memory-efficient on PyTorch 2.", console=True)
 
 
 def build_caches(s: Session) -> None:
@@ -542,7 +588,12 @@ def restore_rng(s: Session, rng: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
+CHECKPOINT_FAILURE_LIMIT = 3  # checkpoints in a row that may fail (a full disk) before the run stops
+
+
 def save(s: Session, reason: str) -> Path | None:
+    """Write a checkpoint. A failed one (a full disk) is one console line and the run goes on, keeping the last
+    good checkpoint; CHECKPOINT_FAILURE_LIMIT failures in a row stop the run with a sentence."""
     s.accelerator.wait_for_everyone()
     if not s.accelerator.is_main_process:
         return None
@@ -555,10 +606,15 @@ def save(s: Session, reason: str) -> Path | None:
              "guards": {g.name: g.state_dict() for g in s.guards}}
     try:
         folder = save_checkpoint(s.run.paths.checkpoint(s.state.step), s.state.step, adapter, state)
-    except CheckpointError as exc:  # a full disk: report it, keep training, keep the last good checkpoint
-        s.run.event("checkpoint_failed", str(exc), step=s.state.step)
+    except CheckpointError as exc:
+        s.checkpoint_failures += 1
+        s.run.event("checkpoint_failed", str(exc), step=s.state.step, console=True)
+        if s.checkpoint_failures >= CHECKPOINT_FAILURE_LIMIT:
+            raise RunFailed(f"Stopped at step {s.state.step} because {s.checkpoint_failures} checkpoints in a row "
+                            f"could not be written ({exc.reason or exc}); {last_good_sentence(s)}") from None
         s.run.status("training", step=s.state.step, max_steps=s.max_steps, error=str(exc))
         return None
+    s.checkpoint_failures = 0
     protect = {s.best_checkpoint} if s.best_checkpoint else set()
     removed = prune_checkpoints(s.run.paths.checkpoints, s.config.checkpoints_total_limit, protect=protect)
     s.run.event("checkpoint", f"Saved checkpoint at step {s.state.step} ({reason}).", step=s.state.step,
@@ -566,20 +622,22 @@ def save(s: Session, reason: str) -> Path | None:
     return folder
 
 
+def last_good_sentence(s: Session) -> str:
+    """What to do after checkpoints failed, naming the last good one (lower case: it ends a sentence)."""
+    from .checkpoint import list_checkpoints
+
+    folders = list_checkpoints(s.run.paths.checkpoints)
+    if not folders:
+        return "free some space and start the run again (it has no checkpoint yet)."
+    return f"free some space and continue with --resume auto from the last good checkpoint, {folders[-1].name}."
+
+
 def resume(s: Session) -> None:
-    target = s.config.resume_from_checkpoint
-    if not target:
+    """Continue from the checkpoint setup found (setup read and verified it before loading the model)."""
+    checkpoint = s.resume_from
+    if checkpoint is None:
         return
-    if target in ("auto", "latest"):
-        checkpoint = latest_good_checkpoint(s.run.paths.checkpoints,
-                                            report=lambda m: s.run.event("checkpoint_bad", m))
-        if checkpoint is None:
-            s.run.event("resume", "No checkpoint to resume from; starting from step 0.")
-            return
-    else:
-        checkpoint = load_checkpoint(Path(target))
-    for leftover in remove_stale_temporaries(s.run.paths.checkpoints):
-        s.run.event("checkpoint_bad", f"Removed {leftover.name}: a checkpoint whose writing was interrupted.")
+    s.resume_from = None  # its tensors are not needed once loaded
     restore_adapter(s, checkpoint.adapter)
     state = checkpoint.state
     s.optimizer.load_state_dict(state["optimizer"])
@@ -695,7 +753,11 @@ def shareable_config(config: TrainConfig) -> dict[str, Any]:
 
 # ---- the loop ------------------------------------------------------------------------------------------
 def train(config: TrainConfig, *, session: Session | None = None) -> Path | None:
-    """Train a LoRA as `config` says and return the exported file (None on non-main processes)."""
+    """Train a LoRA as `config` says and return the exported file (None on non-main processes).
+
+    Ends `finished`, or `stopped` (the UI, early stopping, Ctrl-C / SIGTERM) after a last checkpoint and the LoRA;
+    a run that cannot go on raises (RunFailed and friends) and the CLI records it as `failed` (train/outcome.py).
+    """
     s = session or setup(config)
     resume(s)
     run, state = s.run, s.state
@@ -703,59 +765,86 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
         from .preflight import apply_preflight
 
         apply_preflight(s)
-    if s.config.validation_prompts and state.step == 0:
+    if s.config.validation_prompts and state.step == 0 and not stop_signal(s):
         sample(s)
     run.status("training", step=state.step, max_steps=s.max_steps)
     progress = tqdm(total=s.max_steps, initial=state.step, desc="training", unit="step",
                     disable=not s.accelerator.is_main_process)
     last_time, sec_per_step = time.perf_counter(), None
     stop_reason = "finished"
+    first_step = state.step
     for module in s.trained.values():
         module.train()
     for guard in s.guards:
         guard.on_start(s)
-    while state.step < s.max_steps:
-        batches = next_batches(s, s.config.gradient_accumulation_steps)
-        s.batch_paths = [str(p) for b in batches for p in b["path"]]
-        loss, grad_norm = training_step(s, batches)
-        state.step += 1
-        state.images_seen += global_image_count(s, batches)
+    try:  # the progress bar ends its line whatever happens, so a failure sentence starts on its own
+        while state.step < s.max_steps:
+            signum = stop_signal(s)
+            if signum:
+                if signals.ACTIVE is not None:
+                    signals.ACTIVE.honoured = True
+                run.event("stop", f"{signal_name(signum)} at step {state.step}; saving a checkpoint and the LoRA.",
+                          step=state.step, console=True)
+                stop_reason = "stopped"
+                break
+            batches = next_batches(s, s.config.gradient_accumulation_steps)
+            s.batch_paths = [str(p) for b in batches for p in b["path"]]
+            loss, grad_norm = training_step(s, batches)
+            state.step += 1
+            state.images_seen += global_image_count(s, batches)
 
-        now = time.perf_counter()
-        sec_per_step = (now - last_time) if sec_per_step is None else 0.9 * sec_per_step + 0.1 * (now - last_time)
-        last_time = now
-        metrics = dict(loss=loss, lr=s.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
-                       clip_threshold=None, epoch=state.epoch, images_seen=state.images_seen,
-                       sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
-        verdicts = [guard.after_step(s, metrics) for guard in s.guards]
-        if state.step % s.config.logging_steps == 0 or state.step == s.max_steps:
-            logged = {**metrics, **memory_stats(s.device)}
-            run.metric(state.step, **logged)
-            if s.tensorboard:
-                s.tensorboard.log_metrics(state.step, logged)
-            run.status("training", step=state.step, max_steps=s.max_steps, epoch=state.epoch,
-                       sec_per_step=sec_per_step, eta_seconds=sec_per_step * (s.max_steps - state.step), loss=loss)
-        progress.update(1)
-        progress.set_postfix(loss=f"{loss:.4f}")
-        if s.config.validation_prompts and state.step % s.config.validation_steps == 0:
-            sample(s)
-        if state.step % s.config.save_steps == 0 and state.step < s.max_steps:
-            save(s, "every save_steps")
-        if "stop" in verdicts or obey_control(s) == "stop":
-            stop_reason = "stopped"
-            break
-    progress.close()
+            now = time.perf_counter()
+            sec_per_step = (now - last_time) if sec_per_step is None else 0.9 * sec_per_step + 0.1 * (now - last_time)
+            last_time = now
+            metrics = dict(loss=loss, lr=s.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                           clip_threshold=None, epoch=state.epoch, images_seen=state.images_seen,
+                           sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
+            verdicts = [guard.after_step(s, metrics) for guard in s.guards]
+            if state.step % s.config.logging_steps == 0 or state.step == s.max_steps:
+                logged = {**metrics, **memory_stats(s.device)}
+                run.metric(state.step, **logged)
+                if s.tensorboard:
+                    s.tensorboard.log_metrics(state.step, logged)
+                run.status("training", step=state.step, max_steps=s.max_steps, epoch=state.epoch,
+                           sec_per_step=sec_per_step, eta_seconds=sec_per_step * (s.max_steps - state.step), loss=loss)
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss:.4f}")
+            nonfinite = s.guard("nonfinite")
+            if nonfinite is not None and nonfinite.hopeless(state.step - first_step):
+                raise RunFailed(nonfinite.hopeless_sentence(s, state.step - first_step))
+            if s.config.validation_prompts and state.step % s.config.validation_steps == 0:
+                sample(s)
+            if state.step % s.config.save_steps == 0 and state.step < s.max_steps:
+                save(s, "every save_steps")
+            if "stop" in verdicts or obey_control(s) == "stop":
+                stop_reason = "stopped"
+                break
+    finally:
+        progress.close()
+    nonfinite = s.guard("nonfinite")
+    if nonfinite is not None and state.step > first_step and nonfinite.hopeless(state.step - first_step, end=True):
+        raise RunFailed(nonfinite.hopeless_sentence(s, state.step - first_step))
+    if state.step == first_step and stop_reason == "stopped":  # stopped before any step: nothing new to keep
+        run.status("stopped", step=state.step, max_steps=s.max_steps, eta_seconds=0)
+        run.event("stopped", f"Run stopped at step {state.step} before training a step; nothing new to save.",
+                  step=state.step, console=True)
+        return None
     save(s, stop_reason)
+    final_checkpoint_failed = s.checkpoint_failures > 0
     path = export(s)
     if s.tensorboard:
         s.tensorboard.close()
+    if final_checkpoint_failed:
+        written = f"the LoRA was written to {path}" if path else "the LoRA was not written"
+        raise RunFailed(f"The final checkpoint at step {state.step} could not be written ({written}); "
+                        f"{last_good_sentence(s)}")
     summary = learning_summary(s.sample_scores) if s.sample_scores else None
     run.status(stop_reason, step=state.step, max_steps=s.max_steps, eta_seconds=0, lora=str(path) if path else None,
                summary=summary)
-    run.event(stop_reason, f"Run {stop_reason} at step {state.step}.", step=state.step)
-    if summary and s.accelerator.is_main_process:
-        run.event("learning", summary, step=state.step)
-        tqdm.write(summary)
+    run.event(stop_reason, f"Run {stop_reason} at step {state.step}.", step=state.step,
+              console=stop_reason == "stopped")
+    if summary:
+        run.event("learning", summary, step=state.step, console=True)
     return path
 
 
@@ -764,6 +853,21 @@ def learning_summary(scores: dict[str, dict[str, float]]) -> str:
 
     return f"Learning summary (validation images showing their colour, first -> last sampling): " \
            f"{colours(scores['first'], scores['last'])}."
+
+
+def stop_signal(s: Session) -> int | None:
+    """The Ctrl-C / SIGTERM the CLI caught, if any; with several processes the main one's, so every rank stops
+    at the same step (a rank that stopped alone would leave the others waiting in the next collective)."""
+    signum = signals.requested()
+    if s.accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        signum = broadcast_object_list([signum])[0]
+    return signum
+
+
+def signal_name(signum: int) -> str:
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
 def sample(s: Session) -> None:

@@ -44,8 +44,12 @@ def perceptual_problems(config: TrainConfig) -> list[str]:
     path = backbone_weights_file(config.perceptual_net)
     if path.is_file():
         return []
+    from torchvision import models
+
+    url = getattr(models, _WEIGHTS[config.perceptual_net]).IMAGENET1K_V1.url
     return [f"perceptual_lambda needs the ImageNet weights of the LPIPS {config.perceptual_net} backbone, which "
-            f"are not at {path} and local_files_only forbids downloading them; copy {path.name} there, set "
+            f"are not at {path} and local_files_only forbids downloading them; put {path.name} (from {url}) "
+            f"into {path.parent}, set "
             "local_files_only false, or set perceptual_lambda 0 (perceptual_random_backbone true trains with a "
             "random backbone, which is NOT the perceptual metric)."]
 

@@ -22,9 +22,32 @@ def sample_seeds(config: TrainConfig) -> list[int]:
 
 
 @torch.no_grad()
+def decode_latents(bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
+    """Latents from the pipeline (in the UNet's dtype) to images in [-1, 1], in the VAE's own dtype.
+
+    Under fp16 the UNet and text encoders run in fp16 while the VAE stays fp32 (fp16 VAEs overflow), so the
+    pipeline's own decode would feed fp16 latents to fp32 weights; decoding here works for every precision.
+    """
+    vae = bundle.vae
+    latents = latents.to(vae.dtype)
+    mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+    if mean is not None and std is not None:
+        mean = torch.tensor(mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        std = torch.tensor(std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        latents = latents * std / bundle.latent_scaling + mean
+    else:
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        latents = latents / bundle.latent_scaling + shift
+    return vae.decode(latents, return_dict=False)[0]
+
+
+@torch.no_grad()
 def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Path, device: torch.device,
                            *, resolution: int | None = None) -> list[Path]:
-    """Render every validation prompt with every fixed seed into `folder` as p<prompt>_s<seed>.png."""
+    """Render every validation prompt with every fixed seed into `folder` as p<prompt>_s<seed>.png.
+
+    The pipeline stops at the latents and `decode_latents` makes the images, so fp16, bf16 and fp32 all work.
+    """
     prompts = config.validation_prompts
     if not prompts:
         return []
@@ -39,7 +62,7 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
     extra = {"eta": config.validation_ddim_eta} if config.validation_sampler == "ddim" else {}
     try:
         with on_device((bundle.vae, *bundle.text_encoders), device):  # they may wait on the CPU (placement.py)
-            paths = _render(pipe, prompts, config, folder, size, extra)
+            paths = _render(pipe, bundle, prompts, config, folder, size, extra)
     finally:
         for module, was_training in zip((bundle.unet, *bundle.text_encoders), training):
             module.train(was_training)
@@ -50,13 +73,17 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
     return paths
 
 
-def _render(pipe, prompts: list[str], config: TrainConfig, folder: Path, size: int, extra: dict) -> list[Path]:
+def _render(pipe, bundle: ModelBundle, prompts: list[str], config: TrainConfig, folder: Path, size: int,
+            extra: dict) -> list[Path]:
     paths = []
     for p, prompt in enumerate(prompts):
         for seed in sample_seeds(config):
             generator = torch.Generator("cpu").manual_seed(seed)
-            image = pipe(prompt, height=size, width=size, num_inference_steps=config.validation_inference_steps,
-                         guidance_scale=config.validation_guidance_scale, generator=generator, **extra).images[0]
+            latents = pipe(prompt, height=size, width=size, num_inference_steps=config.validation_inference_steps,
+                           guidance_scale=config.validation_guidance_scale, generator=generator,
+                           output_type="latent", **extra).images
+            pixels = decode_latents(bundle, latents)  # in the VAE's own dtype: fp16 latents meet an fp32 VAE
+            image = pipe.image_processor.postprocess(pixels.float(), output_type="pil")[0]
             path = folder / f"p{p:02d}_s{seed}.png"
             image.save(path)
             paths.append(path)

@@ -64,7 +64,7 @@ class MemGuard(Guard):
             s.run.event("oom", f"Out of memory at step {step} with micro-batch {micro} ({reason}); retrying with "
                         f"micro-batch {s.state.micro_batch_size} and twice the accumulation, so the effective batch "
                         "stays the same.", step=step, old_micro_batch=micro,
-                        new_micro_batch=s.state.micro_batch_size, paths=list(s.batch_paths))
+                        new_micro_batch=s.state.micro_batch_size, paths=list(s.batch_paths), console=True)
 
     def stop(self, s: Any, step: int, micro: int, reason: str) -> None:
         from ..loop import save

@@ -30,12 +30,16 @@ class NonFiniteGuard(Guard):
         self.skipped = 0
         self.rollbacks = 0
         self.snapshot: dict[str, Any] | None = None  # memory only; a resumed run starts from its checkpoint
+        self.good_steps = 0  # optimizer steps this process took with finite loss and gradients
+        self.bad_in_a_row = 0  # non-finite steps since the last good one
 
     def on_start(self, s: Any) -> None:
         self.take_snapshot(s)
 
     def before_optimizer_step(self, s: Any, loss: float, grad_norm: float) -> bool:
         if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.good_steps += 1
+            self.bad_in_a_row = 0
             return True
         step = s.state.step + 1
         self.skipped += 1
@@ -46,6 +50,7 @@ class NonFiniteGuard(Guard):
                 s.run.event("fp16_overflow", f"Skipped step {step}: fp16 gradients overflowed; loss scale is now "
                             f"{scaler.get_scale():g}.", step=step)
                 return False
+        self.bad_in_a_row += 1
         what = "loss" if not math.isfinite(loss) else "gradients"
         tensors = nonfinite_gradients(s)
         detail = f" in {len(tensors)} gradient tensors, e.g. {', '.join(tensors[:3])}" if tensors else ""
@@ -73,11 +78,36 @@ class NonFiniteGuard(Guard):
 
     def rollback(self, s: Any, step: int) -> None:
         source = self.restore(s)
+        bases = getattr(s.lr_scheduler, "base_lrs", None)  # the schedule's peak: the current rate is ~0 in warm-up
+        old_peak = float(bases[0]) if bases else None
         old, new = scale_learning_rate(s, self.lr_factor, self.min_lr)
+        if old_peak is not None:
+            old, new = old_peak, float(bases[0])
         self.rollbacks += 1
         s.run.event("rollback", f"{len(self.bad_steps)} non-finite steps within {self.window} steps (last at step "
                     f"{step}): {source}; learning rate {old:.3g} -> {new:.3g}.", step=step, old_lr=old, new_lr=new,
-                    bad_steps=list(self.bad_steps))
+                    bad_steps=list(self.bad_steps), console=True)
+
+    # ---- a run that cannot be saved by rollbacks ---------------------------------------------------------
+    def hopeless(self, steps: int, *, end: bool = False) -> bool:
+        """True when training is not going anywhere: at the end of a run in which no step was finite, or when
+        `4 x max_bad` steps in a row were non-finite (several rollbacks and lower rates did not help)."""
+        if end:
+            return steps > 0 and self.good_steps == 0 and self.bad_in_a_row > 0
+        return self.bad_in_a_row >= max(4 * self.max_bad, 8)
+
+    def hopeless_sentence(self, s: Any, steps: int) -> str:
+        config = s.config
+        lr = s.optimizer.param_groups[0]["lr"]
+        what = (f"all {steps} training steps" if self.good_steps == 0 else
+                f"the last {self.bad_in_a_row} training steps (after {self.rollbacks} rollbacks)")
+        precision = " or train in bf16 or without mixed precision instead of fp16" if \
+            config.mixed_precision == "fp16" else ""
+        kept = "so no LoRA was written" if self.good_steps == 0 else "so the run stopped (the last good checkpoint " \
+            "is kept)"
+        return (f"Training diverged: {what} had a non-finite loss or gradient (NaN/Inf), {kept}; lower learning_rate "
+                f"(set {config.learning_rate:g}, now {lr:.3g}) or lora_alpha (now {config.effective_lora_alpha:g} "
+                f"with rank {config.lora_rank}){precision}.")
 
     def restore(self, s: Any) -> str:
         if self.snapshot is not None:

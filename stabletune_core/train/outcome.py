@@ -1,0 +1,136 @@
+"""How a run ends: `finished`, `stopped`, or `failed` with one sentence (DESIGN.md, "Every run ends in a known
+state").
+
+Everything that can go wrong on the way comes here as an exception. Expected failures (bad input, a model or
+dataset that cannot be used, a full disk, out of memory, a run that only produced NaN) already carry the
+sentence the user needs; anything else is a bug, and the user gets a one-line "internal error" sentence while
+the traceback goes to RUN/traceback.txt instead of the console. Either way status.json says `failed` with the
+sentence, stderr gets `error: <sentence>`, and the exit code is non-zero.
+
+This module imports neither torch nor the loop: it must work when importing them is what failed.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError
+from ..runs.jsonfiles import read_json
+from ..runs.layout import RunPaths
+from ..runs.writer import record_outcome
+
+EXIT_FAILED = 1
+EXIT_CONFIG = 2  # bad input, refused before anything ran (argparse uses 2 too)
+EXIT_OUT_OF_MEMORY = 3
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+SENTENCE_ERRORS = ("DatasetError", "ModelLoadError", "CheckpointError")  # their message is the sentence
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on; the message is the sentence for the user (console and status.json)."""
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC as an OSError, or as the RuntimeError torch.save / safetensors raise for it."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return True
+        text = str(exc)
+        if isinstance(exc, RuntimeError) and ("No space left" in text or "file write failed" in text
+                                               or "Disk quota" in text):
+            return True
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return False
+
+
+def failure_sentences(exc: BaseException, output_dir: str | None) -> tuple[list[str], int] | None:
+    """The sentences and exit code of an expected failure; None for a bug."""
+    if isinstance(exc, ConfigError):
+        return list(exc.problems), EXIT_CONFIG
+    # Matched by name: importing their modules imports torch, which a config error should not wait for.
+    if type(exc).__name__ == "OutOfMemoryStop":
+        return [str(exc)], EXIT_OUT_OF_MEMORY
+    if isinstance(exc, RunFailed) or type(exc).__name__ in SENTENCE_ERRORS:
+        return [str(exc)], EXIT_FAILED
+    if is_disk_full(exc):
+        where = f" in {output_dir}" if output_dir else ""
+        return [f"The disk is full: StableTune could not write{where} (No space left on device); free some "
+                "space, then continue the run with --resume auto (its last good checkpoint is kept)."], EXIT_FAILED
+    if isinstance(exc, PermissionError) and exc.filename:
+        return [f"Permission denied for {exc.filename}; choose files and folders you can read and write."], \
+            EXIT_FAILED
+    return None
+
+
+def report_failure(exc: BaseException, output_dir: str | None, *, may_write_status: bool = True) -> int:
+    """Print the sentence, record it in RUN/status.json, return the exit code."""
+    known = failure_sentences(exc, output_dir)
+    if known is None:
+        where = save_traceback(exc, output_dir)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+        sentences, code = [f"internal error: {type(exc).__name__}: {first}; please report it, the traceback is in "
+                           f"{where}."], EXIT_FAILED
+    else:
+        sentences, code = known
+    for sentence in sentences:
+        print(f"error: {sentence}", file=sys.stderr, flush=True)
+    if output_dir and may_write_status:
+        record_outcome(output_dir, "failed", " ".join(sentences))
+    return code
+
+
+def save_traceback(exc: BaseException, output_dir: str | None) -> Path:
+    text = "".join(traceback.format_exception(exc))
+    for folder in ([Path(output_dir)] if output_dir else []) + [Path(tempfile.gettempdir())]:
+        path = folder / ("traceback.txt" if folder != Path(tempfile.gettempdir()) else
+                         f"stabletune-traceback-{os.getpid()}.txt")
+        try:
+            if folder.is_dir():
+                path.write_text(text, encoding="utf-8")
+                return path
+        except OSError:
+            continue
+    print(text, file=sys.stderr)  # nowhere to keep it: the console is the last resort
+    return Path("the console above")
+
+
+def owns_status(config: Any) -> bool:
+    """May a failure be written into this run directory's status.json? Only when it does not belong to another
+    run: no status yet, this process wrote it, an earlier failed attempt, or the run is being resumed."""
+    from ..config import output_inside_dataset
+
+    paths = RunPaths(Path(config.output_dir).expanduser())
+    if paths.root.exists() and not paths.root.is_dir():
+        return False
+    data = Path(config.train_data_dir).expanduser() if config.train_data_dir else None
+    if output_inside_dataset(paths.root.expanduser(), data):
+        return False  # the user's dataset: never write into it
+    if not config.resume_from_checkpoint and not config.overwrite_output_dir and paths.root.is_dir():
+        from ..runs.earlier import earlier_run
+
+        if earlier_run(paths, config):
+            return False  # an earlier run's folder, refused and left as it was
+    previous = read_json(paths.status) if paths.status.is_file() else None
+    if not previous:
+        return True
+    return (previous.get("pid") == os.getpid() or previous.get("state") == "failed"
+            or bool(config.resume_from_checkpoint))
+
+
+def prepare_status_dir(config: Any) -> bool:
+    """Create the run directory when it can be ours (so the UI sees the failure); False when it must not be
+    written to."""
+    if not owns_status(config):
+        return False
+    try:
+        Path(config.output_dir).expanduser().mkdir(parents=True, exist_ok=True)
+        return True
+    except OSError:
+        return False

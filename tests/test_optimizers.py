@@ -48,7 +48,7 @@ def test_trains_and_resumes_exactly(optimizer, tiny_config, one_thread, tmp_path
 
 def test_schedule_free_exports_its_evaluation_weights_and_keeps_training_weights_exact(tiny_config, one_thread):
     """Export swaps in the averaged weights x and puts the training point y back bit for bit."""
-    pytest.importorskip("schedulefree")
+    import schedulefree  # noqa: F401  (dev install: never skipped)
     from stabletune_core.train.loop import setup, train
     from stabletune_core.train.optim import evaluation_weights
 

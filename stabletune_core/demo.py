@@ -15,15 +15,12 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from .cache import cache_root
 from .config import TrainConfig, build_config, read_toml
 
 PRESETS = Path(__file__).resolve().parent.parent / "presets"
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 40)}
 SHAPES = ("circle", "square", "triangle")
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("STABLETUNE_CACHE", Path.home() / ".cache" / "stabletune"))
 
 
 def draw_shape(shape: str, color: tuple[int, int, int], size: int, rng: random.Random) -> Image.Image:

@@ -99,10 +99,9 @@ def write_clip_tokenizer_files(out_dir: Path, *, pad_token: str = EOS) -> Path:
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("STABLETUNE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "stabletune"
-    )
-    return Path(root) / "tokenizers" / "clip-vit-large-patch14"
+    from ..cache import cache_root
+
+    return cache_root() / "tokenizers" / "clip-vit-large-patch14"
 
 
 def build_clip_tokenizer(out_dir: Path | None = None):

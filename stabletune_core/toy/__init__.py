@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+from ..cache import cache_root
+
 WEIGHTS = Path(__file__).resolve().parent / "weights"
 MODEL_INDEX = {
     "_class_name": "StableDiffusionPipeline", "feature_extractor": [None, None], "image_encoder": [None, None],
@@ -22,10 +24,6 @@ MODEL_INDEX = {
 
 def weights_dir() -> Path:
     return WEIGHTS
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("STABLETUNE_CACHE", Path.home() / ".cache" / "stabletune"))
 
 
 def toy_base_model(weights: Path = WEIGHTS) -> Path:

@@ -30,7 +30,7 @@ from ..data.dataset import (BatchFeed, BucketBatchSampler, DatasetView, Embeddin
                             derive_seed, module_fingerprint)
 from ..data.masks import batch_loss_mask, masks_note
 from ..data.scan import scan_dataset
-from ..demo import cache_root
+from ..cache import cache_root
 from ..lora.export import export_kohya_lora
 from ..lora.inject import add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
 from ..models.loading import load_model

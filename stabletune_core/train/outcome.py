@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..config import ConfigError, TrainConfig
 from ..runs.jsonfiles import read_json
 from ..runs.layout import RunPaths
 from ..runs.writer import record_outcome
@@ -109,14 +109,18 @@ def owns_status(config: Any) -> bool:
     paths = RunPaths(Path(config.output_dir).expanduser())
     if paths.root.exists() and not paths.root.is_dir():
         return False
-    data = Path(config.train_data_dir).expanduser() if config.train_data_dir else None
-    if output_inside_dataset(paths.root.expanduser(), data):
+    # `config` may be the few fields a config that failed to parse still gave (cli.run_command)
+    data_dir = getattr(config, "train_data_dir", None)
+    if output_inside_dataset(paths.root, Path(data_dir).expanduser() if data_dir else None):
         return False  # the user's dataset: never write into it
-    if not config.resume_from_checkpoint and not config.overwrite_output_dir and paths.root.is_dir():
-        from ..runs.earlier import earlier_run
+    if paths.root.is_dir() and not config.resume_from_checkpoint and not getattr(config, "overwrite_output_dir", 0):
+        if isinstance(config, TrainConfig):
+            from ..runs.earlier import earlier_run
 
-        if earlier_run(paths, config):
-            return False  # an earlier run's folder, refused and left as it was
+            if earlier_run(paths, config):
+                return False  # an earlier run's folder, refused and left as it was
+        elif any(p.name != paths.status.name for p in paths.root.iterdir()):
+            return False  # a folder holding files we cannot tell are ours
     previous = read_json(paths.status) if paths.status.is_file() else None
     if not previous:
         return True

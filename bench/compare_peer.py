@@ -130,7 +130,8 @@ def stabletune_config(model: str, data: str, resolution: int, batch: int, steps:
         bucket_step=8, min_bucket_reso=min(256, resolution // 2), max_bucket_reso=max(1024, resolution * 2),
         train_batch_size=batch, lora_rank=RANK, lora_alpha=ALPHA, learning_rate=LR, max_train_steps=steps,
         seed=SEED, save_steps=10**6, logging_steps=1, nan_guard=True, oom_guard=True, clip_mode="fixed",
-        max_grad_norm=1.0, cache_latents=cached, cache_text_embeddings=cached, save_precision="fp32"))
+        max_grad_norm=1.0, cache_latents=cached, cache_text_embeddings=cached, save_precision="fp32",
+        validation_split=0.0))  # the same images as the peer: none held out
 
 
 def run_stabletune(model: str, data: str, resolution: int, batch: int, steps: int, cached: bool,

@@ -119,7 +119,8 @@ def trained_run(tmp_path_factory, tiny_model, shapes_dataset):
         output_dir=str(tmp_path_factory.mktemp("run") / "run"), resolution=64, bucket_step=8, min_bucket_reso=32,
         train_batch_size=2, gradient_accumulation_steps=2, learning_rate=5e-3, max_train_steps=8, lora_rank=4,
         lora_alpha=8, train_text_encoder=True, save_steps=4, validation_prompt="a red circle",
-        num_validation_images=1, validation_steps=4, validation_inference_steps=2, save_precision="fp32", seed=5))
+        num_validation_images=1, validation_steps=4, validation_inference_steps=2, save_precision="fp32", seed=5,
+        validation_split=0.0))
     session = setup(config)
     path = train(config, session=session)
     return config, session, path

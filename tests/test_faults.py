@@ -33,7 +33,7 @@ def write_config(folder: Path, tiny_model: Path, shapes_dataset: Path, **overrid
                   output_dir=str(folder / "run"), resolution=64, bucket_step=8, min_bucket_reso=32,
                   max_bucket_reso=128, train_batch_size=2, learning_rate=1e-3, max_train_steps=STEPS, lora_rank=4,
                   lora_alpha=8, lora_dropout=0.1, random_flip=True, save_steps=2, checkpoints_total_limit=5,
-                  seed=11, save_precision="fp32")
+                  seed=11, save_precision="fp32", validation_split=0.0)  # all 8 images train
     values.update(overrides)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "config.toml"

@@ -47,7 +47,8 @@ def _config(tiny_model, shapes_dataset, run_dir: Path, **overrides):
     values = dict(pretrained_model_name_or_path=str(tiny_model), train_data_dir=str(shapes_dataset),
                   output_dir=str(run_dir), resolution=64, bucket_step=8, min_bucket_reso=32, max_bucket_reso=128,
                   train_batch_size=2, gradient_accumulation_steps=2, learning_rate=2e-3, max_train_steps=STEPS,
-                  lora_rank=4, lora_alpha=8, save_steps=2, seed=11, save_precision="fp32", lora_dropout=0.0)
+                  lora_rank=4, lora_alpha=8, save_steps=2, seed=11, save_precision="fp32", lora_dropout=0.0,
+                  validation_split=0.0)  # all 8 images train
     values.update(overrides)
     return build_config(values)
 

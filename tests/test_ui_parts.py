@@ -346,6 +346,7 @@ def test_start_refuses_a_dataset_without_usable_images(ui, tmp_path: Path) -> No
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "notes.txt").write_text("no images here")
+    (tmp_path / "model_index.json").write_text("{}")  # the config check looks for a diffusers layout
     raw = raw_form(ui, train_data_dir=str(empty), pretrained_model_name_or_path=str(tmp_path),
                    output_dir=str(tmp_path / "run"))
     checked = model_tab._check(ui, *raw)[0]
@@ -466,6 +467,7 @@ def test_runs_tab_deletes_confirmed_loads_settings_and_zips_a_checkpoint(ui, tmp
 
     data = tmp_path / "data"
     data.mkdir()
+    (tmp_path / "model_index.json").write_text("{}")  # the config check looks for a diffusers layout
     run = write_run_config({"pretrained_model_name_or_path": str(tmp_path), "train_data_dir": str(data),
                             "output_dir": str(ui.settings.runs_dir / "old-run"), "learning_rate": 3e-4})
     writer = RunWriter(run)

@@ -103,13 +103,18 @@ def save_traceback(exc: BaseException, output_dir: str | None) -> Path:
 
 def owns_status(config: Any) -> bool:
     """May a failure be written into this run directory's status.json? Only when it does not belong to another
-    run: no status yet, this process wrote it, an earlier failed attempt, or the run is being resumed."""
+    run: this process wrote it; else never in the dataset or in an earlier run's folder, and otherwise when there
+    is no status yet, an earlier failed attempt, or the run is being resumed.
+
+    `config` may be the few fields that a config which failed to parse still gave (cli.run_command)."""
     from ..config import output_inside_dataset
 
     paths = RunPaths(Path(config.output_dir).expanduser())
     if paths.root.exists() and not paths.root.is_dir():
         return False
-    # `config` may be the few fields a config that failed to parse still gave (cli.run_command)
+    previous = read_json(paths.status) if paths.status.is_file() else None
+    if previous and previous.get("pid") == os.getpid():
+        return True  # this run's own folder: its metrics and samples are no earlier run
     data_dir = getattr(config, "train_data_dir", None)
     if output_inside_dataset(paths.root, Path(data_dir).expanduser() if data_dir else None):
         return False  # the user's dataset: never write into it
@@ -121,11 +126,9 @@ def owns_status(config: Any) -> bool:
                 return False  # an earlier run's folder, refused and left as it was
         elif any(p.name != paths.status.name for p in paths.root.iterdir()):
             return False  # a folder holding files we cannot tell are ours
-    previous = read_json(paths.status) if paths.status.is_file() else None
     if not previous:
         return True
-    return (previous.get("pid") == os.getpid() or previous.get("state") == "failed"
-            or bool(config.resume_from_checkpoint))
+    return previous.get("state") == "failed" or bool(config.resume_from_checkpoint)
 
 
 def prepare_status_dir(config: Any) -> bool:

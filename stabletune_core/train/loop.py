@@ -206,7 +206,7 @@ def setup(config: TrainConfig) -> Session:
     run.status("starting", step=0)
     if previous.get("stale"):
         run.event("previous_died", f"The previous process {previous.get('pid')} died at step "
-                  f"{previous.get('step', 0)} (it was {previous.get('state')}; status.json went stale).",
+                  f"{previous.get('step', 0)} (it was {previous.get('reported_state') or previous.get('state')}; status.json went stale).",
                   step=previous.get("step"), pid=previous.get("pid"))
     if accelerator.is_main_process:
         config.save_toml(run.paths.config)

@@ -22,7 +22,8 @@ except ModuleNotFoundError:  # pragma: no cover - depends on the host
     import tomli as tomllib  # type: ignore[no-redef]
 
 TITLE = "Train"
-CONTROLS = (("pause", "Pause"), ("resume", "Continue"), ("save", "Save checkpoint now"), ("stop", "Stop (saves)"))
+CONTROLS = (("pause", "Pause"), ("resume", "Continue"), ("save", "Save checkpoint now"), ("sample", "Sample now"),
+            ("stop", "Stop (saves)"))
 LIVE_STATES_TEXT = "Stop, pause or save act on the attached run between two steps."
 
 
@@ -69,7 +70,7 @@ def buttons_for(status: dict[str, Any], has_checkpoint: bool) -> dict[str, bool]
     live = bool(status.get("alive"))
     paused = status.get("state") == "paused"
     return {"start": not live, "pause": live and not paused, "resume": live and paused, "save": live,
-            "stop": live, "continue_run": not live and has_checkpoint}
+            "sample": live, "stop": live, "continue_run": not live and has_checkpoint}
 
 
 def free_run_dir(path: Path) -> Path:
@@ -164,7 +165,7 @@ def wire(ctx: UIContext) -> None:
     listen(user_change(p["train.run"]), lambda label: _attach(ctx, label), [p["train.run"]], [p["train.message"]])
 
 
-BUTTONS = ("start", "pause", "resume", "save", "stop", "continue_run")
+BUTTONS = ("start", "pause", "resume", "save", "sample", "stop", "continue_run")
 
 
 def live_outputs(ctx: UIContext) -> list[Any]:

@@ -142,7 +142,7 @@ class RunReader:
                           status.get("max_steps"), bool(status.get("alive")), status.get("updated_at"))
 
     def send(self, command: str, **args: Any) -> None:
-        """Ask the engine to stop, save, pause or resume; it picks this up between steps."""
+        """Ask the engine to stop, save, sample, pause or resume; it picks this up between steps."""
         write_json_atomic(self.paths.control, {"command": command, "time": time.time(), **args})
 
 

@@ -53,7 +53,7 @@ class RunWriter:
                                          **data})
 
     def take_control(self) -> dict[str, Any] | None:
-        """Commands the UI left in control.json (stop, save, pause, resume); each is consumed once."""
+        """Commands the UI left in control.json (stop, save, sample, pause, resume); each is consumed once."""
         if not self.enabled or not self.paths.control.exists():
             return None
         command = read_json(self.paths.control)

@@ -870,7 +870,7 @@ def signal_name(signum: int) -> str:
     return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
-def sample(s: Session) -> None:
+def sample(s: Session, *, then: str = "training") -> None:
     if not s.accelerator.is_main_process:
         return
     s.run.status("sampling", step=s.state.step, max_steps=s.max_steps)
@@ -888,17 +888,29 @@ def sample(s: Session) -> None:
         s.sample_scores["last"] = scores
         s.run.event("sample_score", "Validation images showing their prompt's colour: " + ", ".join(
             f"{color} {value:.0%}" for color, value in scores.items()) + ".", step=s.state.step, scores=scores)
-    s.run.status("training", step=s.state.step, max_steps=s.max_steps)
+    s.run.status(then, step=s.state.step, max_steps=s.max_steps)
+
+
+def sample_now(s: Session, state_after: str) -> None:
+    """The UI's "Sample now". Sampling draws from its own seeded generators, never from the training RNG, so
+    a run sampled on request still ends bitwise equal to one that was not."""
+    if not s.config.validation_prompts:
+        s.run.event("samples", "Sample now: this run has no validation prompt, so there is nothing to render "
+                    "(set validation_prompt for the next run).", step=s.state.step, console=True)
+        return
+    sample(s, then=state_after)
 
 
 def obey_control(s: Session) -> str | None:
-    """Commands from the UI, between steps: save, stop, pause (then wait for resume or stop)."""
+    """Commands from the UI, between steps: save, sample, stop, pause (then wait for resume or stop)."""
     command = take_control(s)
     paused = False
     while command or paused:
         kind = (command or {}).get("command")
         if kind == "save":
             save(s, "asked from the UI")
+        elif kind == "sample":
+            sample_now(s, "paused" if paused else "training")
         elif kind == "stop":
             s.run.event("stop", f"Stop requested at step {s.state.step}; saving and exporting.", step=s.state.step)
             return "stop"

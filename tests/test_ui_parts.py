@@ -368,17 +368,17 @@ def test_train_buttons_progress_and_eta_follow_the_state(ui, tmp_path: Path) -> 
     seen: dict = {}
     line, _, _, bar, *buttons = train_tab.refresh(ui, seen)
     enabled = dict(zip(train_tab.BUTTONS, (b["interactive"] for b in buttons)))
-    assert enabled == {"start": False, "pause": True, "resume": False, "save": True, "stop": True,
-                       "continue_run": False}
+    assert enabled == {"start": False, "pause": True, "resume": False, "save": True, "sample": True,
+                       "stop": True, "continue_run": False}
     assert 'aria-valuenow="30"' in bar and "width:25.0%" in bar and "ETA 0:01:30" in line
     assert all(b == {"__type__": "update"} for b in train_tab.refresh(ui, seen)[4:])  # unchanged: not resent
     writer.status("paused", step=30)
-    assert [b["interactive"] for b in train_tab.refresh(ui, seen)[4:]] == [False, False, True, True, True, False]
+    assert [b["interactive"] for b in train_tab.refresh(ui, seen)[4:]] == [False, False, True, True, True, True, False]
     writer.status("stopped", step=31)
     (writer.paths.checkpoints / "step_000031").mkdir()
     (writer.paths.checkpoints / "step_000031" / "manifest.json").write_text("{}")
     line, _, _, bar, *buttons = train_tab.refresh(ui, seen)
-    assert [b["interactive"] for b in buttons] == [True, False, False, False, False, True]
+    assert [b["interactive"] for b in buttons] == [True, False, False, False, False, False, True]
     assert "ETA" not in line and "stopped" in line
     ui.hub.attach(None)
 

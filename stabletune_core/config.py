@@ -129,6 +129,13 @@ class TrainConfig(BaseModel):
         "(transformers) runs at the fixed learning_rate; adamw_schedulefree (schedulefree) needs "
         "lr_scheduler=constant, warms up with lr_warmup_steps and exports its averaged weights.", "optimization")
     use_8bit_adam: bool = knob(False, "Same as optimizer=adamw8bit (diffusers' flag).", "optimization", ui=False)
+    ema_decay: float = knob(
+        0.0, "Keep an exponential moving average of the LoRA weights and export it beside the LoRA as "
+        "NAME-ema.safetensors (0 = off; 0.999 is common for runs of thousands of steps, 0.99 for a few hundred). "
+        "The decay warms up as min(decay, (1+n)/(10+n)) after n updates, as in diffusers.", "optimization",
+        ge=0.0, lt=1.0)
+    ema_on_cpu: bool = knob(False, "Keep the EMA copy in CPU memory instead of beside the weights (saves VRAM, "
+                            "costs a copy per step).", "optimization")
     adam_beta1: float = knob(0.9, "Adam beta1.", "optimization", ge=0, lt=1)
     adam_beta2: float = knob(0.999, "Adam beta2.", "optimization", ge=0, lt=1)
     adam_weight_decay: float = knob(1e-2, "Decoupled weight decay.", "optimization", ge=0)
@@ -247,6 +254,8 @@ class TrainConfig(BaseModel):
     validation_sampler: Literal["ddim", "euler", "euler_a", "dpm++"] = knob(
         "ddim", "Sampler for validation images.", "validation")
     validation_ddim_eta: float = knob(0.0, "DDIM eta (0 = deterministic).", "validation", ge=0.0, le=1.0)
+    validation_with_ema: bool = knob(True, "With ema_decay above 0: validation images show the EMA weights "
+                                     "(off: the weights as trained).", "validation")
     sample_judge: Literal["none", "toy_colors"] = knob(
         "none", "Score every set of validation images with a built-in judge. 'toy_colors': each image of a toy-world "
         "prompt ('a purple circle') must show the prompt's colour; the run ends with a learning summary (the demo).",
@@ -580,7 +589,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for name, info in TrainConfig.model_fields.items():
         extra = info.json_schema_extra or {}
         flags = _flag_names(name, extra.get("aliases", []))
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": info.description}
+        # argparse formats help with %: a doc saying "90 %" would break --help
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
+                                  "help": (info.description or "").replace("%", "%%")}
         annotation = info.annotation
         origin = getattr(annotation, "__origin__", None)
         args = getattr(annotation, "__args__", ())

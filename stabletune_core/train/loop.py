@@ -45,6 +45,7 @@ from .checkpoint import (Checkpoint, CheckpointError, latest_good_checkpoint, lo
 from .outcome import RunFailed
 from .loss import add_noise, diffusion_loss, target_for
 from .memory import memory_stats
+from .ema import AdapterEMA, optional_swap
 from .optim import evaluation_weights, make_lr_scheduler, make_optimizer, optimizer_problems, unet_param_groups
 from .perceptual import Perceptual, perceptual_problems
 from .placement import frozen_modules_to_offload, offload
@@ -104,6 +105,7 @@ class Session:
     feed: BatchFeed | None = None  # the DataLoader that next_batches draws from (made at its first call)
     resume_from: Any = None  # the checkpoint setup found to resume from (read before any model loaded)
     checkpoint_failures: int = 0  # checkpoints in a row that could not be written (a full disk)
+    ema: AdapterEMA | None = None  # ema_decay > 0: the moving average of the adapter weights
 
     @property
     def device(self) -> torch.device:
@@ -304,6 +306,8 @@ def setup(config: TrainConfig) -> Session:
                       state=TrainState(micro_batch_size=config.train_batch_size), max_steps=max_steps,
                       generator=torch.Generator().manual_seed(config.seed), weight_dtype=weight_dtype,
                       guards=make_guards(config), validation_items=held_out, resume_from=resume_from)
+    if config.ema_decay > 0:
+        session.ema = AdapterEMA(session.params, config.ema_decay, on_cpu=config.ema_on_cpu)
     if config.perceptual_lambda > 0:
         session.perceptual = Perceptual(config, device, run)
     if accelerator.is_main_process:  # report_to: observers fed by the loop, never deciding anything
@@ -562,6 +566,8 @@ def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[float, flo
     verdicts = [guard.before_optimizer_step(s, loss, grad_norm) for guard in s.guards]
     if all(verdicts):
         s.optimizer.step()
+        if s.ema:
+            s.ema.update()
     s.lr_scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
@@ -603,7 +609,7 @@ def save(s: Session, reason: str) -> Path | None:
     scaler = s.accelerator.scaler.state_dict() if s.accelerator.scaler is not None else {}
     state = {"train": s.state.as_dict(), "optimizer": s.optimizer.state_dict(),
              "lr_scheduler": s.lr_scheduler.state_dict(), "scaler": scaler, "rng": rng_state(s),
-             "guards": {g.name: g.state_dict() for g in s.guards}}
+             "guards": {g.name: g.state_dict() for g in s.guards}, "ema": s.ema.state_dict() if s.ema else {}}
     try:
         folder = save_checkpoint(s.run.paths.checkpoint(s.state.step), s.state.step, adapter, state)
     except CheckpointError as exc:
@@ -646,6 +652,12 @@ def resume(s: Session) -> None:
         s.accelerator.scaler.load_state_dict(state["scaler"])
     s.state = TrainState(**state["train"])
     restore_rng(s, state["rng"])
+    if s.ema and state.get("ema"):
+        s.ema.load_state_dict(state["ema"])
+    elif s.ema:  # the checkpoint was made without EMA: average from here on
+        s.ema = AdapterEMA(s.params, s.config.ema_decay, on_cpu=s.config.ema_on_cpu)
+        s.run.event("config", f"{checkpoint.path.name} holds no EMA weights (ema_decay was 0 then); the EMA starts "
+                    f"from the resumed weights at step {s.state.step}.", step=s.state.step, console=True)
     for guard in s.guards:
         guard.load_state_dict(state.get("guards", {}).get(guard.name, {}))
     s.run.event("resumed", f"Resumed from {checkpoint.path} at step {s.state.step} ({s.state.images_seen} images "
@@ -665,8 +677,13 @@ def restore_adapter(s: Session, adapter: dict[str, torch.Tensor]) -> None:
 
 # ---- export --------------------------------------------------------------------------------------------
 def export(s: Session, name: str | None = None) -> Path | None:
+    """The LoRA as trained, and with ema_decay its moving average beside it as NAME-ema.safetensors."""
     with evaluation_weights(s.optimizer):  # schedule-free: export the averaged weights, not the training point
-        return _export(s, name)
+        path = _export(s, name)
+    if s.ema:
+        with s.ema.swapped_in():
+            _export(s, f"{name or s.config.output_name}-ema")
+    return path
 
 
 def _export(s: Session, name: str | None = None) -> Path | None:
@@ -875,7 +892,7 @@ def sample(s: Session, *, then: str = "training") -> None:
         return
     s.run.status("sampling", step=s.state.step, max_steps=s.max_steps)
     folder = s.run.paths.sample_dir(s.state.step)
-    with evaluation_weights(s.optimizer):
+    with evaluation_weights(s.optimizer), optional_swap(s.ema, s.config.validation_with_ema):
         paths = make_validation_images(s.bundle, s.config, folder, s.device)
     s.run.event("samples", f"Made {len(paths)} validation images at step {s.state.step}.", step=s.state.step)
     if s.tensorboard:

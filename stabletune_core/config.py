@@ -94,6 +94,13 @@ class TrainConfig(BaseModel):
                                        "data", ge=0, le=64)
 
     # ---- LoRA ----------------------------------------------------------------------------------------
+    network_type: Literal["lora", "loha", "lokr"] = knob(
+        "lora", "Adapter kind. lora: low-rank up@down (every loader reads it). loha: LyCORIS LoHa, the Hadamard "
+        "product of two low-rank pairs (more expressive at the same rank). lokr: LyCORIS LoKr, a Kronecker product "
+        "(very small files). LoHa/LoKr files load in A1111 1.5+, Forge and ComfyUI; lora_rank and lora_alpha "
+        "apply to them as in LyCORIS.", "lora", aliases=("algo",))
+    lokr_factor: int = knob(-1, "LoKr: split each weight's sides by this factor in the Kronecker product (-1 = as "
+                            "square as possible, LyCORIS's default).", "lora", ge=-1)
     lora_rank: int = knob(16, "LoRA rank (dim): capacity of the adapter.", "lora", aliases=("rank", "network_dim"),
                           ge=1, le=1024)
     lora_alpha: Optional[float] = knob(None, "LoRA alpha; the update is scaled by alpha/rank. Empty = rank.", "lora",
@@ -353,6 +360,12 @@ class TrainConfig(BaseModel):
                              f"lr_scheduler=constant instead of {self.lr_scheduler} (lr_warmup_steps still warms up)")
         if self.early_stopping and not self.validation_loss_every:
             raise ValueError("early_stopping needs validation loss; set validation_loss_every above 0")
+        if self.network_type != "lora" and self.export_diffusers_format:
+            raise ValueError(f"diffusers cannot load {self.network_type} files; turn export_diffusers_format off "
+                             "(the .safetensors file loads in A1111, Forge and ComfyUI)")
+        if self.network_type != "lora" and self.scale_weight_norms:
+            raise ValueError(f"scale_weight_norms measures LoRA's up@down update, which {self.network_type} does not "
+                             "have; leave scale_weight_norms empty or use network_type=lora")
         if self.lr_scheduler == "plateau" and not self.validation_loss_every:
             raise ValueError("lr_scheduler plateau lowers the rate when validation loss stalls, but "
                              "validation_loss_every is 0; set it above 0 or choose another lr_scheduler")
@@ -377,6 +390,9 @@ class TrainConfig(BaseModel):
             notes.append(f"optimizer prodigy finds its own step size and multiplies it by learning_rate, so "
                          f"learning_rate {self.learning_rate:g} makes every step {1 / self.learning_rate:.0f}x "
                          "smaller than Prodigy's; use learning_rate 1.0 (or leave it unset).")
+        if self.network_type != "lora" and (self.diagnostics_every or self.activation_stats_every):
+            notes.append(f"network_type {self.network_type}: the rank spectra, collapse check and activation "
+                         "statistics read LoRA's low-rank up/down factors, so this run skips them.")
         return notes
 
     # ---- TOML ----------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ out independently of our exporter, and looked up in the single-file checkpoint o
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -41,13 +42,14 @@ _RESNET_SUFFIX = {"conv1": "in_layers_2", "conv2": "out_layers_3", "norm1": "in_
 _OPEN_CLIP = [("mlp_fc1", "mlp_c_fc"), ("mlp_fc2", "mlp_c_proj"), ("self_attn_out_proj", "attn_out_proj")]
 
 
-def bundle_with_lora(family_name: str, targets: list[str], train_text_encoder: bool) -> ModelBundle:
+def bundle_with_lora(family_name: str, targets: list[str], train_text_encoder: bool,
+                     network_type: str = "lora") -> ModelBundle:
     parts = FAMILIES[family_name][0](seed=0)
     encoders = [parts["text_encoder"]] + ([parts["text_encoder_2"]] if "text_encoder_2" in parts else [])
     bundle = ModelBundle(family=get_family(family_name), unet=parts["unet"], vae=parts["vae"], text_encoders=encoders,
                          tokenizers=[], noise_scheduler=parts["scheduler"], source="tiny")
     add_lora(bundle, build_config(dict(unet_lora_targets=targets, train_text_encoder=train_text_encoder,
-                                       lora_rank=2, lora_alpha=2)))
+                                       lora_rank=2, lora_alpha=2, network_type=network_type)))
     return bundle
 
 
@@ -108,14 +110,33 @@ def checkpoint_weight(name: str, family_name: str, unet_config, keys: dict[str, 
     return key, keys[key]
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
-@pytest.mark.parametrize("family_name", list(FAMILIES))
-def test_kohya_names_are_checkpoint_weights(family_name, preset, tmp_path):
+def update_shape(tensors: dict[str, torch.Tensor], name: str) -> tuple[int, int]:
+    """(rows, columns) of a module's update as its loader builds it: up @ down (LoRA), the Hadamard product of
+    two pairs (LoHa) or the Kronecker product of two factors (LoKr); convs flattened to (out, in x kh x kw)."""
+    def part(key: str) -> torch.Tensor | None:
+        return tensors.get(f"{name}.{key}")
+
+    if part("lora_up.weight") is not None:
+        return part("lora_up.weight").shape[0], part("lora_down.weight")[0].numel()
+    if part("hada_w1_a") is not None:
+        return part("hada_w1_a").shape[0], part("hada_w1_b").shape[1]
+    w1 = part("lokr_w1") if part("lokr_w1") is not None else part("lokr_w1_a") @ part("lokr_w1_b")
+    w2 = part("lokr_w2") if part("lokr_w2") is not None else part("lokr_w2_a") @ part("lokr_w2_b")
+    return w1.shape[0] * w2.shape[0], w1.shape[1] * w2[0].numel()
+
+
+CASES = [(family, preset, "lora") for family in FAMILIES for preset in PRESETS] + [
+    (family, preset, network) for family in FAMILIES for preset in ("resnet_conv", "text_encoder")
+    for network in ("loha", "lokr")]  # issue 13 item 5: the LyCORIS files name the same weights
+
+
+@pytest.mark.parametrize("family_name, preset, network_type", CASES)
+def test_kohya_names_are_checkpoint_weights(family_name, preset, network_type, tmp_path):
     targets, train_te = PRESETS[preset]
     checkpoint = FAMILIES[family_name][1](tmp_path / "model.safetensors", seed=0)
     with safe_open(str(checkpoint), "pt") as f:
         keys = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    bundle = bundle_with_lora(family_name, targets, train_te)
+    bundle = bundle_with_lora(family_name, targets, train_te, network_type)
     tensors = kohya_state_dict(bundle.unet, bundle.text_encoders if train_te else None, bundle.family,
                                dtype=torch.float32)
     names = sorted({k.split(".", 1)[0] for k in tensors})
@@ -125,10 +146,9 @@ def test_kohya_names_are_checkpoint_weights(family_name, preset, tmp_path):
         assert {n.split("_text_model_")[0] for n in te_names} == {"lora_te1", "lora_te2"}
     used = set()
     for name in names:
-        down, up = tensors[f"{name}.lora_down.weight"], tensors[f"{name}.lora_up.weight"]
-        product = (up.flatten(1) @ down.flatten(1)).reshape(up.shape[0], *down.shape[1:])
         key, shape = checkpoint_weight(name, family_name, bundle.unet.config, keys)
-        assert tuple(product.shape) == tuple(shape), f"{name} -> {key}: {tuple(product.shape)} != {shape}"
+        flat = (shape[0], math.prod(shape[1:]))
+        assert update_shape(tensors, name) == flat, f"{name} -> {key}: {update_shape(tensors, name)} != {flat}"
         used.add((key, name[-6:] if "in_proj" in key else ""))  # q, k and v share the fused in_proj
     assert len(used) == len(names)  # no two modules land on the same weight
     if preset == "resnet_conv":  # the ResNet insides were really targeted and mapped (item 17's bug)

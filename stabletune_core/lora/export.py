@@ -21,7 +21,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -209,28 +209,17 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
             tmp.unlink()
 
 
-def kohya_state_dict(
-    unet, text_encoders: list | None, family, *, dtype: torch.dtype = torch.float16, adapter_name: str = "default"
-) -> dict[str, torch.Tensor]:
-    """The kohya tensors (no metadata): lora_down / lora_up in ``dtype``, alpha as fp32 0-dim scalars."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def add(name: str, down: torch.Tensor, up: torch.Tensor, alpha: float) -> None:
-        k_down, k_up, k_alpha = kohya_keys(name)
-        if k_down in tensors:
-            raise LoraExportError(f"Two LoRA layers map to the same kohya name '{name}'.")
-        tensors[k_down] = down.detach().to(device="cpu", dtype=dtype).contiguous().clone()
-        tensors[k_up] = up.detach().to(device="cpu", dtype=dtype).contiguous().clone()
-        tensors[k_alpha] = torch.tensor(float(alpha), dtype=torch.float32)
-
+def kohya_named_layers(unet, text_encoders: list | None, family, walk) -> Iterator[tuple[str, Any]]:
+    """(kohya module name, what `walk(model)` yields after the module path) for the UNet, then each text
+    encoder under its family prefix; `walk` is a layer walker that yields (module path, ...)."""
     if unet is not None:
         if getattr(family, "kohya_unet_naming", "diffusers") == "sgm":
             config = _unwrap(unet).config
             unet_name = lambda path: kohya_sgm_unet_name(path, config)  # noqa: E731
         else:
             unet_name = kohya_unet_name
-        for path, down, up, alpha in iter_lora_modules(unet, adapter_name):
-            add(unet_name(path), down, up, alpha)
+        for path, *rest in walk(unet):
+            yield unet_name(path), rest
     text_encoders = [te for te in (text_encoders or [])]
     prefixes = list(family.text_encoder_kohya_prefixes)
     for i, te in enumerate(text_encoders):
@@ -238,8 +227,33 @@ def kohya_state_dict(
             continue
         if i >= len(prefixes):
             raise LoraExportError(f"The {family.name} family has {len(prefixes)} text encoder(s), but {len(text_encoders)} were given.")
-        for path, down, up, alpha in iter_lora_modules(te, adapter_name):
-            add(kohya_te_name(path, prefixes[i]), down, up, alpha)
+        for path, *rest in walk(te):
+            yield kohya_te_name(path, prefixes[i]), rest
+
+
+def kohya_state_dict(
+    unet, text_encoders: list | None, family, *, dtype: torch.dtype = torch.float16, adapter_name: str = "default"
+) -> dict[str, torch.Tensor]:
+    """The kohya tensors (no metadata): lora_down / lora_up in ``dtype``, alpha as fp32 0-dim scalars; for LoHa /
+    LoKr adapters the LyCORIS tensors (``hada_*`` / ``lokr_*`` and alpha) under the same module names."""
+    from .lycoris import iter_lycoris_modules, lycoris_tensors, network_of
+
+    if any(network_of(_unwrap(m)) for m in [unet, *(text_encoders or [])] if m is not None):
+        try:
+            tensors = lycoris_tensors(((name, parts) for name, (parts,) in kohya_named_layers(
+                unet, text_encoders, family, lambda m: iter_lycoris_modules(m, adapter_name))), dtype)
+        except ValueError as exc:
+            raise LoraExportError(str(exc)) from None
+    else:
+        tensors = {}
+        for name, (down, up, alpha) in kohya_named_layers(unet, text_encoders, family,
+                                                          lambda m: iter_lora_modules(m, adapter_name)):
+            k_down, k_up, k_alpha = kohya_keys(name)
+            if k_down in tensors:
+                raise LoraExportError(f"Two LoRA layers map to the same kohya name '{name}'.")
+            tensors[k_down] = down.detach().to(device="cpu", dtype=dtype).contiguous().clone()
+            tensors[k_up] = up.detach().to(device="cpu", dtype=dtype).contiguous().clone()
+            tensors[k_alpha] = torch.tensor(float(alpha), dtype=torch.float32)
     if not tensors:
         raise LoraExportError("No LoRA layers were found in the given models, so there is nothing to export.")
     return tensors
@@ -272,6 +286,10 @@ def export_kohya_lora(
     _check_target(path, overwrite)
     tensors = kohya_state_dict(unet, text_encoders, family, dtype=dtype, adapter_name=adapter_name)
     meta = build_kohya_metadata(path, family, rank=rank, alpha=alpha, metadata=metadata)
+    algo = next((key.split(".")[1].split("_")[0] for key in tensors if ".hada_" in key or ".lokr_" in key), None)
+    if algo:  # how kohya's sd-scripts record a LyCORIS network, so A1111's and ComfyUI's info panels say it
+        meta["ss_network_module"] = "lycoris.kohya"
+        meta["ss_network_args"] = json.dumps({"algo": {"hada": "loha", "lokr": "lokr"}[algo]})
     meta["sshs_model_hash"], meta["sshs_legacy_hash"] = precalculate_sshs_hashes(tensors, meta)
     _atomic_save(tensors, path, meta)
     return path

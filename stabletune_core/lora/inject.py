@@ -1,10 +1,11 @@
-"""Put LoRA adapters on the UNet and text encoders with peft, the way diffusers' own scripts do."""
+"""Put LoRA (or LyCORIS LoHa / LoKr) adapters on the UNet and text encoders with peft, the way diffusers' own
+scripts do."""
 from __future__ import annotations
 
 import difflib
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
+from peft import LoHaConfig, LoKrConfig, LoraConfig, PeftConfig, inject_adapter_in_model
 
 from ..config import ConfigError, TrainConfig
 from ..models.base import ModelBundle
@@ -27,15 +28,27 @@ def add_lora(bundle: ModelBundle, config: TrainConfig) -> None:
     bundle.vae.requires_grad_(False)
     for encoder in bundle.text_encoders:
         encoder.requires_grad_(False)
-    lora = dict(r=config.lora_rank, lora_alpha=config.effective_lora_alpha, lora_dropout=config.lora_dropout,
-                init_lora_weights="gaussian")
-    bundle.unet.add_adapter(LoraConfig(target_modules=list(config.unet_lora_targets), **lora))
+    bundle.unet.add_adapter(adapter_config(config, list(config.unet_lora_targets)))
     if config.train_text_encoder:
         # peft's own injection makes the same modules as PreTrainedModel.add_adapter and does not depend on
         # transformers' peft version gate (5.24+ refuses peft < 0.22 there; requirements.txt pins 5.23).
         for encoder in bundle.text_encoders:
-            inject_adapter_in_model(LoraConfig(target_modules=list(bundle.family.text_encoder_lora_targets), **lora),
-                                    encoder, adapter_name="default")
+            inject_adapter_in_model(adapter_config(config, list(bundle.family.text_encoder_lora_targets)), encoder,
+                                    adapter_name="default")
+
+
+def adapter_config(config: TrainConfig, targets: list[str]) -> PeftConfig:
+    """peft's config for the chosen network_type. LoHa/LoKr use their plain (non-Tucker) conv form, the one
+    every WebUI loader reads; lora_dropout becomes their module dropout (a whole adapter off for a step)."""
+    if config.network_type == "loha":
+        return LoHaConfig(r=config.lora_rank, alpha=config.effective_lora_alpha, target_modules=targets,
+                          module_dropout=config.lora_dropout, use_effective_conv2d=False)
+    if config.network_type == "lokr":
+        return LoKrConfig(r=config.lora_rank, alpha=config.effective_lora_alpha, target_modules=targets,
+                          module_dropout=config.lora_dropout, use_effective_conv2d=False,
+                          decompose_factor=config.lokr_factor)
+    return LoraConfig(r=config.lora_rank, lora_alpha=config.effective_lora_alpha, lora_dropout=config.lora_dropout,
+                      init_lora_weights="gaussian", target_modules=targets)
 
 
 #: Layer types peft can put a LoRA on (what a target suffix must name to train anything).
@@ -70,13 +83,21 @@ def _closest(target: str, names: list[str]) -> str:
     return ", ".join(close)
 
 
+#: How peft names the parameters of each adapter kind (lora_A/lora_B, hada_w1_a..., lokr_w1...).
+ADAPTER_PARAMETER_MARKERS = ("lora_", "hada_", "lokr_")
+
+
+def is_adapter_parameter(name: str) -> bool:
+    return any(marker in name for marker in ADAPTER_PARAMETER_MARKERS)
+
+
 def lora_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for n, p in module.named_parameters() if "lora_" in n and p.requires_grad]
+    return [p for n, p in module.named_parameters() if is_adapter_parameter(n) and p.requires_grad]
 
 
 def lora_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter weights by their module names: what a checkpoint keeps."""
-    return {n: p.detach().clone() for n, p in module.named_parameters() if "lora_" in n}
+    return {n: p.detach().clone() for n, p in module.named_parameters() if is_adapter_parameter(n)}
 
 
 def load_lora_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -8,6 +8,7 @@ import torch
 from diffusers.optimization import get_scheduler
 
 from ..config import TrainConfig
+from ..lora.inject import is_adapter_parameter
 
 
 def make_optimizer(param_groups: list[dict], config: TrainConfig) -> torch.optim.Optimizer:
@@ -129,7 +130,7 @@ def unet_param_groups(unet: torch.nn.Module, config: TrainConfig) -> list[dict]:
     scales = {"down": config.down_lr_scale, "mid": config.mid_lr_scale, "up": config.up_lr_scale, "other": 1.0}
     by_scale: dict[float, list[torch.nn.Parameter]] = {}
     for name, p in unet.named_parameters():
-        if "lora_" not in name or not p.requires_grad:
+        if not is_adapter_parameter(name) or not p.requires_grad:
             continue
         scale = scales[unet_block(name)]
         if scale == 0:

@@ -121,7 +121,7 @@ def test_what_lycoris_cannot_do_is_one_sentence():
     assert not build_config(dict(network_type="lora")).notes()
 
 
-def test_resize_refuses_a_lycoris_file_in_one_sentence(tmp_path):
+def test_resize_refuses_a_lycoris_file_in_one_sentence(tmp_path, capsys):
     from stabletune_core import cli
     from safetensors.torch import save_file
 
@@ -130,4 +130,5 @@ def test_resize_refuses_a_lycoris_file_in_one_sentence(tmp_path):
                "lora_unet_x.hada_w2_a": torch.ones(4, 2), "lora_unet_x.hada_w2_b": torch.ones(2, 4),
                "lora_unet_x.alpha": torch.tensor(2.0)}, str(path))
     assert cli.main(["resize", str(path), "--rank", "1"]) != 0
+    assert "not a plain LoRA" in capsys.readouterr().err
     assert not list(tmp_path.glob("*-rank*"))

@@ -20,6 +20,8 @@ from typing import Any, Literal, Optional
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .atomic import write_text_atomic
+
 # Where a field lands in the UI and how its flags look.
 GROUPS = ("model", "data", "lora", "optimization", "precision", "guards", "validation", "diagnostics", "output")
 
@@ -400,7 +402,8 @@ class TrainConfig(BaseModel):
         return tomli_w.dumps({k: v for k, v in self.model_dump().items() if v is not None})
 
     def save_toml(self, path: Path | str) -> None:
-        write_text_atomic(Path(path), self.to_toml())
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, self.to_toml())
 
     @classmethod
     def from_toml(cls, path: Path | str, **overrides: Any) -> "TrainConfig":
@@ -417,17 +420,6 @@ def read_toml(path: Path | str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"Config file {path} is not valid TOML ({exc}); fix the line it names."]) from exc
     return resolve_aliases(data)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Readers never see half a file: write a temporary file, then rename over the target."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ---- validation messages -------------------------------------------------------------------------------

@@ -9,12 +9,12 @@ learning summary scored by the toy world's colour judge. Nothing is downloaded.
 """
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from .atomic import atomic_path
 from .cache import cache_root
 from .config import TrainConfig, build_config, read_toml
 
@@ -70,15 +70,15 @@ def demo_assets() -> tuple[Path, Path]:
     model = toy_base_model()
     data = cache_root() / "demo-v3" / "purple-lora"
     if not data.is_dir():
-        staging = data.with_name(f".{data.name}.{os.getpid()}.tmp")
-        write_dataset(staging / f"1_{CONCEPT_COLOR}", concept_scenes(DEMO_IMAGES))
-        write_dataset(staging / "1_known_colours", base_scenes(DEMO_PRIOR_IMAGES, seed=78))
+        data.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.replace(staging, data)
-        except OSError:  # another process wrote it first
-            import shutil
-
-            shutil.rmtree(staging, ignore_errors=True)
+            with atomic_path(data, folder=True) as staging:
+                write_dataset(staging / f"1_{CONCEPT_COLOR}", concept_scenes(DEMO_IMAGES))
+                write_dataset(staging / "1_known_colours", base_scenes(DEMO_PRIOR_IMAGES, seed=78))
+        except OSError:
+            if not data.is_dir():
+                raise
+            # another process wrote it first; its copy is the same
     return model, data
 
 

@@ -13,7 +13,6 @@ import hashlib
 import math
 import os
 import random
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_path
 from .buckets import assign_bucket, crop_geometry, make_buckets, resize_and_crop
 from .captions import process_caption
 from .images import load_image
@@ -484,14 +484,8 @@ class _TensorStore:
             self._memory[key] = tensors
             return
         # Write then rename, so a crash never leaves a truncated cache file.
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=self.folder)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp_name, metadata=metadata)
-            os.replace(tmp_name, self.folder / f"{key}.safetensors")
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+        with atomic_path(self.folder / f"{key}.safetensors") as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
 
 
 _file_hashes: dict[tuple[str, int, int], str] = {}

@@ -12,12 +12,12 @@ import errno
 import itertools
 import os
 import re
-import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..atomic import write_text_atomic
 from ..config import ConfigError
 from .buckets import assign_bucket
 from .images import IMAGE_EXTENSIONS, UnreadableImageError, load_image
@@ -148,16 +148,7 @@ def write_caption(image_path: Path, caption: str, caption_extension: str = ".txt
     itself is never opened.
     """
     caption_path = Path(image_path).with_suffix(_normalise_extension(caption_extension))
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{caption_path.name}.", suffix=".tmp", dir=caption_path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write(caption.strip() + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, caption_path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    write_text_atomic(caption_path, caption.strip() + "\n")
     return caption_path
 
 

@@ -18,13 +18,13 @@ import datetime as _dt
 import hashlib
 import io
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
+from ..atomic import atomic_path, user_permissions  # noqa: F401  (user_permissions: old home)
 from .names import kohya_keys, kohya_sgm_unet_name, kohya_te_name, kohya_unet_name
 
 #: Metadata keys every kohya export carries (filled with defaults when the caller has none).
@@ -189,24 +189,11 @@ def _check_target(path: Path, overwrite: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
 
 
-def user_permissions(path: Path) -> None:
-    """safetensors creates its files 0600; give them the permissions any file the user makes gets (umask)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
-
-
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
-        user_permissions(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def kohya_named_layers(unet, text_encoders: list | None, family, walk) -> Iterator[tuple[str, Any]]:
@@ -347,15 +334,6 @@ def export_diffusers_lora(
     if not any(k.endswith("_lora_layers") for k in kwargs):
         raise LoraExportError("No LoRA layers were found in the given models, so there is nothing to export.")
 
-    tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        pipeline_cls.save_lora_weights(str(tmp_dir), weight_name=weight_name, safe_serialization=True, **kwargs)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        user_permissions(tmp_dir / weight_name)
-        os.replace(tmp_dir / weight_name, target)
-    finally:
-        for leftover in tmp_dir.glob("*"):
-            leftover.unlink()
-        tmp_dir.rmdir()
+    with atomic_path(target) as tmp:
+        pipeline_cls.save_lora_weights(str(tmp.parent), weight_name=tmp.name, safe_serialization=True, **kwargs)
     return target

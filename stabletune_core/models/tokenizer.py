@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 from functools import lru_cache
 from pathlib import Path
+
+from ..atomic import write_text_atomic
 
 BOS = "<|startoftext|>"
 EOS = "<|endoftext|>"
@@ -91,10 +92,7 @@ def write_clip_tokenizer_files(out_dir: Path, *, pad_token: str = EOS) -> Path:
         "special_tokens_map.json": json.dumps({**SPECIAL_TOKENS_MAP, "pad_token": pad_token}, indent=2),
     }
     for name, text in files.items():
-        target = out_dir / name
-        tmp = out_dir / f".{name}.tmp{os.getpid()}"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, target)
+        write_text_atomic(out_dir / name, text)
     return out_dir
 
 

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..atomic import write_text_atomic  # noqa: F401  (the UI writes captions with it from here)
+
 
 def _clean(value: Any) -> Any:
     """JSON has no NaN/Inf: write them as strings so a reader never chokes on a diverged run."""
@@ -30,10 +32,7 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(_clean(data), f, indent=1)
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(_clean(data), indent=1))
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -66,15 +65,3 @@ def read_jsonl(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
 def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
     yield from read_jsonl(path)[0]
 
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace a small text file (a caption) so no reader ever sees half of it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -12,6 +12,23 @@ from .jsonfiles import append_jsonl, read_json, write_json_atomic
 from .layout import RunPaths
 
 
+#: What status.json says about a failure; it belongs to the state it was written with.
+FAILURE_FIELDS = ("error", "reported_state")
+
+
+def next_status(previous: dict[str, Any], state: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """`previous` with `fields` and `state` written over it. A change to any state but failed drops the old
+    failure fields first, so an error the run got past (a full disk that freed up) does not stay in a
+    finished run's status; fields given with the new state are kept."""
+    status = dict(previous)
+    if state != "failed" and state != previous.get("state"):
+        for key in FAILURE_FIELDS:
+            status.pop(key, None)
+    status.update(fields)
+    status["state"] = state
+    return status
+
+
 class RunWriter:
     """Writes status, metrics and events. Only the main process writes (others get `enabled=False`)."""
 
@@ -30,8 +47,8 @@ class RunWriter:
         finished, stopped, failed."""
         if not self.enabled:
             return
-        self._status.update(fields)
-        self._status.update(state=state, pid=os.getpid(), host=socket.gethostname(), updated_at=time.time(),
+        self._status = next_status(self._status, state, fields)
+        self._status.update(pid=os.getpid(), host=socket.gethostname(), updated_at=time.time(),
                             started_at=self._started)
         write_json_atomic(self.paths.status, self._status)
 
@@ -73,12 +90,11 @@ def record_outcome(root: Path | str, state: str, sentence: str | None = None, **
         if not paths.root.is_dir():
             return False
         previous = read_json(paths.status) or {}
-        status = previous if previous.get("pid") == os.getpid() else {}
-        status.update(fields)
-        status.update(state=state, pid=os.getpid(), host=socket.gethostname(), updated_at=time.time())
-        status.setdefault("started_at", time.time())
         if sentence is not None:
-            status["error"] = sentence
+            fields = {**fields, "error": sentence}
+        status = next_status(previous if previous.get("pid") == os.getpid() else {}, state, fields)
+        status.update(pid=os.getpid(), host=socket.gethostname(), updated_at=time.time())
+        status.setdefault("started_at", time.time())
         write_json_atomic(paths.status, status)
         if sentence is not None:
             append_jsonl(paths.events, {"time": time.time(), "step": status.get("step"), "kind": state,

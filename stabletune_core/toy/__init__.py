@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
+from ..atomic import atomic_path
 from ..cache import cache_root
 
 WEIGHTS = Path(__file__).resolve().parent / "weights"
@@ -50,23 +50,23 @@ def materialize(weights: Path, target: Path | None = None) -> Path:
     from ..models.tokenizer import write_clip_tokenizer_files
 
     configs = json.loads(configs_text)
-    staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     modules = {"unet": UNet2DConditionModel(**configs["unet"]), "vae": AutoencoderKL(**configs["vae"]),
                "text_encoder": CLIPTextModel(CLIPTextConfig(**configs["text_encoder"]))}
-    for name, module in modules.items():
-        state = {k: v.to(torch.float32) for k, v in load_file(str(weights / f"{name}.safetensors")).items()}
-        module.load_state_dict(state)
-        module.save_pretrained(staging / name)
-    DDPMScheduler(**{k: v for k, v in configs["scheduler"].items() if not k.startswith("_")}).save_pretrained(
-        staging / "scheduler")
-    write_clip_tokenizer_files(staging / "tokenizer")
-    (staging / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=1))
+    target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.replace(staging, target)
-    except OSError:  # another process materialised it first
-        import shutil
-
-        shutil.rmtree(staging, ignore_errors=True)
+        with atomic_path(target, folder=True) as staging:
+            for name, module in modules.items():
+                state = {k: v.to(torch.float32) for k, v in load_file(str(weights / f"{name}.safetensors")).items()}
+                module.load_state_dict(state)
+                module.save_pretrained(staging / name)
+            DDPMScheduler(**{k: v for k, v in configs["scheduler"].items() if not k.startswith("_")}
+                          ).save_pretrained(staging / "scheduler")
+            write_clip_tokenizer_files(staging / "tokenizer")
+            (staging / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=1))
+    except OSError:
+        if not (target / "model_index.json").is_file():
+            raise
+        # another process materialised it first; its copy is the same
     return target
 
 

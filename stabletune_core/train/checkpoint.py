@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..lora.export import user_permissions
+from ..atomic import fsync_dir, fsync_file, replace, user_permissions
 from ..runs.reader import pid_alive
 from . import faults
 
@@ -48,19 +48,6 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
 
 
 def estimate_size(adapter: dict[str, torch.Tensor], state: dict[str, Any]) -> int:
@@ -97,18 +84,17 @@ def save_checkpoint(folder: Path, step: int, adapter: dict[str, torch.Tensor], s
             (tmp / name).write_bytes(data)
         files = sorted(p.name for p in tmp.iterdir())
         for name in files:
-            _fsync_file(tmp / name)
+            fsync_file(tmp / name)
         manifest = {"step": step, "created_at": time.time(), "files": {n: sha256_file(tmp / n) for n in files}}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         old = parent / f".old_{folder.name}_{os.getpid()}"
         if folder.exists():  # a save at the same step again (e.g. "save now" then stop): swap, then delete
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        _fsync_dir(parent)
+            replace(folder, old)
+        replace(tmp, folder)
         shutil.rmtree(old, ignore_errors=True)
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ..atomic import atomic_path, user_permissions  # noqa: F401  (user_permissions: old home)
+from .layers import iter_lora_layers, unwrap
 from .names import kohya_keys, kohya_sgm_unet_name, kohya_te_name, kohya_unet_name
 
 #: Metadata keys every kohya export carries (filled with defaults when the caller has none).
@@ -56,43 +57,19 @@ class LoraExportError(Exception):
 
 
 # --------------------------------------------------------------------------- PEFT walk
-def _unwrap(model):
-    model = getattr(model, "_orig_mod", model)  # torch.compile
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        model = model.module
-    return model
-
-
-def _clean_path(name: str) -> str:
-    for prefix in ("base_model.model.", "_orig_mod.", "module."):
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-    return name
-
-
 def iter_lora_modules(model, adapter_name: str = "default") -> Iterable[tuple[str, torch.Tensor, torch.Tensor, float]]:
     """Yield (module path, lora_down [r, in, ...], lora_up [out, r, ...], kohya alpha) for every LoRA layer.
 
-    The alpha is the one that reproduces PEFT's scaling under kohya's rule
-    ``scale = alpha / rank``: the configured ``lora_alpha`` (rsLoRA's
-    ``alpha / sqrt(r)`` is folded in, so it also round-trips).
+    The alpha is the one that reproduces PEFT's scaling under kohya's rule ``scale = alpha / rank``
+    (rsLoRA's ``alpha / sqrt(r)`` is folded in, so it also round-trips).
     """
-    from peft.tuners.lora import LoraLayer
-
-    for name, module in _unwrap(model).named_modules():
-        if not isinstance(module, LoraLayer) or adapter_name not in getattr(module, "lora_A", {}):
-            continue
-        if getattr(module, "use_dora", {}).get(adapter_name, False):
-            raise LoraExportError(f"'{name}' is a DoRA layer, which the kohya/A1111 LoRA format cannot express.")
-        lora_a, lora_b = module.lora_A[adapter_name], module.lora_B[adapter_name]
-        if getattr(lora_b, "bias", None) is not None:
-            raise LoraExportError(f"'{name}' has a LoRA bias (lora_bias=True), which the kohya/A1111 format cannot express.")
-        down, up = lora_a.weight, lora_b.weight
-        rank = down.shape[0]
-        scaling = float(module.scaling[adapter_name])
-        configured = float(module.lora_alpha[adapter_name])
-        alpha = configured if abs(configured / rank - scaling) <= 1e-6 * max(1.0, abs(scaling)) else scaling * rank
-        yield _clean_path(name), down, up, alpha
+    for layer in iter_lora_layers(model, adapter_name):
+        if layer.magnitude is not None:
+            raise LoraExportError(f"'{layer.path}' is a DoRA layer, which the kohya/A1111 LoRA format cannot express.")
+        if getattr(layer.up_module, "bias", None) is not None:
+            raise LoraExportError(f"'{layer.path}' has a LoRA bias (lora_bias=True), which the kohya/A1111 format "
+                                  "cannot express.")
+        yield layer.path, layer.down, layer.up, layer.kohya_alpha
 
 
 # --------------------------------------------------------------------------- hashes
@@ -201,7 +178,7 @@ def kohya_named_layers(unet, text_encoders: list | None, family, walk) -> Iterat
     encoder under its family prefix; `walk` is a layer walker that yields (module path, ...)."""
     if unet is not None:
         if getattr(family, "kohya_unet_naming", "diffusers") == "sgm":
-            config = _unwrap(unet).config
+            config = unwrap(unet).config
             unet_name = lambda path: kohya_sgm_unet_name(path, config)  # noqa: E731
         else:
             unet_name = kohya_unet_name
@@ -225,7 +202,7 @@ def kohya_state_dict(
     LoKr adapters the LyCORIS tensors (``hada_*`` / ``lokr_*`` and alpha) under the same module names."""
     from .lycoris import iter_lycoris_modules, lycoris_tensors, network_of
 
-    if any(network_of(_unwrap(m)) for m in [unet, *(text_encoders or [])] if m is not None):
+    if any(network_of(unwrap(m)) for m in [unet, *(text_encoders or [])] if m is not None):
         try:
             tensors = lycoris_tensors(((name, parts) for name, (parts,) in kohya_named_layers(
                 unet, text_encoders, family, lambda m: iter_lycoris_modules(m, adapter_name))), dtype)
@@ -308,7 +285,7 @@ def export_diffusers_lora(
     pipeline_cls = getattr(diffusers, getattr(family, "diffusers_pipeline_class", "StableDiffusionPipeline"))
 
     def layers(model):
-        model = _unwrap(model)
+        model = unwrap(model)
         state = get_peft_model_state_dict(model, adapter_name=adapter_name)
         if not state:
             return None, None

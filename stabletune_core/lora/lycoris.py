@@ -36,9 +36,9 @@ def iter_lycoris_modules(model: torch.nn.Module, adapter_name: str = "default"
     from peft.tuners.loha import LoHaLayer
     from peft.tuners.lokr import LoKrLayer
 
-    from .export import _clean_path, _unwrap
+    from .layers import clean_path, unwrap
 
-    for name, module in _unwrap(model).named_modules():
+    for name, module in unwrap(model).named_modules():
         if isinstance(module, LoHaLayer) and adapter_name in module.scaling:
             if adapter_name in getattr(module, "hada_t1", {}):
                 raise ValueError(f"'{name}' is a Tucker (CP) LoHa layer; StableTune exports the plain form only.")
@@ -59,7 +59,7 @@ def iter_lycoris_modules(model: torch.nn.Module, adapter_name: str = "default"
                 tensors[first] = tensors[first] * scaling
         else:
             continue
-        yield _clean_path(name), tensors
+        yield clean_path(name), tensors
 
 
 def lycoris_tensors(named_layers: Iterator[tuple[str, dict[str, torch.Tensor]]], dtype: torch.dtype

@@ -22,6 +22,8 @@ from typing import Iterator
 
 import torch
 
+from .layers import iter_lora_layers
+
 _BLOCK = re.compile(r"(down_blocks\.\d+|up_blocks\.\d+|mid_block|input_blocks\.\d+|output_blocks\.\d+|"
                     r"middle_block|encoder\.layers\.\d+)")
 
@@ -56,14 +58,9 @@ def lora_factors(model: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str
 
     Conv LoRAs are flattened to matrices (A: r x (k*kh*kw), B: d x r), which is what their update is.
     """
-    for name, module in model.named_modules():
-        lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
-        if not isinstance(lora_a, torch.nn.ModuleDict) or "default" not in lora_a:
-            continue
-        a = lora_a["default"].weight.detach()
-        b = lora_b["default"].weight.detach()
-        scale = float(module.scaling["default"])
-        yield (f"{prefix}{name}", a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1), scale)
+    for layer in iter_lora_layers(model):
+        a, b = layer.down.detach(), layer.up.detach()
+        yield (f"{prefix}{layer.path}", a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1), layer.scaling)
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..config import TrainConfig
+from ..lora.layers import run_lora_layers
 from ..lora.svd import Spectrum, block_of, detect_collapse, lora_factors, spectra
 from ..runs.jsonfiles import append_jsonl
 from .guards.base import Guard
@@ -124,12 +125,8 @@ class ActivationMonitor(Guard):
         probe, scheduler = self.probe_set(s), s.bundle.noise_scheduler  # built before any hook is in place
         if not probe:
             return []
-        layers = []
-        for prefix, module in s.trained.items():
-            for name, layer in s.accelerator.unwrap_model(module).named_modules():
-                lora_b = getattr(layer, "lora_B", None)
-                if isinstance(lora_b, torch.nn.ModuleDict) and "default" in lora_b:
-                    layers.append((f"{prefix}.{name}", layer, lora_b["default"], float(layer.scaling["default"])))
+        layers = [(name, layer.module, layer.up_module, layer.scaling)
+                  for name, layer in run_lora_layers(s.trained, s.accelerator.unwrap_model)]
         captured: dict[str, dict[str, torch.Tensor]] = {}
         handles = []
         for name, layer, lora_b, scale in layers:

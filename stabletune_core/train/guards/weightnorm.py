@@ -11,17 +11,13 @@ from typing import Any
 
 import torch
 
+from ...lora.layers import iter_lora_layers
 from .base import Guard
 
 
 def lora_pairs(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
     """(down, up, scaling) of each peft LoRA layer under `module`, adapter 'default'."""
-    pairs = []
-    for layer in module.modules():
-        lora_a, lora_b = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
-        if isinstance(lora_a, torch.nn.ModuleDict) and "default" in lora_a:
-            pairs.append((lora_a["default"].weight, lora_b["default"].weight, float(layer.scaling["default"])))
-    return pairs
+    return [(layer.down, layer.up, layer.scaling) for layer in iter_lora_layers(module)]
 
 
 def update_norm(down: torch.Tensor, up: torch.Tensor, scaling: float) -> torch.Tensor:

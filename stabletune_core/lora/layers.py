@@ -1,0 +1,92 @@
+"""The one walk over a model's peft LoRA layers: export, spectra, the weight-norm guard and the activation
+statistics all see the same layers, named the same way.
+
+A layer's update is ``delta W = scaling x up @ down`` (for a Conv2d LoRA, ``down`` is a conv of the layer's
+kernel and ``up`` a 1x1 conv: flattened, the same product). With DoRA (``use_dora``) peft also keeps a
+magnitude vector, and the layer's weight becomes ``magnitude x (W + delta W) / ||W + delta W||``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+#: What wrappers (peft's PeftModel, torch.compile, DDP) put in front of module paths.
+WRAPPER_PREFIXES = ("base_model.model.", "_orig_mod.", "module.")
+
+
+@dataclass(frozen=True)
+class LoraLayerView:
+    """One LoRA layer. The tensors are the live parameters (not copies): the weight-norm guard scales them."""
+
+    path: str  # module path in the unwrapped model, e.g. "down_blocks.0.attentions.0.proj_in"
+    module: torch.nn.Module  # the peft layer (base layer + adapters), for forward hooks
+    down: torch.Tensor  # lora_A weight: rank x in (Conv2d: rank x in x kh x kw)
+    up: torch.Tensor  # lora_B weight: out x rank (Conv2d: out x rank x 1 x 1)
+    scaling: float  # peft's multiplier of up @ down (alpha / rank, or alpha / sqrt(rank) with rsLoRA)
+    configured_alpha: float  # lora_alpha as configured
+    dropout: float  # dropout on the LoRA path's input while training
+    magnitude: torch.Tensor | None  # DoRA's magnitude vector (one per output channel), None for plain LoRA
+    up_module: torch.nn.Module  # the lora_B module, whose output is the LoRA path's (unscaled) contribution
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    @property
+    def kohya_alpha(self) -> float:
+        """The alpha that reproduces ``scaling`` under kohya's rule ``scale = alpha / rank``: the configured
+        one when it does, else scaling x rank (rsLoRA's ``alpha / sqrt(r)`` is folded in, so it round-trips)."""
+        if abs(self.configured_alpha / self.rank - self.scaling) <= 1e-6 * max(1.0, abs(self.scaling)):
+            return self.configured_alpha
+        return self.scaling * self.rank
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under torch.compile's and DDP's wrappers."""
+    model = getattr(model, "_orig_mod", model)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def clean_path(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def iter_lora_layers(model: torch.nn.Module, adapter_name: str = "default") -> Iterator[LoraLayerView]:
+    """Every peft LoRA layer (Linear or Conv2d) of `model` carrying `adapter_name`, in registration order.
+    LoHa / LoKr layers are not LoRA layers and are not walked (lora/lycoris.py reads those)."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in unwrap(model).named_modules():
+        if not isinstance(module, LoraLayer) or adapter_name not in module.lora_A:
+            continue
+        dropout = module.lora_dropout[adapter_name]
+        magnitude = None
+        if module.use_dora.get(adapter_name, False):
+            magnitude = module.lora_magnitude_vector[adapter_name].weight
+        yield LoraLayerView(
+            path=clean_path(name),
+            module=module,
+            down=module.lora_A[adapter_name].weight,
+            up=module.lora_B[adapter_name].weight,
+            scaling=float(module.scaling[adapter_name]),
+            configured_alpha=float(module.lora_alpha[adapter_name]),
+            dropout=float(getattr(dropout, "p", 0.0)),
+            magnitude=magnitude,
+            up_module=module.lora_B[adapter_name],
+        )
+
+
+def run_lora_layers(trained: dict[str, torch.nn.Module], unwrap_model=lambda m: m
+                    ) -> Iterator[tuple[str, LoraLayerView]]:
+    """("<prefix>.<path>", layer) for every LoRA layer of a run's trained models ({"unet": ..., "te0": ...}),
+    UNet first; `unwrap_model` is the accelerator's (it removes the wrappers accelerate adds)."""
+    for prefix, model in trained.items():
+        for layer in iter_lora_layers(unwrap_model(model)):
+            yield f"{prefix}.{layer.path}", layer

@@ -109,6 +109,10 @@ class TrainConfig(BaseModel):
                                        aliases=("network_alpha",), gt=0)
     lora_dropout: float = knob(0.0, "Dropout on the LoRA path during training (regularises small datasets).", "lora",
                                ge=0.0, lt=1.0)
+    use_dora: bool = knob(
+        False, "DoRA: also learn each layer's weight magnitude (per input channel), beside the LoRA direction; often "
+        "closer to full fine-tuning at the same rank, at about twice the compute of the adapted layers. The file "
+        "(a dora_scale per layer) loads in A1111 1.9+, Forge and ComfyUI; not in diffusers.", "lora")
     unet_lora_targets: list[str] = knob(["to_q", "to_k", "to_v", "to_out.0"],
                                         "UNet modules (name suffixes) that get a LoRA.", "lora")
     train_text_encoder: bool = knob(False, "Also train LoRA adapters on the text encoder(s).", "lora")
@@ -365,6 +369,13 @@ class TrainConfig(BaseModel):
         if self.network_type != "lora" and self.export_diffusers_format:
             raise ValueError(f"diffusers cannot load {self.network_type} files; turn export_diffusers_format off "
                              "(the .safetensors file loads in A1111, Forge and ComfyUI)")
+        if self.use_dora and self.network_type != "lora":
+            raise ValueError(f"use_dora decomposes a LoRA's weight; it does not apply to network_type "
+                             f"{self.network_type}; turn use_dora off or use network_type=lora")
+        if self.use_dora and self.export_diffusers_format:
+            raise ValueError("diffusers applies DoRA per output channel, StableTune's DoRA (the WebUIs' form) is per "
+                             "input channel; turn export_diffusers_format off (the .safetensors file loads in A1111, "
+                             "Forge and ComfyUI)")
         if self.network_type != "lora" and self.scale_weight_norms:
             raise ValueError(f"scale_weight_norms measures LoRA's up@down update, which {self.network_type} does not "
                              "have; leave scale_weight_norms empty or use network_type=lora")
@@ -395,6 +406,9 @@ class TrainConfig(BaseModel):
         if self.network_type != "lora" and (self.diagnostics_every or self.activation_stats_every):
             notes.append(f"network_type {self.network_type}: the rank spectra, collapse check and activation "
                          "statistics read LoRA's low-rank up/down factors, so this run skips them.")
+        if self.use_dora and self.network_type == "lora" and (self.diagnostics_every or self.activation_stats_every):
+            notes.append("use_dora: the rank spectra and collapse check describe the LoRA direction (up@down) only, "
+                         "not the learned magnitudes.")
         return notes
 
     # ---- TOML ----------------------------------------------------------------------------------------

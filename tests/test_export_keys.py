@@ -48,8 +48,10 @@ def bundle_with_lora(family_name: str, targets: list[str], train_text_encoder: b
     encoders = [parts["text_encoder"]] + ([parts["text_encoder_2"]] if "text_encoder_2" in parts else [])
     bundle = ModelBundle(family=get_family(family_name), unet=parts["unet"], vae=parts["vae"], text_encoders=encoders,
                          tokenizers=[], noise_scheduler=parts["scheduler"], source="tiny")
+    dora = network_type == "dora"  # a LoRA with use_dora
     add_lora(bundle, build_config(dict(unet_lora_targets=targets, train_text_encoder=train_text_encoder,
-                                       lora_rank=2, lora_alpha=2, network_type=network_type)))
+                                       lora_rank=2, lora_alpha=2, network_type="lora" if dora else network_type,
+                                       use_dora=dora)))
     return bundle
 
 
@@ -127,7 +129,7 @@ def update_shape(tensors: dict[str, torch.Tensor], name: str) -> tuple[int, int]
 
 CASES = [(family, preset, "lora") for family in FAMILIES for preset in PRESETS] + [
     (family, preset, network) for family in FAMILIES for preset in ("resnet_conv", "text_encoder")
-    for network in ("loha", "lokr")]  # issue 13 item 5: the LyCORIS files name the same weights
+    for network in ("loha", "lokr", "dora")]  # issue 13 items 4 and 5: DoRA and LyCORIS files name the same weights
 
 
 @pytest.mark.parametrize("family_name, preset, network_type", CASES)
@@ -149,6 +151,8 @@ def test_kohya_names_are_checkpoint_weights(family_name, preset, network_type, t
         key, shape = checkpoint_weight(name, family_name, bundle.unet.config, keys)
         flat = (shape[0], math.prod(shape[1:]))
         assert update_shape(tensors, name) == flat, f"{name} -> {key}: {update_shape(tensors, name)} != {flat}"
+        if network_type == "dora":  # one magnitude per input channel of that weight, shaped as the WebUIs divide
+            assert tensors[f"{name}.dora_scale"].shape == (1, shape[1], *[1] * (len(shape) - 2)), name
         used.add((key, name[-6:] if "in_proj" in key else ""))  # q, k and v share the fused in_proj
     assert len(used) == len(names)  # no two modules land on the same weight
     if preset == "resnet_conv":  # the ResNet insides were really targeted and mapped (item 17's bug)

@@ -3,7 +3,8 @@
 * kohya / A1111 format (``export_kohya_lora``): one ``.safetensors`` with
   ``lora_unet_*`` / ``lora_te_*`` ``lora_down`` / ``lora_up`` / ``alpha`` tensors
   and sd-scripts' ``ss_*`` + ``modelspec.*`` metadata. Loads in A1111, Forge,
-  ComfyUI and diffusers' ``load_lora_weights``.
+  ComfyUI and diffusers' ``load_lora_weights``. A DoRA layer adds its ``dora_scale``
+  (lora/dora.py), which A1111 1.9+, Forge and ComfyUI apply.
 * diffusers / PEFT format (``export_diffusers_lora``): what
   ``train_text_to_image_lora.py`` writes (``pytorch_lora_weights.safetensors``),
   with the LoRA config stored so alpha != rank survives the round trip.
@@ -25,8 +26,9 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ..atomic import atomic_path, user_permissions  # noqa: F401  (user_permissions: old home)
-from .layers import iter_lora_layers, unwrap
-from .names import kohya_keys, kohya_sgm_unet_name, kohya_te_name, kohya_unet_name
+from .dora import dora_scale
+from .layers import LoraLayerView, iter_lora_layers, unwrap
+from .names import DORA_SCALE, kohya_keys, kohya_sgm_unet_name, kohya_te_name, kohya_unet_name
 
 #: Metadata keys every kohya export carries (filled with defaults when the caller has none).
 REQUIRED_METADATA_KEYS = (
@@ -57,18 +59,26 @@ class LoraExportError(Exception):
 
 
 # --------------------------------------------------------------------------- PEFT walk
+def exportable_layers(model, adapter_name: str = "default") -> Iterator[LoraLayerView]:
+    """The LoRA layers of `model`, refusing (one sentence) what the kohya/A1111 format cannot express."""
+    for layer in iter_lora_layers(model, adapter_name):
+        if layer.magnitude is not None and not layer.dora_on_input:
+            raise LoraExportError(f"'{layer.path}' is a peft DoRA layer (magnitude per output channel), which A1111 "
+                                  "and ComfyUI cannot apply; train DoRA with StableTune's use_dora (per input "
+                                  "channel) instead.")
+        if getattr(layer.up_module, "bias", None) is not None:
+            raise LoraExportError(f"'{layer.path}' has a LoRA bias (lora_bias=True), which the kohya/A1111 format "
+                                  "cannot express.")
+        yield layer
+
+
 def iter_lora_modules(model, adapter_name: str = "default") -> Iterable[tuple[str, torch.Tensor, torch.Tensor, float]]:
     """Yield (module path, lora_down [r, in, ...], lora_up [out, r, ...], kohya alpha) for every LoRA layer.
 
     The alpha is the one that reproduces PEFT's scaling under kohya's rule ``scale = alpha / rank``
     (rsLoRA's ``alpha / sqrt(r)`` is folded in, so it also round-trips).
     """
-    for layer in iter_lora_layers(model, adapter_name):
-        if layer.magnitude is not None:
-            raise LoraExportError(f"'{layer.path}' is a DoRA layer, which the kohya/A1111 LoRA format cannot express.")
-        if getattr(layer.up_module, "bias", None) is not None:
-            raise LoraExportError(f"'{layer.path}' has a LoRA bias (lora_bias=True), which the kohya/A1111 format "
-                                  "cannot express.")
+    for layer in exportable_layers(model, adapter_name):
         yield layer.path, layer.down, layer.up, layer.kohya_alpha
 
 
@@ -198,7 +208,8 @@ def kohya_named_layers(unet, text_encoders: list | None, family, walk) -> Iterat
 def kohya_state_dict(
     unet, text_encoders: list | None, family, *, dtype: torch.dtype = torch.float16, adapter_name: str = "default"
 ) -> dict[str, torch.Tensor]:
-    """The kohya tensors (no metadata): lora_down / lora_up in ``dtype``, alpha as fp32 0-dim scalars; for LoHa /
+    """The kohya tensors (no metadata): lora_down / lora_up (and a DoRA layer's dora_scale) in ``dtype``, alpha as
+    fp32 0-dim scalars; for LoHa /
     LoKr adapters the LyCORIS tensors (``hada_*`` / ``lokr_*`` and alpha) under the same module names."""
     from .lycoris import iter_lycoris_modules, lycoris_tensors, network_of
 
@@ -210,14 +221,16 @@ def kohya_state_dict(
             raise LoraExportError(str(exc)) from None
     else:
         tensors = {}
-        for name, (down, up, alpha) in kohya_named_layers(unet, text_encoders, family,
-                                                          lambda m: iter_lora_modules(m, adapter_name)):
+        walk = lambda m: ((layer.path, layer) for layer in exportable_layers(m, adapter_name))  # noqa: E731
+        for name, (layer,) in kohya_named_layers(unet, text_encoders, family, walk):
             k_down, k_up, k_alpha = kohya_keys(name)
             if k_down in tensors:
                 raise LoraExportError(f"Two LoRA layers map to the same kohya name '{name}'.")
-            tensors[k_down] = down.detach().to(device="cpu", dtype=dtype).contiguous().clone()
-            tensors[k_up] = up.detach().to(device="cpu", dtype=dtype).contiguous().clone()
-            tensors[k_alpha] = torch.tensor(float(alpha), dtype=torch.float32)
+            tensors[k_down] = layer.down.detach().to(device="cpu", dtype=dtype).contiguous().clone()
+            tensors[k_up] = layer.up.detach().to(device="cpu", dtype=dtype).contiguous().clone()
+            tensors[k_alpha] = torch.tensor(float(layer.kohya_alpha), dtype=torch.float32)
+            if layer.magnitude is not None:
+                tensors[f"{name}.{DORA_SCALE}"] = dora_scale(layer).to(device="cpu", dtype=dtype).contiguous().clone()
     if not tensors:
         raise LoraExportError("No LoRA layers were found in the given models, so there is nothing to export.")
     return tensors
@@ -254,6 +267,9 @@ def export_kohya_lora(
     if algo:  # how kohya's sd-scripts record a LyCORIS network, so A1111's and ComfyUI's info panels say it
         meta["ss_network_module"] = "lycoris.kohya"
         meta["ss_network_args"] = json.dumps({"algo": {"hada": "loha", "lokr": "lokr"}[algo]})
+    elif any(key.endswith(f".{DORA_SCALE}") for key in tensors):  # as LyCORIS records a DoRA-trained LoRA
+        meta["ss_network_module"] = "lycoris.kohya"
+        meta["ss_network_args"] = json.dumps({"algo": "lora", "dora_wd": "True"})
     meta["sshs_model_hash"], meta["sshs_legacy_hash"] = precalculate_sshs_hashes(tensors, meta)
     _atomic_save(tensors, path, meta)
     return path
@@ -286,6 +302,9 @@ def export_diffusers_lora(
 
     def layers(model):
         model = unwrap(model)
+        if any(layer.magnitude is not None for layer in iter_lora_layers(model, adapter_name)):
+            raise LoraExportError("diffusers applies DoRA per output channel, not per input channel as StableTune "
+                                  "and the WebUIs do; export DoRA in the kohya/A1111 format only.")
         state = get_peft_model_state_dict(model, adapter_name=adapter_name)
         if not state:
             return None, None

@@ -9,6 +9,7 @@ from peft import LoHaConfig, LoKrConfig, LoraConfig, PeftConfig, inject_adapter_
 
 from ..config import ConfigError, TrainConfig
 from ..models.base import ModelBundle
+from .dora import use_input_axis_dora
 
 
 def add_lora(bundle: ModelBundle, config: TrainConfig) -> None:
@@ -29,12 +30,17 @@ def add_lora(bundle: ModelBundle, config: TrainConfig) -> None:
     for encoder in bundle.text_encoders:
         encoder.requires_grad_(False)
     bundle.unet.add_adapter(adapter_config(config, list(config.unet_lora_targets)))
+    adapted = [bundle.unet]
     if config.train_text_encoder:
         # peft's own injection makes the same modules as PreTrainedModel.add_adapter and does not depend on
         # transformers' peft version gate (5.24+ refuses peft < 0.22 there; requirements.txt pins 5.23).
         for encoder in bundle.text_encoders:
             inject_adapter_in_model(adapter_config(config, list(bundle.family.text_encoder_lora_targets)), encoder,
                                     adapter_name="default")
+            adapted.append(encoder)
+    if config.use_dora:
+        for model in adapted:
+            use_input_axis_dora(model)
 
 
 def adapter_config(config: TrainConfig, targets: list[str]) -> PeftConfig:
@@ -48,7 +54,7 @@ def adapter_config(config: TrainConfig, targets: list[str]) -> PeftConfig:
                           module_dropout=config.lora_dropout, use_effective_conv2d=False,
                           decompose_factor=config.lokr_factor)
     return LoraConfig(r=config.lora_rank, lora_alpha=config.effective_lora_alpha, lora_dropout=config.lora_dropout,
-                      init_lora_weights="gaussian", target_modules=targets)
+                      init_lora_weights="gaussian", target_modules=targets, use_dora=config.use_dora)
 
 
 #: Layer types peft can put a LoRA on (what a target suffix must name to train anything).

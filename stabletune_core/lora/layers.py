@@ -2,8 +2,8 @@
 statistics all see the same layers, named the same way.
 
 A layer's update is ``delta W = scaling x up @ down`` (for a Conv2d LoRA, ``down`` is a conv of the layer's
-kernel and ``up`` a 1x1 conv: flattened, the same product). With DoRA (``use_dora``) peft also keeps a
-magnitude vector, and the layer's weight becomes ``magnitude x (W + delta W) / ||W + delta W||``.
+kernel and ``up`` a 1x1 conv: flattened, the same product). A DoRA layer also has a magnitude vector, and its
+weight becomes ``magnitude x (W + delta W) / ||W + delta W||`` (lora/dora.py says along which axis).
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ class LoraLayerView:
     scaling: float  # peft's multiplier of up @ down (alpha / rank, or alpha / sqrt(rank) with rsLoRA)
     configured_alpha: float  # lora_alpha as configured
     dropout: float  # dropout on the LoRA path's input while training
-    magnitude: torch.Tensor | None  # DoRA's magnitude vector (one per output channel), None for plain LoRA
+    magnitude: torch.Tensor | None  # DoRA's magnitude vector, None for plain LoRA
+    dora_on_input: bool  # the magnitude is per input channel (StableTune's, the WebUIs' form), not peft's per output
     up_module: torch.nn.Module  # the lora_B module, whose output is the LoRA path's (unscaled) contribution
 
     @property
@@ -63,13 +64,14 @@ def iter_lora_layers(model: torch.nn.Module, adapter_name: str = "default") -> I
     LoHa / LoKr layers are not LoRA layers and are not walked (lora/lycoris.py reads those)."""
     from peft.tuners.lora import LoraLayer
 
+    from .dora import InputAxisDora
+
     for name, module in unwrap(model).named_modules():
         if not isinstance(module, LoraLayer) or adapter_name not in module.lora_A:
             continue
         dropout = module.lora_dropout[adapter_name]
-        magnitude = None
-        if module.use_dora.get(adapter_name, False):
-            magnitude = module.lora_magnitude_vector[adapter_name].weight
+        magnitudes = getattr(module, "lora_magnitude_vector", {})
+        dora = magnitudes[adapter_name] if adapter_name in magnitudes else None
         yield LoraLayerView(
             path=clean_path(name),
             module=module,
@@ -78,7 +80,8 @@ def iter_lora_layers(model: torch.nn.Module, adapter_name: str = "default") -> I
             scaling=float(module.scaling[adapter_name]),
             configured_alpha=float(module.lora_alpha[adapter_name]),
             dropout=float(getattr(dropout, "p", 0.0)),
-            magnitude=magnitude,
+            magnitude=None if dora is None else dora.weight,
+            dora_on_input=isinstance(dora, InputAxisDora),
             up_module=module.lora_B[adapter_name],
         )
 

@@ -19,6 +19,7 @@ TEXT_MODEL = "text_model."
 DOWN = "lora_down.weight"
 UP = "lora_up.weight"
 ALPHA = "alpha"
+DORA_SCALE = "dora_scale"  # a DoRA layer's magnitude, per input channel: (1, in) or (1, in, 1, 1)
 
 
 def _flat(module_path: str) -> str:

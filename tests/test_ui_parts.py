@@ -383,6 +383,52 @@ def test_train_buttons_progress_and_eta_follow_the_state(ui, tmp_path: Path) -> 
     ui.hub.attach(None)
 
 
+def paused_timeline(run: Path, step_time: float = 0.5, pause: float = 600.0) -> float:
+    """metrics.jsonl and events.jsonl of 60 steps at `step_time` s/step with a `pause` after step 50, as the
+    engine writes them; returns the engine's own moving-average sec_per_step after step 60."""
+    at, last, average = 1_000_000.0, 1_000_000.0, None
+    metrics, events = [], []
+    for step in range(1, 61):
+        if step == 51:  # paused after step 50's metric, continued `pause` seconds later
+            events.append({"time": at + 0.01, "step": 50, "kind": "pause", "message": "Paused at step 50."})
+            at += 0.01 + pause
+            events.append({"time": at, "step": 50, "kind": "resume_run", "message": "Continuing from step 50."})
+        at += step_time
+        average = at - last if average is None else 0.9 * average + 0.1 * (at - last)  # the loop's formula
+        last = at
+        metrics.append({"step": step, "time": at, "loss": 0.1})
+    RunPaths(run).metrics.write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    RunPaths(run).events.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return average
+
+
+def test_eta_after_a_pause_counts_training_time_only(ui) -> None:
+    """Issue 12.7: right after a 10-minute pause the ETA is remaining steps x the true step time (the
+    engine's wall-time average would say hours); a paused run shows no ETA."""
+    import re
+
+    from extension import eta
+    from extension.tabs import train as train_tab
+
+    run = ui.settings.runs_dir / "paused-eta"
+    writer = RunWriter(run)
+    engine_average = paused_timeline(run)
+    assert engine_average > 20  # what status.json carries: the pause counted as step time
+    writer.status("training", step=60, max_steps=1000, sec_per_step=engine_average,
+                  eta_seconds=engine_average * 940)
+    line = train_tab.refresh(ui, {"run": run})[0]
+    hours, minutes, seconds = map(int, re.search(r"ETA (\d+):(\d\d):(\d\d)", line).groups())
+    assert abs(hours * 3600 + minutes * 60 + seconds - 940 * 0.5) <= 5, line
+    assert "2.00 it/s" in line
+    writer.status("paused", step=60)
+    assert "ETA" not in train_tab.refresh(ui, {"run": run})[0]
+    # An interval across an engine restart (model loading) is not a step either.
+    restarted = [{"step": 1, "time": 0.0}, {"step": 2, "time": 1.0}, {"step": 3, "time": 300.0},
+                 {"step": 4, "time": 301.0}]
+    assert eta.active_seconds_per_step(restarted, [{"time": 150.0, "kind": "resumed"}]) == 1.0
+    writer.status("stopped", step=60)
+
+
 def test_presets_saved_to_the_user_folder_model_hint_and_regularisers(ui, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 12.11: Save preset writes to the user's folder (not the repository's presets/), which the list

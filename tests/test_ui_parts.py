@@ -541,6 +541,25 @@ def test_runs_tab_deletes_confirmed_loads_settings_and_zips_a_checkpoint(ui, tmp
     assert not run.exists() and data.exists() and tmp_path.exists()
 
 
+def test_runs_tab_says_how_to_open_tensorboard_logs(ui, tmp_path: Path) -> None:
+    """Issue 13.8: a run trained with report_to=tensorboard gets the command that opens its logs (the
+    folder the engine writes, RUN/tensorboard); a jsonl-only run gets no such line."""
+    from extension.tabs import runs as runs_tab
+
+    (tmp_path / "model_index.json").write_text("{}")
+    data = tmp_path / "data"
+    data.mkdir()
+    common = {"pretrained_model_name_or_path": str(tmp_path), "train_data_dir": str(data)}
+    logged = write_run_config({**common, "output_dir": str(ui.settings.runs_dir / "tb run"), "report_to": "tensorboard"})
+    plain = write_run_config({**common, "output_dir": str(ui.settings.runs_dir / "plain-run")})
+    assert "has written none yet" in runs_tab.tensorboard_hint(logged)  # asked, nothing written yet
+    (logged / "tensorboard").mkdir()
+    hint = runs_tab.tensorboard_hint(ui.run_path("tb run"))
+    assert f"`tensorboard --logdir '{logged / 'tensorboard'}'`" in hint  # quoted: the folder name has a space
+    assert runs_tab.tensorboard_hint(plain) == "" and runs_tab.tensorboard_hint(None) == ""
+    assert ui.parts["runs.tensorboard"] is not None
+
+
 def test_dead_engine_shows_failed_with_its_sentence_not_starting(tmp_path: Path) -> None:
     """Issue 12.2/3: a run whose engine died before its first checkpoint reads `failed: <reason>` after a
     UI restart, never `starting` with advice to resume; the sentence leads the Train status line."""

@@ -228,7 +228,7 @@ def test_diagnostics_tab_is_live_and_draws_every_module_activations_and_val_loss
         append_jsonl(folder / "val_loss.jsonl", {"step": step, "val_loss": value})
     writer.event("early_stopping_trigger", "Validation loss rose.", step=15)
     seen = {"run": writer.paths.root}
-    info, module, spectrum, rank, activations, val, warnings = diag_tab.refresh(ui, seen, None, "var")
+    info, module, spectrum, rank, activations, val, warnings, *_ = diag_tab.refresh(ui, seen, None, "var")
     assert "9 modules" in info and module["value"] == sorted(names)[0]
     assert spectrum is not None and rank is not None and activations is not None
     rank_axes = rank.axes[0]
@@ -245,6 +245,81 @@ def test_diagnostics_tab_is_live_and_draws_every_module_activations_and_val_loss
     summary, loss, *_ = monitor.refresh(ui, {"run": writer.paths.root})
     assert set(loss["series"]) == {"loss", "loss (EMA)", "validation loss"}
     assert "best validation loss 0.4 at step 10" in summary
+
+
+def low_rank_spectra(modules: int = 4, rank: int = 16) -> list[list[float]]:
+    """Singular values of LoRAs that use ~5 of their `rank` directions: a steep head, a tiny tail."""
+    return [[(2.0 + m) * 0.35 ** i if i < 5 else 1e-4 for i in range(rank)] for m in range(modules)]
+
+
+def test_resize_offer_from_the_recorded_spectra_says_what_the_engine_says() -> None:
+    """Issue 13.9: the Diagnostics tab's sentence comes from RUN/diagnostics/spectra.jsonl without torch, and
+    it is the engine's `suggest_rank` sentence for the same numbers (newest step of each module)."""
+    from extension import resize_offer
+    from stabletune_core.lora.resize import suggest_rank
+    from stabletune_core.lora.svd import Spectrum
+
+    values = low_rank_spectra()
+    records = [{"step": 10, "module": f"m{i}", "sv": [1.0] * 16, "effective_rank": 16.0} for i in range(4)]
+    records += [{"step": 20, "module": f"m{i}", "sv": sv, "effective_rank": diagnostics.effective_rank(sv)}
+                for i, sv in enumerate(values)]
+    rank, sentence = resize_offer.suggest(records)
+    engine = suggest_rank([Spectrum(f"m{i}", sv, [v / sv[0] for v in sv], diagnostics.effective_rank(sv), 1.0,
+                                    1.0, 1.0) for i, sv in enumerate(values)])
+    assert sentence == engine and rank == 4
+    assert sentence.startswith("this LoRA uses ~") and "of its 16 ranks: resize to 4 keeps 99 %" in sentence
+    flat = [{"step": 1, "module": "m", "sv": [1.0] * 16, "effective_rank": 16.0}]
+    assert resize_offer.suggest(flat) is None  # every rank is used: nothing to offer
+
+
+def tiny_kohya_lora(path: Path, rank: int = 16, true_rank: int = 3) -> Path:
+    """A kohya-format LoRA file (two modules) whose updates have rank `true_rank`, written without torch."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for name, (out, inp) in {"lora_unet_a_to_q": (24, 32), "lora_unet_b_to_k": (32, 24)}.items():
+        low = rng.standard_normal((out, true_rank)) @ rng.standard_normal((true_rank, rank))
+        tensors[f"{name}.lora_up.weight"] = (0.1 * low).astype(np.float32)
+        tensors[f"{name}.lora_down.weight"] = rng.standard_normal((rank, inp)).astype(np.float32)
+        tensors[f"{name}.alpha"] = np.array(rank / 2, dtype=np.float32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"ss_network_dim": str(rank)})
+    return path
+
+
+def test_diagnostics_tab_offers_resize_and_its_button_runs_the_engine(ui) -> None:
+    """Issue 13.9: the live Diagnostics tab shows the offer and proposes the rank; the button runs
+    `python -m stabletune_core resize LORA --rank N` as an argv list in the engine's Python, which writes
+    LORA-rN.safetensors beside the LoRA and never overwrites (a second click says so)."""
+    from safetensors import safe_open
+
+    from extension import resize_offer
+    from extension.tabs import diagnostics as diag_tab
+    from stabletune_core.runs.jsonfiles import append_jsonl
+
+    writer = RunWriter(ui.settings.runs_dir / "resize-run")
+    writer.status("finished", step=20)
+    for i, sv in enumerate(low_rank_spectra()):
+        append_jsonl(writer.paths.diagnostics / "spectra.jsonl", {"step": 20, "module": f"m{i}", "singular_values": sv})
+    lora = tiny_kohya_lora(writer.paths.output / "style.safetensors")
+    *_, suggest, rank = diag_tab.refresh(ui, {"run": writer.paths.root}, None, "var")
+    assert "this LoRA uses ~" in suggest and "resize to 4 keeps 99 %" in suggest
+    assert "`style-r4.safetensors` beside `style.safetensors`" in suggest and rank["value"] == 4
+
+    argv = resize_offer.resize_command("/engine/python", lora, 4)
+    assert argv == ["/engine/python", "-m", "stabletune_core", "resize", str(lora), "--rank", "4"]
+    message = diag_tab._resize(ui, "resize-run", 4)
+    target = writer.paths.output / "style-r4.safetensors"
+    assert message.startswith("Resized to rank 4") and str(target) in message, message
+    with safe_open(str(target), "np") as f:
+        assert f.get_tensor("lora_unet_a_to_q.lora_down.weight").shape == (4, 32)
+    assert lora.exists()  # the original stays
+    before = target.stat().st_mtime_ns
+    again = diag_tab._resize(ui, "resize-run", 4)
+    assert again.startswith("⚠ Resize failed") and "already exists" in again and target.stat().st_mtime_ns == before
+    assert resize_offer.resize(sys.executable, None, 4).startswith("⚠ This run has no exported LoRA")
 
 
 def test_status_line() -> None:

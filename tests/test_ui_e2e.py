@@ -391,3 +391,43 @@ def test_reload_keeps_form_and_tab_and_each_browser_follows_its_own_run(tmp_path
         sleeper.kill()
         sleeper.wait()
         next(server, None)
+
+
+def test_reload_keeps_form_and_tab_on_gradio_341(tmp_path: Path) -> None:
+    """Issue 12.5 on A1111's Gradio 3.41 (no tab events, no ARIA tab roles): the same browser script keeps
+    a form value and the open tab across a reload."""
+    python = ROOT / ".venv-g341" / "bin" / "python"
+    require(python.exists(), f"{python} does not exist")
+    real = sys.executable
+    sys.executable = str(python)  # serve_app starts app.py with this interpreter
+    try:
+        server = serve_app(tmp_path)
+        url, _ = next(server)
+    finally:
+        sys.executable = real
+
+    def tab(page, title: str) -> None:
+        page.locator(".tab-nav button", has_text=title).first.click()
+        page.wait_for_timeout(300)
+
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = launch_browser(p)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(url)
+            page.locator("#train-status").filter(has_text="No run attached").first.wait_for(state="attached",
+                                                                                          timeout=60_000)
+            tab(page, "Model & hyperparameters")
+            set_field(page, "lora_rank", "8")
+            tab(page, "Runs")
+            page.wait_for_timeout(500)
+            page.reload()
+            page.wait_for_function("() => [...document.querySelectorAll('#stabletune-tabs .tab-nav button')]"
+                                   ".some(b => b.innerText.trim() === 'Runs' && b.classList.contains('selected'))",
+                                   timeout=30_000)
+            tab(page, "Model & hyperparameters")
+            page.wait_for_function("() => { const i = document.querySelector('#field-lora_rank input'); "
+                                   "return i && i.value === '8'; }", timeout=30_000)
+            browser.close()
+    finally:
+        next(server, None)

@@ -1,7 +1,7 @@
 """What one browser keeps across a page reload: the form values, the run it follows and the open tab.
 
-Kept in the browser's localStorage (so two browsers never share it, and the server keeps no per-user
-state): every form field, the Train tab's run dropdown and the tab selection save themselves there from a
+Kept in the browser's localStorage (two browsers never share it; two pages of one browser do, and the
+last change wins; the server keeps no per-user state): every form field, the Train tab's run dropdown and the tab selection save themselves there from a
 browser-side `change` handler or tab click, with no server round trip. On page load a small script hands
 the saved JSON to `restore`, which checks every value against what the form accepts today (a dropdown
 choice may be gone, a run deleted) before putting it back, and clicks the saved tab.

@@ -579,6 +579,23 @@ def test_each_browser_follows_its_own_run(ui) -> None:
         RunWriter(path).status("stopped", step=1)
 
 
+def test_reload_restores_only_what_the_form_still_accepts(ui) -> None:
+    """Issue 12.5: the values a browser saved come back on reload, except those that are no longer valid (a
+    dropdown choice that is gone, a deleted run, a value of the wrong type), which keep what the page shows."""
+    from extension import persist
+
+    RunWriter(ui.settings.runs_dir / "kept-run").status("stopped", step=1)
+    saved = {"lora_rank": 8, "lr_scheduler": "cosine", "optimizer": "no-such-optimizer", "output_name": 5,
+             "no_such_field": 1, persist.RUN_KEY: "kept-run", persist.TAB_KEY: "Runs"}
+    *fields, run = persist.restore(ui, json.dumps(saved))
+    shown = dict(zip(ui.form.names, fields))
+    assert shown["lora_rank"]["value"] == 8 and shown["lr_scheduler"]["value"] == "cosine"
+    assert shown["optimizer"] == {"__type__": "update"} and shown["output_name"] == {"__type__": "update"}
+    assert run["value"] == "kept-run"
+    assert persist.restore(ui, json.dumps({persist.RUN_KEY: "deleted-run"}))[-1] == {"__type__": "update"}
+    assert all(u == {"__type__": "update"} for u in persist.restore(ui, "not json"))
+
+
 def test_runs_tab_deletes_confirmed_loads_settings_and_zips_a_checkpoint(ui, tmp_path: Path) -> None:
     """Issue 12.9: delete needs the confirmation and never takes a dataset or model; a run's settings load
     into the form; the newest checkpoint downloads as a zip; the live column says yes or no."""

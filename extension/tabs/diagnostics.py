@@ -80,7 +80,8 @@ def wire(ctx: UIContext) -> None:
     outputs = [p[k] for k in OUTPUTS]
     for control in ("diag.module", "diag.stat"):
         listen(user_change(p[control]),
-               lambda m, s, run: figures(ctx, ctx.run_path(run) or ctx.hub.attach_default(), m, s),
+               lambda m, s, run: [*figures(ctx, ctx.run_path(run) or ctx.hub.attach_default(), m, s)[:-1],
+                                  unchanged()],  # a rank the user typed stays while they browse modules
                [p["diag.module"], p["diag.stat"], p["train.run"]], outputs)
     listen(p["diag.resize"].click, lambda label, rank: _resize(ctx, label, rank), [p["train.run"], p["diag.resize_rank"]],
            [p["diag.resize_message"]])

@@ -34,8 +34,10 @@ def status_line(name: str, status: dict[str, Any], last_event: dict[str, Any] | 
         reason = status.get("error") or "the trainer stopped without saying why; see the engine log below"
         head += f": {reason}"
     parts = [head, f"step {step}/{max_steps}" if max_steps else f"step {step}"]
-    if status.get("alive") or state in ("launching", "starting", "loading", "caching", "training", "sampling",
-                                        "saving"):
+    if state == "paused":  # a paused run has no arrival time; its speed is still worth knowing
+        parts.append(speed(status.get("sec_per_step")))
+    elif status.get("alive") or state in ("launching", "starting", "loading", "caching", "training", "sampling",
+                                          "saving"):
         parts += [speed(status.get("sec_per_step")), f"ETA {duration(status.get('eta_seconds'))}"]
     if isinstance(status.get("loss"), (int, float)):
         parts.append(f"loss {status['loss']:.4g}")

@@ -5,7 +5,7 @@ from typing import Any
 
 import gradio as gr
 
-from . import compat
+from . import compat, persist
 from .context import UIContext
 from .form import Form
 from .schema import load_schema
@@ -27,14 +27,15 @@ def build_ui(settings: UISettings | None = None) -> gr.Blocks:
     with compat.make(gr.Blocks, title=TITLE, analytics_enabled=False, css=compat.TICK_CSS) as blocks:
         gr.Markdown(f"## {TITLE}\nRuns are saved in `{settings.runs_dir}`. Training runs in its own process: "
                     "closing this page or restarting the UI does not stop it.")
-        with gr.Tabs():
+        with compat.make(gr.Tabs, elem_id="stabletune-tabs"):
             for tab in TABS:
                 with make_tab(tab.TITLE):
                     tab.build(ctx)
         # Events are wired once every tab exists: tabs use each other's components (the form is everywhere).
         for tab in TABS:
             tab.wire(ctx)
-        _live(blocks, ctx)
+        after_restore = persist.wire(blocks, ctx)
+        _live(blocks, ctx, after_restore)
     blocks.stabletune_context = ctx  # for tests and hosts; Blocks accepts new attributes
     return blocks
 
@@ -43,7 +44,7 @@ def make_tab(title: str) -> Any:
     return compat.make(gr.Tab, label=title, elem_id="tab-" + title.split()[0].lower())
 
 
-def _live(blocks: gr.Blocks, ctx: UIContext) -> None:
+def _live(blocks: gr.Blocks, ctx: UIContext, after_restore: Any) -> None:
     """One periodic refresh for every live tab; a per-browser `seen` state lets each tab skip sending
     what the browser already shows. Each browser follows its own run: the one its Train dropdown shows
     (`seen["run"]`), else the newest run this UI started or found."""
@@ -66,5 +67,5 @@ def _live(blocks: gr.Blocks, ctx: UIContext) -> None:
         return [*result, state]
 
     compat.every(blocks, ctx.settings.refresh_seconds, refresh, inputs, [*outputs, seen])
-    # First paint without waiting for the first tick.
-    compat.listen(blocks.load, refresh, inputs, [*outputs, seen], show_progress="hidden")
+    # First paint without waiting for the first tick, once the browser's saved run and form are back.
+    after_restore(refresh, inputs, [*outputs, seen])

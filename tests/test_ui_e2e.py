@@ -302,3 +302,132 @@ def test_demo_start_monitor_samples_stop_and_start_again(app_url) -> None:
     checkpoints = [c for c in (run / "checkpoints").glob("step_*") if (c / "manifest.json").exists()]
     assert checkpoints, "Stop must save a checkpoint"
     assert list((run / "output").glob("*.safetensors")), "Stop must export the LoRA"
+
+
+def choose(page, selector: str, option: str) -> None:
+    """Pick `option` in the Gradio dropdown at `selector`."""
+    page.locator(f"{selector} input").first.click()
+    page.get_by_role("option", name=option, exact=True).click()
+    page.locator(f"{selector} input").first.press("Tab")
+
+
+def field_value(page, name: str) -> str:
+    """What a form field shows, opening its accordion first if it is closed (closed ones are not rendered)."""
+    box = page.locator(f"#field-{name} input, #field-{name} textarea").first
+    if not box.count() or not box.is_visible():
+        page.locator(f"#group-{GROUP_OF[name]} .label-wrap").first.click()
+        box.wait_for(state="visible", timeout=5000)
+    return box.input_value()
+
+
+def followed_run(page) -> str:
+    """The run named in bold at the head of the Train status line."""
+    return page.locator("#train-status strong").first.inner_text()
+
+
+def tab_open(page, title: str) -> bool:
+    return page.get_by_role("tab", name=title, exact=True).get_attribute("aria-selected") == "true"
+
+
+def test_reload_keeps_form_and_tab_and_each_browser_follows_its_own_run(tmp_path: Path) -> None:
+    """Issue 12.5: a page reload keeps the form values, the open tab and the followed run; attaching a run
+    in one browser does not switch another browser's view (separate browser contexts = separate browsers)."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    server = serve_app(tmp_path)
+    url, runs = next(server)
+    try:
+        for name in ("run-a", "run-b"):  # run-b is newer: the default a fresh page follows
+            fake_live_run(runs, name, sleeper.pid).metric(1, loss=0.5)
+            time.sleep(0.05)
+        with sync_api.sync_playwright() as p:
+            browser = launch_browser(p)
+            first = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+            first.goto(url)
+            open_tab(first, "Model & hyperparameters")
+            first.locator("#field-lora_rank input").first.wait_for(timeout=30_000)  # the tab has rendered
+            set_field(first, "lora_rank", "8")
+            choose(first, "#field-lr_scheduler", "cosine")
+            set_field(first, "output_name", "kept-name")
+            open_tab(first, "Runs")
+            first.wait_for_timeout(500)
+            first.reload()
+            first.wait_for_function("() => { const t = [...document.querySelectorAll('[role=tab]')]"
+                                    ".find(t => t.innerText.trim() === 'Runs'); "
+                                    "return t && t.getAttribute('aria-selected') === 'true'; }", timeout=30_000)
+            open_tab(first, "Model & hyperparameters")
+            values = {name: field_value(first, name) for name in ("lora_rank", "lr_scheduler", "output_name")}
+            assert values == {"lora_rank": "8", "lr_scheduler": "cosine", "output_name": "kept-name"}
+            shoot(first, "reload-kept-form")
+
+            second = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+            second.goto(url)
+            open_tab(second, "Train")
+            wait_text(second, "#train-status", "run-b", 30)
+            open_tab(first, "Runs")
+            first.locator("#runs-refresh").click()  # the runs were made after the page was built
+            settle(first)
+            choose(first, "#runs-choice", "run-a")
+            first.locator("#runs-attach").click()
+            open_tab(first, "Train")
+            wait_text(first, "#train-status strong", "run-a", 30)
+            second.wait_for_timeout(3000)  # several refresh ticks of the second browser
+            assert followed_run(second) == "run-b"
+            assert not tab_open(second, "Runs")  # the first browser's tab is not the second's
+
+            choose(second, "#train-run", "run-a")
+            wait_text(second, "#train-status strong", "run-a", 30)
+            choose(first, "#train-run", "run-b")
+            wait_text(first, "#train-status strong", "run-b", 30)
+            second.wait_for_timeout(3000)
+            assert followed_run(second) == "run-a"
+            second.reload()
+            open_tab(second, "Train")
+            second.wait_for_timeout(3000)
+            assert followed_run(second) == "run-a"  # the followed run survives a reload too
+            open_tab(second, "Model & hyperparameters")
+            assert field_value(second, "lora_rank") == "16"  # the first browser's form is not the second's
+            browser.close()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        next(server, None)
+
+
+def test_reload_keeps_form_and_tab_on_gradio_341(tmp_path: Path) -> None:
+    """Issue 12.5 on A1111's Gradio 3.41 (no tab events, no ARIA tab roles): the same browser script keeps
+    a form value and the open tab across a reload."""
+    python = ROOT / ".venv-g341" / "bin" / "python"
+    require(python.exists(), f"{python} does not exist")
+    real = sys.executable
+    sys.executable = str(python)  # serve_app starts app.py with this interpreter
+    try:
+        server = serve_app(tmp_path)
+        url, _ = next(server)
+    finally:
+        sys.executable = real
+
+    def tab(page, title: str) -> None:
+        page.locator(".tab-nav button", has_text=title).first.click()
+        page.wait_for_timeout(300)
+
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = launch_browser(p)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(url)
+            page.locator("#train-status").filter(has_text="No run attached").first.wait_for(state="attached",
+                                                                                          timeout=60_000)
+            tab(page, "Model & hyperparameters")
+            set_field(page, "lora_rank", "8")
+            tab(page, "Runs")
+            page.wait_for_timeout(500)
+            page.reload()
+            page.wait_for_function("() => [...document.querySelectorAll('#stabletune-tabs .tab-nav button')]"
+                                   ".some(b => b.innerText.trim() === 'Runs' && b.classList.contains('selected'))",
+                                   timeout=30_000)
+            tab(page, "Model & hyperparameters")
+            page.wait_for_function("() => { const i = document.querySelector('#field-lora_rank input'); "
+                                   "return i && i.value === '8'; }", timeout=30_000)
+            browser.close()
+    finally:
+        next(server, None)

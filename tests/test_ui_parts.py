@@ -228,7 +228,7 @@ def test_diagnostics_tab_is_live_and_draws_every_module_activations_and_val_loss
         append_jsonl(folder / "val_loss.jsonl", {"step": step, "val_loss": value})
     writer.event("early_stopping_trigger", "Validation loss rose.", step=15)
     seen = {"run": writer.paths.root}
-    info, module, spectrum, rank, activations, val, warnings = diag_tab.refresh(ui, seen, None, "var")
+    info, module, spectrum, rank, activations, val, warnings, *_ = diag_tab.refresh(ui, seen, None, "var")
     assert "9 modules" in info and module["value"] == sorted(names)[0]
     assert spectrum is not None and rank is not None and activations is not None
     rank_axes = rank.axes[0]
@@ -245,6 +245,81 @@ def test_diagnostics_tab_is_live_and_draws_every_module_activations_and_val_loss
     summary, loss, *_ = monitor.refresh(ui, {"run": writer.paths.root})
     assert set(loss["series"]) == {"loss", "loss (EMA)", "validation loss"}
     assert "best validation loss 0.4 at step 10" in summary
+
+
+def low_rank_spectra(modules: int = 4, rank: int = 16) -> list[list[float]]:
+    """Singular values of LoRAs that use ~5 of their `rank` directions: a steep head, a tiny tail."""
+    return [[(2.0 + m) * 0.35 ** i if i < 5 else 1e-4 for i in range(rank)] for m in range(modules)]
+
+
+def test_resize_offer_from_the_recorded_spectra_says_what_the_engine_says() -> None:
+    """Issue 13.9: the Diagnostics tab's sentence comes from RUN/diagnostics/spectra.jsonl without torch, and
+    it is the engine's `suggest_rank` sentence for the same numbers (newest step of each module)."""
+    from extension import resize_offer
+    from stabletune_core.lora.resize import suggest_rank
+    from stabletune_core.lora.svd import Spectrum
+
+    values = low_rank_spectra()
+    records = [{"step": 10, "module": f"m{i}", "sv": [1.0] * 16, "effective_rank": 16.0} for i in range(4)]
+    records += [{"step": 20, "module": f"m{i}", "sv": sv, "effective_rank": diagnostics.effective_rank(sv)}
+                for i, sv in enumerate(values)]
+    rank, sentence = resize_offer.suggest(records)
+    engine = suggest_rank([Spectrum(f"m{i}", sv, [v / sv[0] for v in sv], diagnostics.effective_rank(sv), 1.0,
+                                    1.0, 1.0) for i, sv in enumerate(values)])
+    assert sentence == engine and rank == 4
+    assert sentence.startswith("this LoRA uses ~") and "of its 16 ranks: resize to 4 keeps 99 %" in sentence
+    flat = [{"step": 1, "module": "m", "sv": [1.0] * 16, "effective_rank": 16.0}]
+    assert resize_offer.suggest(flat) is None  # every rank is used: nothing to offer
+
+
+def tiny_kohya_lora(path: Path, rank: int = 16, true_rank: int = 3) -> Path:
+    """A kohya-format LoRA file (two modules) whose updates have rank `true_rank`, written without torch."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for name, (out, inp) in {"lora_unet_a_to_q": (24, 32), "lora_unet_b_to_k": (32, 24)}.items():
+        low = rng.standard_normal((out, true_rank)) @ rng.standard_normal((true_rank, rank))
+        tensors[f"{name}.lora_up.weight"] = (0.1 * low).astype(np.float32)
+        tensors[f"{name}.lora_down.weight"] = rng.standard_normal((rank, inp)).astype(np.float32)
+        tensors[f"{name}.alpha"] = np.array(rank / 2, dtype=np.float32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"ss_network_dim": str(rank)})
+    return path
+
+
+def test_diagnostics_tab_offers_resize_and_its_button_runs_the_engine(ui) -> None:
+    """Issue 13.9: the live Diagnostics tab shows the offer and proposes the rank; the button runs
+    `python -m stabletune_core resize LORA --rank N` as an argv list in the engine's Python, which writes
+    LORA-rN.safetensors beside the LoRA and never overwrites (a second click says so)."""
+    from safetensors import safe_open
+
+    from extension import resize_offer
+    from extension.tabs import diagnostics as diag_tab
+    from stabletune_core.runs.jsonfiles import append_jsonl
+
+    writer = RunWriter(ui.settings.runs_dir / "resize-run")
+    writer.status("finished", step=20)
+    for i, sv in enumerate(low_rank_spectra()):
+        append_jsonl(writer.paths.diagnostics / "spectra.jsonl", {"step": 20, "module": f"m{i}", "singular_values": sv})
+    lora = tiny_kohya_lora(writer.paths.output / "style.safetensors")
+    *_, suggest, rank = diag_tab.refresh(ui, {"run": writer.paths.root}, None, "var")
+    assert "this LoRA uses ~" in suggest and "resize to 4 keeps 99 %" in suggest
+    assert "`style-r4.safetensors` beside `style.safetensors`" in suggest and rank["value"] == 4
+
+    argv = resize_offer.resize_command("/engine/python", lora, 4)
+    assert argv == ["/engine/python", "-m", "stabletune_core", "resize", str(lora), "--rank", "4"]
+    message = diag_tab._resize(ui, "resize-run", 4)
+    target = writer.paths.output / "style-r4.safetensors"
+    assert message.startswith("Resized to rank 4") and str(target) in message, message
+    with safe_open(str(target), "np") as f:
+        assert f.get_tensor("lora_unet_a_to_q.lora_down.weight").shape == (4, 32)
+    assert lora.exists()  # the original stays
+    before = target.stat().st_mtime_ns
+    again = diag_tab._resize(ui, "resize-run", 4)
+    assert again.startswith("⚠ Resize failed") and "already exists" in again and target.stat().st_mtime_ns == before
+    assert resize_offer.resize(sys.executable, None, 4).startswith("⚠ This run has no exported LoRA")
 
 
 def test_status_line() -> None:
@@ -383,6 +458,52 @@ def test_train_buttons_progress_and_eta_follow_the_state(ui, tmp_path: Path) -> 
     ui.hub.attach(None)
 
 
+def paused_timeline(run: Path, step_time: float = 0.5, pause: float = 600.0) -> float:
+    """metrics.jsonl and events.jsonl of 60 steps at `step_time` s/step with a `pause` after step 50, as the
+    engine writes them; returns the engine's own moving-average sec_per_step after step 60."""
+    at, last, average = 1_000_000.0, 1_000_000.0, None
+    metrics, events = [], []
+    for step in range(1, 61):
+        if step == 51:  # paused after step 50's metric, continued `pause` seconds later
+            events.append({"time": at + 0.01, "step": 50, "kind": "pause", "message": "Paused at step 50."})
+            at += 0.01 + pause
+            events.append({"time": at, "step": 50, "kind": "resume_run", "message": "Continuing from step 50."})
+        at += step_time
+        average = at - last if average is None else 0.9 * average + 0.1 * (at - last)  # the loop's formula
+        last = at
+        metrics.append({"step": step, "time": at, "loss": 0.1})
+    RunPaths(run).metrics.write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    RunPaths(run).events.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return average
+
+
+def test_eta_after_a_pause_counts_training_time_only(ui) -> None:
+    """Issue 12.7: right after a 10-minute pause the ETA is remaining steps x the true step time (the
+    engine's wall-time average would say hours); a paused run shows no ETA."""
+    import re
+
+    from extension import eta
+    from extension.tabs import train as train_tab
+
+    run = ui.settings.runs_dir / "paused-eta"
+    writer = RunWriter(run)
+    engine_average = paused_timeline(run)
+    assert engine_average > 20  # what status.json carries: the pause counted as step time
+    writer.status("training", step=60, max_steps=1000, sec_per_step=engine_average,
+                  eta_seconds=engine_average * 940)
+    line = train_tab.refresh(ui, {"run": run})[0]
+    hours, minutes, seconds = map(int, re.search(r"ETA (\d+):(\d\d):(\d\d)", line).groups())
+    assert abs(hours * 3600 + minutes * 60 + seconds - 940 * 0.5) <= 5, line
+    assert "2.00 it/s" in line
+    writer.status("paused", step=60)
+    assert "ETA" not in train_tab.refresh(ui, {"run": run})[0]
+    # An interval across an engine restart (model loading) is not a step either.
+    restarted = [{"step": 1, "time": 0.0}, {"step": 2, "time": 1.0}, {"step": 3, "time": 300.0},
+                 {"step": 4, "time": 301.0}]
+    assert eta.active_seconds_per_step(restarted, [{"time": 150.0, "kind": "resumed"}]) == 1.0
+    writer.status("stopped", step=60)
+
+
 def test_presets_saved_to_the_user_folder_model_hint_and_regularisers(ui, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 12.11: Save preset writes to the user's folder (not the repository's presets/), which the list
@@ -458,6 +579,23 @@ def test_each_browser_follows_its_own_run(ui) -> None:
         RunWriter(path).status("stopped", step=1)
 
 
+def test_reload_restores_only_what_the_form_still_accepts(ui) -> None:
+    """Issue 12.5: the values a browser saved come back on reload, except those that are no longer valid (a
+    dropdown choice that is gone, a deleted run, a value of the wrong type), which keep what the page shows."""
+    from extension import persist
+
+    RunWriter(ui.settings.runs_dir / "kept-run").status("stopped", step=1)
+    saved = {"lora_rank": 8, "lr_scheduler": "cosine", "optimizer": "no-such-optimizer", "output_name": 5,
+             "no_such_field": 1, persist.RUN_KEY: "kept-run", persist.TAB_KEY: "Runs"}
+    *fields, run = persist.restore(ui, json.dumps(saved))
+    shown = dict(zip(ui.form.names, fields))
+    assert shown["lora_rank"]["value"] == 8 and shown["lr_scheduler"]["value"] == "cosine"
+    assert shown["optimizer"] == {"__type__": "update"} and shown["output_name"] == {"__type__": "update"}
+    assert run["value"] == "kept-run"
+    assert persist.restore(ui, json.dumps({persist.RUN_KEY: "deleted-run"}))[-1] == {"__type__": "update"}
+    assert all(u == {"__type__": "update"} for u in persist.restore(ui, "not json"))
+
+
 def test_runs_tab_deletes_confirmed_loads_settings_and_zips_a_checkpoint(ui, tmp_path: Path) -> None:
     """Issue 12.9: delete needs the confirmation and never takes a dataset or model; a run's settings load
     into the form; the newest checkpoint downloads as a zip; the live column says yes or no."""
@@ -493,6 +631,25 @@ def test_runs_tab_deletes_confirmed_loads_settings_and_zips_a_checkpoint(ui, tmp
     assert "move that out first" in runs_tab._delete(ui, "holds-data", True)[0] and (inside / "imgs").exists()
     assert runs_tab._delete(ui, "old-run", True)[0].startswith("Deleted **old-run**")
     assert not run.exists() and data.exists() and tmp_path.exists()
+
+
+def test_runs_tab_says_how_to_open_tensorboard_logs(ui, tmp_path: Path) -> None:
+    """Issue 13.8: a run trained with report_to=tensorboard gets the command that opens its logs (the
+    folder the engine writes, RUN/tensorboard); a jsonl-only run gets no such line."""
+    from extension.tabs import runs as runs_tab
+
+    (tmp_path / "model_index.json").write_text("{}")
+    data = tmp_path / "data"
+    data.mkdir()
+    common = {"pretrained_model_name_or_path": str(tmp_path), "train_data_dir": str(data)}
+    logged = write_run_config({**common, "output_dir": str(ui.settings.runs_dir / "tb run"), "report_to": "tensorboard"})
+    plain = write_run_config({**common, "output_dir": str(ui.settings.runs_dir / "plain-run")})
+    assert "has written none yet" in runs_tab.tensorboard_hint(logged)  # asked, nothing written yet
+    (logged / "tensorboard").mkdir()
+    hint = runs_tab.tensorboard_hint(ui.run_path("tb run"))
+    assert f"`tensorboard --logdir '{logged / 'tensorboard'}'`" in hint  # quoted: the folder name has a space
+    assert runs_tab.tensorboard_hint(plain) == "" and runs_tab.tensorboard_hint(None) == ""
+    assert ui.parts["runs.tensorboard"] is not None
 
 
 def test_dead_engine_shows_failed_with_its_sentence_not_starting(tmp_path: Path) -> None:

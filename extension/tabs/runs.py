@@ -3,6 +3,7 @@ its LoRA or newest checkpoint, load its settings into the form, delete it (confi
 from __future__ import annotations
 
 import datetime
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ def build(ctx: UIContext) -> None:
     p["runs.message"] = make(gr.Markdown, value="", elem_id="runs-message")
     p["runs.files"] = make(gr.File, label="Files of the chosen run (click to download)", file_count="multiple",
                            interactive=False, elem_id="runs-files")
+    p["runs.tensorboard"] = make(gr.Markdown, value="", elem_id="runs-tensorboard")
 
 
 def table(ctx: UIContext) -> pd.DataFrame:
@@ -66,6 +68,25 @@ def _choose(ctx: UIContext, label: str | None) -> Any:
     reader = ctx.hub.reader(ctx.run_path(label)) if label else None
     files = [str(p) for p in reader.loras()] if reader else []
     return files or None
+
+
+def tensorboard_hint(run: Path | None) -> str:
+    """How to open the run's TensorBoard logs (report_to=tensorboard writes them under RUN/tensorboard)."""
+    if run is None:
+        return ""
+    folder = RunPaths(run).root / "tensorboard"
+    if folder.is_dir():
+        return (f"**TensorBoard logs** of this run: `tensorboard --logdir {shlex.quote(str(folder))}`, then open "
+                "http://localhost:6006 (loss, learning rate, grad norm, memory, validation loss, samples).")
+    try:
+        with open(RunPaths(run).config, "rb") as f:
+            asked = tomllib.load(f).get("report_to") in ("tensorboard", "all")
+    except (OSError, ValueError):
+        asked = False
+    if asked:
+        return ("This run asked for TensorBoard logs (report_to=tensorboard) but has written none yet; if it has "
+                "trained a step, its train.log says why (usually: the tensorboard package is missing).")
+    return ""
 
 
 def _attach(ctx: UIContext, label: str | None) -> list[Any]:
@@ -155,6 +176,8 @@ def wire(ctx: UIContext) -> None:
     listen(p["runs.refresh"].click, lambda label: _refresh(ctx, label), [p["runs.choice"]],
            [p["runs.table"], p["runs.choice"], p["runs.files"]])
     listen(p["runs.choice"].change, lambda label: _choose(ctx, label), [p["runs.choice"]], [p["runs.files"]])
+    listen(p["runs.choice"].change, lambda label: tensorboard_hint(ctx.run_path(label)), [p["runs.choice"]],
+           [p["runs.tensorboard"]])
     listen(p["runs.attach"].click, lambda label: _attach(ctx, label), [p["runs.choice"]],
            [p["runs.message"], p["train.run"]])
 

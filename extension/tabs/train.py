@@ -10,6 +10,7 @@ import gradio as gr
 
 from ..compat import listen, make, unchanged, update, user_change
 from ..context import UIContext
+from ..eta import with_eta
 from ..status import status_line
 from .model import accordions, check, group_marks, problems_text
 from stabletune_core.launch import LaunchError, spawn, write_run_config
@@ -144,8 +145,10 @@ def status_now(ctx: UIContext, run: Path | None) -> str:
     """The run's status line right away (not at the next refresh)."""
     if run is None:
         return status_line("", {"state": "none"}, None)
-    events = ctx.hub.reader(run).events()
-    return status_line(ctx.run_label(run), ctx.hub.status(run), events[-1] if events else None)
+    reader = ctx.hub.reader(run)
+    events = reader.events()
+    status = with_eta(ctx.hub.status(run), reader.metrics(), events)
+    return status_line(ctx.run_label(run), status, events[-1] if events else None)
 
 
 def _attach(ctx: UIContext, label: str | None) -> Any:
@@ -185,7 +188,7 @@ def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
     else:
         reader = ctx.hub.reader(run)
         events = reader.events()
-        status = ctx.hub.status(run)
+        status = with_eta(ctx.hub.status(run), reader.metrics(), events)  # the speed without paused time
         line = status_line(ctx.run_label(run), status, events[-1] if events else None)
         note = ctx.settings.run_note(run) if ctx.settings.run_note else None
         line += f"\n\n{note}" if note else ""

@@ -67,6 +67,12 @@ class TrainConfig(BaseModel):
     train_data_dir: str = knob(
         "", "Folder of training images with same-name .txt captions; kohya 'N_name' subfolders repeat "
         "their images N times.", "data", aliases=("dataset",))
+    reg_data_dir: Optional[str] = knob(
+        None, "Folder of regularisation (class) images for prior preservation, with the same rules as "
+        "train_data_dir (captions, 'N_name' repeats). Each epoch sees as many of them as instance images, cycled "
+        "to fill, mixed into the batches as kohya does. Empty = none.", "data")
+    prior_loss_weight: float = knob(1.0, "Weight of the regularisation images' loss (prior preservation); "
+                                    "instance images keep weight 1.", "data", ge=0.0, le=100.0)
     caption_extension: str = knob(".txt", "Extension of the caption files next to the images.", "data")
     default_caption: str = knob("", "Caption for images without a caption file.", "data")
     resolution: int = knob(512, "Training resolution in pixels (the side of the square bucket).", "data",
@@ -483,6 +489,22 @@ def alias_table() -> dict[str, str]:
     return table
 
 
+def _reg_dir_problems(config: TrainConfig, data: Path | None) -> list[str]:
+    """reg_data_dir must be a folder of its own: inside the training folder its images would be trained twice."""
+    if not config.reg_data_dir:
+        return []
+    reg = Path(config.reg_data_dir).expanduser()
+    if not reg.exists():
+        return [f"Regularisation folder {reg} does not exist; choose the folder of class images or leave "
+                "reg_data_dir empty."]
+    if not reg.is_dir():
+        return [f"Regularisation path {reg} is a file, not a folder; choose the folder of class images."]
+    if data is not None and data.is_dir() and reg.resolve().is_relative_to(data.resolve()):
+        return [f"Regularisation folder {reg} is inside the training folder {data} (or is it), so its images "
+                "would also train as instance images; move the class images to a folder of their own."]
+    return []
+
+
 def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
     """Problems with the world outside the config (folders, files, disk), one sentence each.
 
@@ -496,6 +518,7 @@ def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
         problems.append(f"Dataset folder {data} does not exist; choose the folder that holds your images.")
     elif not data.is_dir():
         problems.append(f"Dataset path {data} is a file, not a folder; choose the folder that holds your images.")
+    problems += _reg_dir_problems(config, data)
     model = config.pretrained_model_name_or_path
     if need_model:
         if not model:

@@ -286,6 +286,7 @@ class DatasetView:
             tag_dropout=self.tag_dropout,
         )
         out["path"] = item.path
+        out["is_reg"] = item.is_reg
         out["original_size"] = original_size
         out["crop_top_left"] = crop_top_left
         out["target_size"] = (bucket[1], bucket[0])

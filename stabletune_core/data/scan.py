@@ -55,6 +55,7 @@ class DataItem:
     repeats: int
     width: int
     height: int
+    is_reg: bool = False  # a regularisation (class) image: its loss is weighted by prior_loss_weight
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,16 @@ class DatasetScan:
     items: list[DataItem] = field(default_factory=list)
     skipped: list[SkippedFile] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the folder names made the scan do (0_ folders)
+
+    def reg_dataset_dirs(self) -> dict[str, dict[str, int]]:
+        """kohya's `ss_reg_dataset_dirs`: {folder name: {"n_repeats", "img_count"}} of the reg images."""
+        dirs: dict[str, dict[str, int]] = {}
+        for item in self.items:
+            if item.is_reg:
+                entry = dirs.setdefault(item.path.parent.name, {"n_repeats": 0, "img_count": 0})
+                entry["n_repeats"] = max(entry["n_repeats"], item.repeats)
+                entry["img_count"] += 1
+        return dirs
 
     @property
     def total_with_repeats(self) -> int:
@@ -96,6 +107,8 @@ class DatasetScan:
         """
         frequency: dict[str, dict[str, int]] = {}
         for item in self.items:
+            if item.is_reg:  # class images live outside root and are not what the LoRA is about
+                continue
             relative = item.path.relative_to(self.root)
             folder = relative.parts[0] if len(relative.parts) > 1 else self.root.name
             tags = frequency.setdefault(folder, {})

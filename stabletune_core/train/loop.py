@@ -29,6 +29,7 @@ from ..config import ConfigError, TrainConfig, check_inputs
 from ..data.dataset import (BatchFeed, BucketBatchSampler, DatasetView, EmbeddingCache, LatentCache,
                             derive_seed, module_fingerprint)
 from ..data.masks import batch_loss_mask, masks_note
+from ..data.reg import merge_reg, scan_reg_images
 from ..data.scan import scan_dataset
 from ..cache import cache_root
 from ..lora.export import export_kohya_lora
@@ -43,7 +44,7 @@ from .guards import Guard, make_guards
 from .checkpoint import (Checkpoint, CheckpointError, latest_good_checkpoint, load_checkpoint, prune_checkpoints,
                          remove_stale_temporaries, save_checkpoint)
 from .outcome import RunFailed
-from .loss import add_noise, diffusion_loss, target_for
+from .loss import LossParts, add_noise, diffusion_loss, prior_weights, target_for
 from .memory import memory_stats
 from .ema import AdapterEMA, optional_swap
 from .optim import evaluation_weights, make_lr_scheduler, make_optimizer, optimizer_problems, unet_param_groups
@@ -106,6 +107,7 @@ class Session:
     resume_from: Any = None  # the checkpoint setup found to resume from (read before any model loaded)
     checkpoint_failures: int = 0  # checkpoints in a row that could not be written (a full disk)
     ema: AdapterEMA | None = None  # ema_decay > 0: the moving average of the adapter weights
+    loss_parts: LossParts = field(default_factory=LossParts)  # this step's instance / prior loss (reg_data_dir)
 
     @property
     def device(self) -> torch.device:
@@ -242,6 +244,13 @@ def setup(config: TrainConfig) -> Session:
         run.event("validation_split", f"Held {len(held_out)} of {len(held_out) + len(scan.items)} images out of "
                   f"training to measure validation loss on ({how}; set validation_split = 0 to train on all).",
                   held_out=[str(item.path) for item in held_out])
+    if config.reg_data_dir:  # after the split: held-out images are instance images only
+        reg = scan_reg_images(Path(config.reg_data_dir), scan.total_with_repeats, config.default_caption,
+                              config.caption_extension)
+        run.event("reg_images", f"Prior preservation: {len(reg.items)} regularisation image(s) from "
+                  f"{config.reg_data_dir}, {reg.total_with_repeats} per epoch, loss weight {config.prior_loss_weight}.",
+                  console=True)
+        scan = merge_reg(scan, reg)
     data = DatasetView.from_config(scan, config)
     for note in data.notes:
         run.event("data", note)
@@ -449,6 +458,7 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
         images, perceptual_count = (int(n) for n in agree_across_ranks(s, [images, perceptual_count], failure))
     unet = s.trained["unet"]
     loss_sum = torch.zeros((), device=s.device)
+    s.loss_parts.reset()  # a retry after an out-of-memory error starts the step's parts again
     try:
         with contextlib.ExitStack() as no_sync:  # with several processes, gradients are summed once, below
             for module in s.trained.values():
@@ -460,10 +470,13 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
                                 encoder_hidden_states=cond.encoder_hidden_states,
                                 added_cond_kwargs=cond.added_cond_kwargs).sample
                 mask = batch["latent_mask"]
-                loss = diffusion_loss(pred, target[rows], s.bundle.noise_scheduler, timesteps[rows],
-                                      prediction_type=s.bundle.prediction_type, snr_gamma=s.config.snr_gamma,
-                                      debiased=s.config.debiased_estimation_loss,
-                                      mask=None if mask is None else mask[rows]).sum()
+                per_sample = diffusion_loss(pred, target[rows], s.bundle.noise_scheduler, timesteps[rows],
+                                            prediction_type=s.bundle.prediction_type, snr_gamma=s.config.snr_gamma,
+                                            debiased=s.config.debiased_estimation_loss,
+                                            mask=None if mask is None else mask[rows])
+                is_reg = batch["is_reg"][rows]
+                s.loss_parts.add(per_sample, is_reg)
+                loss = (per_sample * prior_weights(is_reg, s.config.prior_loss_weight, per_sample.device)).sum()
                 objective = loss / images
                 if chosen:  # joins the gradients as lambda x the step's mean LPIPS, not the reported loss
                     objective = objective + s.perceptual.term(s, batch, rows, chosen, pred, noisy[rows],
@@ -724,6 +737,9 @@ def training_metadata(s: Session) -> dict[str, str]:
         "ss_resolution": f"({config.resolution}, {config.resolution})",
         "modelspec.resolution": f"{config.resolution}x{config.resolution}",
         "ss_tag_frequency": json.dumps(s.data.scan.tag_frequency()),
+        "ss_reg_dataset_dirs": json.dumps(s.data.scan.reg_dataset_dirs()),
+        "ss_num_reg_images": str(sum(item.is_reg for item in s.data.items)),
+        "ss_prior_loss_weight": str(config.prior_loss_weight),
         "ss_training_started_at": str(s.run._started),
         "ss_training_finished_at": str(time.time()),
         "ss_steps": str(s.state.step),
@@ -745,7 +761,7 @@ def training_metadata(s: Session) -> dict[str, str]:
         "ss_ip_noise_gamma": str(config.ip_noise_gamma or None),
         "ss_debiased_estimation": str(config.debiased_estimation_loss),
         "ss_network_dropout": str(config.lora_dropout),
-        "ss_num_train_images": str(len(s.data)),
+        "ss_num_train_images": str(sum(not item.is_reg for item in s.data.items)),
         "stabletune_config": json.dumps(shareable_config(config)),
     }
 
@@ -816,6 +832,8 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
             metrics = dict(loss=loss, lr=s.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
                            clip_threshold=None, epoch=state.epoch, images_seen=state.images_seen,
                            sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
+            if s.config.reg_data_dir:
+                metrics.update(s.loss_parts.means())
             verdicts = [guard.after_step(s, metrics) for guard in s.guards]
             if state.step % s.config.logging_steps == 0 or state.step == s.max_steps:
                 logged = {**metrics, **memory_stats(s.device)}

@@ -87,3 +87,31 @@ def debiased_weight(scheduler, timesteps: torch.Tensor, prediction_type: str) ->
     1/(SNR+1)), SNR capped at 1000 so the first timesteps do not vanish entirely."""
     ratio = torch.clamp(snr(scheduler, timesteps), max=1000)
     return 1 / (ratio + 1) if prediction_type == "v_prediction" else 1 / ratio.sqrt()
+
+
+def prior_weights(is_reg: list[bool], prior_loss_weight: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per-sample loss weights: 1 for instance images, prior_loss_weight for regularisation (class) images."""
+    return torch.tensor([prior_loss_weight if reg else 1.0 for reg in is_reg], device=device)
+
+
+class LossParts:
+    """The step's unweighted loss split into instance and prior (regularisation) images, for the metrics.
+
+    A part no image of the step belongs to is left out, never logged as NaN or 0.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._sums = {"loss_instance": 0.0, "loss_prior": 0.0}
+        self._counts = {"loss_instance": 0, "loss_prior": 0}
+
+    def add(self, per_sample: torch.Tensor, is_reg: list[bool]) -> None:
+        for value, reg in zip(per_sample.detach().float().tolist(), is_reg, strict=True):
+            name = "loss_prior" if reg else "loss_instance"
+            self._sums[name] += value
+            self._counts[name] += 1
+
+    def means(self) -> dict[str, float]:
+        return {name: self._sums[name] / count for name, count in self._counts.items() if count}

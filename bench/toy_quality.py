@@ -1,0 +1,304 @@
+"""Quality per minute, side by side: what StableTune's defaults and diffusers' example script have learned
+after the same wall-clock budgets, on the toy base.
+
+Both trainers get the toy base (stabletune_core/toy), the demo dataset (12 purple shapes + 24 shapes in the
+colours the base knows, the same images and captions), seed 7, 64 px, LoRA rank 8 and batch 4, and the same
+number of CPU threads. StableTune runs `presets/demo.toml` (its defaults for this world); the peer,
+diffusers' `examples/text_to_image/train_text_to_image_lora.py`, runs with its own defaults except those
+(learning rate: 1e-4 as its README recommends for LoRA, and a second row at 1e-3, StableTune's UNet rate).
+
+How the budgets are measured: each trainer runs once, as its own process, for the largest budget, and saves
+a snapshot every `--snapshot_steps` steps (StableTune: `save_steps`, its checkpoints; the peer:
+`--checkpointing_steps`, whose accelerate states hold a `pytorch_lora_weights.safetensors`). A snapshot
+belongs to a budget when its last file was written within that many seconds of the process start, so
+start-up (imports, model load, dataset preparation, StableTune's first validation images) and the time spent
+writing snapshots count against each trainer. After the runs, each budget's snapshot is loaded into a fresh
+toy pipeline with diffusers' `load_lora_weights` (StableTune's checkpoints are first exported to its
+kohya-format LoRA with `python -m stabletune_core export`) and scored by the toy world's colour judge:
+concept % = purple images among the purple prompts', base % = the right colour among the base prompts'.
+
+    python bench/toy_quality.py --peer-script /tmp/peer/train_text_to_image_lora.py \\
+        --peer-pythonpath /tmp/peerlib --budgets 1,2,4 --threads 2 --out /tmp/toy-quality
+
+The peer script is never committed here; `--peer-pythonpath` is a folder with what it needs that StableTune
+does not ship (`datasets` and its pyarrow, dill, xxhash, multiprocess).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+PRESET = ROOT / "presets" / "demo.toml"
+SCORE_SEEDS_PER_PROMPT = 4  # seeds 1000..1003, as tests/test_toy_learning.py scores the demo's LoRA
+PEER_LEARNING_RATES = (1e-4, 1e-3)
+STOP_GRACE_S = 30
+
+
+# ------------------------------------------------------------------------------------------------- data
+def dataset_images(dataset: Path) -> list[tuple[Path, str]]:
+    """(image, caption) for every image of a StableTune dataset folder (captions in same-name .txt files)."""
+    images = sorted(p for p in Path(dataset).rglob("*.png"))
+    return [(p, p.with_suffix(".txt").read_text(encoding="utf-8").strip()) for p in images]
+
+
+def write_imagefolder(images: list[tuple[Path, str]], target: Path) -> Path:
+    """The same images and captions as a 🤗 datasets imagefolder: the files, flat, and a metadata.jsonl of
+    {"file_name", "text"}. Each name keeps its sub-folder (e.g. `1_purple__purple_circle_000.png`), so the
+    concept images and the prior images cannot collide. Refuses a folder that is not empty."""
+    target = Path(target)
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target} is not empty; give the bench a new --out folder.")
+    target.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for path, caption in images:
+        name = f"{path.parent.name}__{path.name}"
+        (target / name).write_bytes(path.read_bytes())
+        lines.append(json.dumps({"file_name": name, "text": caption}))
+    (target / "metadata.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return target
+
+
+# ---------------------------------------------------------------------------------------------- budgets
+@dataclass(frozen=True)
+class Snapshot:
+    step: int
+    seconds: float  # from the trainer's process start to the snapshot's last written file
+    path: Path
+
+
+def parse_budgets(text: str) -> list[float]:
+    """'1,2,4' -> [1.0, 2.0, 4.0] minutes, sorted; a clear sentence for anything else."""
+    try:
+        budgets = sorted(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise SystemExit(f"--budgets {text!r} is not a comma-separated list of minutes, e.g. 1,2,4.") from None
+    if not budgets or budgets[0] <= 0:
+        raise SystemExit(f"--budgets {text!r} needs at least one budget, each above 0 minutes.")
+    return budgets
+
+
+def snapshot_within(snapshots: list[Snapshot], budget_s: float) -> Snapshot | None:
+    """The furthest snapshot written within `budget_s` seconds of the start, or None if none was."""
+    inside = [s for s in snapshots if s.seconds <= budget_s]
+    return max(inside, key=lambda s: s.step) if inside else None
+
+
+def written_at(folder: Path) -> float:
+    """When the last file of a snapshot folder was written (its mtime)."""
+    return max(p.stat().st_mtime for p in Path(folder).rglob("*") if p.is_file())
+
+
+def snapshots(parent: Path, pattern: str, started: float) -> list[Snapshot]:
+    """The snapshot folders under `parent` whose name matches `pattern` (one group: the step)."""
+    found = []
+    for folder in Path(parent).glob("*"):
+        match = re.fullmatch(pattern, folder.name)
+        if match and folder.is_dir() and any(folder.iterdir()):
+            found.append(Snapshot(int(match.group(1)), written_at(folder) - started, folder))
+    return sorted(found, key=lambda s: s.step)
+
+
+# ----------------------------------------------------------------------------------------------- launch
+def thread_env(threads: int, pythonpath: str | None = None) -> dict[str, str]:
+    """The same thread count for every trainer, offline, and the peer's extra site folder if any."""
+    paths = [str(ROOT)] + ([pythonpath] if pythonpath else [])
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def stabletune_command(model: Path, data: Path, run_dir: Path, snapshot_steps: int) -> list[str]:
+    """StableTune's demo preset as it ships; only where and how often it saves are the bench's."""
+    return [sys.executable, "-m", "stabletune_core", "train", "--config", str(PRESET),
+            "--pretrained_model_name_or_path", str(model), "--train_data_dir", str(data),
+            "--output_dir", str(run_dir), "--save_steps", str(snapshot_steps),
+            "--checkpoints_total_limit", "100000"]
+
+
+def peer_command(script: Path, model: Path, data: Path, out: Path, learning_rate: float, snapshot_steps: int,
+                 preset: dict) -> list[str]:
+    """The diffusers example with its own defaults, except what must match StableTune's run."""
+    return [sys.executable, str(script), "--pretrained_model_name_or_path", str(model),
+            "--train_data_dir", str(data), "--output_dir", str(out), "--cache_dir", str(out / "hf-cache"),
+            "--resolution", str(preset["resolution"]), "--rank", str(preset["lora_rank"]),
+            "--seed", str(preset["seed"]), "--train_batch_size", str(preset["train_batch_size"]),
+            "--learning_rate", str(learning_rate), "--checkpointing_steps", str(snapshot_steps)]
+
+
+def run_for(command: list[str], env: dict[str, str], seconds: float, log: Path) -> float:
+    """Run `command` until it ends or `seconds` have passed (then stop it); returns its start time."""
+    with open(log, "w") as out:
+        started = time.time()
+        process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    return started
+
+
+# ------------------------------------------------------------------------------------------------ score
+def stabletune_lora(checkpoint: Path, env: dict[str, str]) -> Path:
+    """StableTune's checkpoint as its kohya-format LoRA file (what a user loads), via its own export."""
+    name = f"bench_{checkpoint.name}"
+    target = checkpoint.parent.parent / "output" / f"{name}.safetensors"
+    if not target.is_file():
+        subprocess.run([sys.executable, "-m", "stabletune_core", "export", str(checkpoint), "--name", name],
+                       env=env, cwd=ROOT, check=True, capture_output=True)
+    return target
+
+
+def peer_lora(checkpoint: Path) -> Path:
+    """The LoRA the peer's save hook wrote into its accelerate checkpoint."""
+    return checkpoint / "pytorch_lora_weights.safetensors"
+
+
+def score(model: Path, lora: Path | None) -> dict[str, float]:
+    """Concept and base colour scores of the toy base with `lora` (None: the base alone), in a fresh pipeline."""
+    import diffusers
+    import transformers
+
+    from stabletune_core.toy import load_toy_pipeline
+    from stabletune_core.toy.evaluate import base_report
+
+    for library in (diffusers, transformers):  # a line per loaded LoRA would bury the table
+        library.utils.logging.set_verbosity_error()
+        library.utils.logging.disable_progress_bar()
+    pipe = load_toy_pipeline(model)
+    if lora is not None:
+        pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
+    report = base_report(pipe, seeds_per_prompt=SCORE_SEEDS_PER_PROMPT)
+    return {"concept": report["concept_score"], "base": report["base_color_score"]}
+
+
+# ----------------------------------------------------------------------------------------------- report
+def markdown_table(rows: list[dict], budgets: list[float]) -> str:
+    """One line per trainer and budget: steps reached, concept %, base %."""
+    lines = ["| trainer | budget | load avg at start | steps | concept % | base % |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        for budget, cell in zip(budgets, row["budgets"]):
+            if cell is None:
+                lines.append(f"| {row['name']} | {budget:g} min | {row['load']:.2f} | 0 | (no snapshot yet) | |")
+            else:
+                lines.append(f"| {row['name']} | {budget:g} min | {row['load']:.2f} | {cell['step']} | "
+                             f"{cell['concept'] * 100:.0f} | {cell['base'] * 100:.0f} |")
+    return "\n".join(lines)
+
+
+def run_summary(row: dict) -> str:
+    """When a trainer's first and last snapshots were written: start-up cost and pace, in one line."""
+    found = row["snapshots"]
+    if not found:
+        return f"{row['name']}: no snapshot written"
+    (first_step, first_s), (last_step, last_s) = found[0], found[-1]
+    pace = (last_s - first_s) / (last_step - first_step) if last_step > first_step else float("nan")
+    return (f"{row['name']}: step {first_step} written at {first_s:.0f} s, last snapshot step {last_step} at "
+            f"{last_s:.0f} s ({pace:.3f} s/step in between, snapshots and validation included)")
+
+
+def check_peer(args: argparse.Namespace) -> None:
+    """The peer script and its `datasets` package are there: one sentence before any model loads."""
+    if not args.peer_script.is_file():
+        raise SystemExit(f"--peer-script {args.peer_script} is not a file; give the path of diffusers' "
+                         "examples/text_to_image/train_text_to_image_lora.py.")
+    found = subprocess.run([sys.executable, "-c", "import datasets"], env=thread_env(1, args.peer_pythonpath),
+                           capture_output=True)
+    if found.returncode:
+        raise SystemExit("The peer script needs the `datasets` package; install it into a folder of its own "
+                         "(pip install --no-deps --target DIR datasets pyarrow dill xxhash multiprocess) and "
+                         "pass --peer-pythonpath DIR.")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peer-script", type=Path, required=True,
+                        help="diffusers' examples/text_to_image/train_text_to_image_lora.py (never committed)")
+    parser.add_argument("--peer-pythonpath", default=None, help="extra site folder for the peer (datasets)")
+    parser.add_argument("--budgets", default="1,2,4", help="wall-clock budgets in minutes, comma-separated")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads of every trainer and of the scoring")
+    parser.add_argument("--snapshot-steps", type=int, default=10, help="steps between two saved LoRAs")
+    parser.add_argument("--out", type=Path, required=True, help="a new or empty folder for runs and results")
+    args = parser.parse_args()
+    budgets = parse_budgets(args.budgets)
+    check_peer(args)
+    if args.out.exists() and any(args.out.iterdir()):
+        raise SystemExit(f"--out {args.out} is not empty; give the bench a new folder (it never overwrites).")
+
+    import torch
+
+    from stabletune_core.config import read_toml
+    from stabletune_core.demo import demo_assets
+
+    torch.set_num_threads(args.threads)
+    preset = read_toml(PRESET)
+    model, data = demo_assets()
+    peer_data = write_imagefolder(dataset_images(data), args.out / "peer-data")
+    limit = budgets[-1] * 60
+    trainers = [("StableTune (presets/demo.toml)", "stabletune", None)]
+    trainers += [(f"diffusers example, lr {lr:g}", "peer", lr) for lr in PEER_LEARNING_RATES]
+
+    rows = []
+    for index, (name, kind, lr) in enumerate(trainers):
+        run_dir = args.out / f"run-{index}-{kind}"
+        load = os.getloadavg()[0]
+        print(f"{name}: running for {limit / 60:g} min (load average {load:.2f})", file=sys.stderr)
+        if kind == "stabletune":
+            env = thread_env(args.threads)
+            started = run_for(stabletune_command(model, data, run_dir, args.snapshot_steps), env, limit,
+                              args.out / f"run-{index}.log")
+            found = snapshots(run_dir / "checkpoints", r"step_(\d+)", started)
+        else:
+            env = thread_env(args.threads, args.peer_pythonpath)
+            command = peer_command(args.peer_script, model, peer_data, run_dir, lr, args.snapshot_steps, preset)
+            started = run_for(command, env, limit, args.out / f"run-{index}.log")
+            found = snapshots(run_dir, r"checkpoint-(\d+)", started)
+        rows.append({"name": name, "kind": kind, "load": load, "env": env,
+                     "snapshots": [(s.step, round(s.seconds, 1)) for s in found],
+                     "chosen": [snapshot_within(found, b * 60) for b in budgets]})
+
+    print("Scoring (fresh toy pipeline per LoRA) ...", file=sys.stderr)
+    base = score(model, None)
+    scored: dict[Path, dict[str, float]] = {}  # a run that ended early offers one snapshot to several budgets
+    for row in rows:
+        row["budgets"] = []
+        for snap in row.pop("chosen"):
+            if snap is None:
+                row["budgets"].append(None)
+                continue
+            if snap.path not in scored:
+                lora = stabletune_lora(snap.path, row["env"]) if row["kind"] == "stabletune" else peer_lora(snap.path)
+                scored[snap.path] = score(model, lora)
+            row["budgets"].append({"step": snap.step, "seconds": round(snap.seconds, 1), **scored[snap.path]})
+        del row["env"]
+
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+               "threads": args.threads, "budgets_min": budgets, "snapshot_steps": args.snapshot_steps,
+               "base_model": base, "rows": rows}
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"\nToy base without a LoRA: concept {base['concept'] * 100:.0f} %, base {base['base'] * 100:.0f} %; "
+          f"{args.threads} threads, snapshots every {args.snapshot_steps} steps, {results['date']}")
+    print(markdown_table(rows, budgets))
+    for row in rows:
+        print(run_summary(row))
+    print(f"\nRuns, logs and results.json: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..config import TrainConfig
-from .guards.base import Guard
+from .observers import NOTHING, Observation, Observer
 
 _WEIGHTS = {"alex": "AlexNet_Weights", "vgg": "VGG16_Weights", "squeeze": "SqueezeNet1_1_Weights"}
 
@@ -145,15 +145,15 @@ class Perceptual:
         return mean
 
 
-class PerceptualReport(Guard):
+class PerceptualReport(Observer):
     """Puts the step's mean LPIPS into the metrics as `perceptual` (the loss itself stays the diffusion loss)."""
 
     name = "perceptual"
 
-    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
+    def observe(self, s: Any) -> Observation:
         perceptual = getattr(s, "perceptual", None)
         if perceptual is not None:
             value = perceptual.take_mean()
             if value is not None:
-                metrics["perceptual"] = value
-        return None
+                return Observation({"perceptual": value})
+        return NOTHING

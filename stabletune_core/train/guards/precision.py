@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from .base import Guard
+from .base import Guard, GuardView, Verdicts
+from .verdicts import Event, SwitchPrecision
 
 SCALE_FLOOR = 2.0**-4
 
@@ -57,32 +58,32 @@ class PrecisionGuard(Guard):
         self.streak = 0
         self.switched_to: str | None = None
 
-    def on_start(self, s: Any) -> None:
-        if self.switched_to and s.accelerator.mixed_precision == "fp16":  # resumed after a fallback
-            switch_precision(s, self.switched_to)
-            s.run.event("precision", f"Continuing in {self.switched_to} as before the resume (fp16 overflowed).",
-                        step=s.state.step)
+    def on_start(self, view: GuardView) -> Verdicts:
+        if self.switched_to and view.mixed_precision == "fp16":  # resumed after a fallback
+            return (SwitchPrecision(self.switched_to, Event(
+                "precision", f"Continuing in {self.switched_to} as before the resume (fp16 overflowed).",
+                fields={"step": view.step})),)
+        return ()
 
-    def before_optimizer_step(self, s: Any, loss: float, grad_norm: float) -> bool:
-        if s.accelerator.scaler is not None:
+    def before_optimizer_step(self, view: GuardView, loss: float, grad_norm: float) -> Verdicts:
+        if view.scaler_active:
             self.streak = self.streak + 1 if grad_norm != grad_norm or abs(grad_norm) == float("inf") else 0
-        return True
+        return ()
 
-    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
-        scaler = s.accelerator.scaler
-        if scaler is None:
-            return None
-        scale = float(scaler.get_scale())
+    def after_step(self, view: GuardView, metrics: dict[str, Any]) -> Verdicts:
+        if not view.scaler_active:
+            return ()
+        scale = float(view.loss_scale)
         metrics["loss_scale"] = scale
-        if should_fall_back(self.streak, scale, self.max_skips):
-            target = fallback_precision()
-            switch_precision(s, target)
-            self.switched_to = target
-            s.run.event("precision", f"fp16 kept overflowing ({self.streak} skipped steps in a row, loss scale "
-                        f"{scale:g}); continuing in {'bf16' if target == 'bf16' else 'fp32'}.", step=s.state.step,
-                        precision=target)
-            self.streak = 0
-        return None
+        if not should_fall_back(self.streak, scale, self.max_skips):
+            return ()
+        target = fallback_precision()
+        event = Event("precision", f"fp16 kept overflowing ({self.streak} skipped steps in a row, loss scale "
+                      f"{scale:g}); continuing in {'bf16' if target == 'bf16' else 'fp32'}.",
+                      fields={"step": view.step, "precision": target})
+        self.switched_to = target
+        self.streak = 0
+        return (SwitchPrecision(target, event),)
 
     def state_dict(self) -> dict[str, Any]:
         return {"streak": self.streak, "switched_to": self.switched_to or ""}

@@ -1,7 +1,7 @@
 """The guards, one job each: units on real tensors and optimizers, then short real runs on the tiny model.
 
-GPU-only behaviour (fp16 GradScaler overflow and the bf16 fallback, VRAM after sampling, the preflight's
-micro-batch search) is tested at the bottom and skipped without CUDA.
+GPU-only behaviour (fp16 divergence on a GPU, VRAM after sampling, the preflight's micro-batch search) is tested
+at the bottom and skipped without CUDA; the fp16 fallback itself also runs on the CPU (test_amp.py).
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def test_repeated_nonfinite_steps_roll_back_weights_and_optimizer_and_lower_the_
     assert [e["what"] for e in events_of(tmp_path, "nonfinite")] == ["loss", "gradients"]
 
 
-# ---- precision fallback (decision logic; the switch itself needs a GPU, see the end of the file) --------
+# ---- precision fallback (decision logic; the switch itself: test_amp.py, and on a GPU the end of this file) -
 def test_fp16_fallback_decision():
     assert not should_fall_back(overflow_streak=3, scale=1024.0, max_skips=8)
     assert should_fall_back(overflow_streak=8, scale=1024.0, max_skips=8)

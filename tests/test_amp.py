@@ -55,6 +55,14 @@ def test_the_accelerator_runs_without_mixed_precision_and_our_object_owns_it(tin
         assert torch.get_autocast_dtype(s.device.type) == torch.float16
 
 
+def test_a_precision_the_device_cannot_run_is_refused_in_one_sentence():
+    from stabletune_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="mixed_precision fp16 is not available on meta; choose"):
+        MixedPrecision("fp16", "meta")
+    assert MixedPrecision("no", "meta").autocast() is not None  # fp32 needs nothing from the device
+
+
 # ---- the scaler's state ----------------------------------------------------------------------------------------
 def test_the_scaler_state_round_trips_reads_accelerates_checkpoints_and_goes_with_a_fallback():
     amp = MixedPrecision("fp16", "cpu")

@@ -23,9 +23,12 @@ Differences from accelerate, and why they do not matter here:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
+
+from ..config import ConfigError
 
 PRECISIONS = ("no", "fp16", "bf16")
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -39,13 +42,16 @@ class MixedPrecision:
             raise ValueError(f"mixed precision {precision!r} is not one of {', '.join(PRECISIONS)}")
         self.device_type = torch.device(device).type
         self.precision = precision
+        refused = unsupported(precision, self.device_type)
+        if refused:  # accelerate refused these when it owned mixed precision; so do we, in one sentence
+            raise ConfigError([refused])
         # Only fp16 needs a scaler: its 5-bit exponent underflows small gradients; bf16 has fp32's range.
         self.scaler: torch.amp.GradScaler | None = torch.amp.GradScaler(self.device_type) \
             if precision == "fp16" else None
         self._unscaled = False  # unscale_ ran since the scaler's last update (so skip() must update it)
 
     # ---- forward ---------------------------------------------------------------------------------------------
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self) -> AbstractContextManager[Any]:
         """The context a forward of the model runs in: autocast to fp16/bf16, or nothing for fp32."""
         dtype = AUTOCAST_DTYPES.get(self.precision)
         if dtype is None:
@@ -105,3 +111,15 @@ class MixedPrecision:
         scaler state arriving after a fallback is not needed: the run no longer scales its loss."""
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+def unsupported(precision: str, device_type: str) -> str | None:
+    """Why `precision` cannot run on this device, or None when it can."""
+    if precision == "no":
+        return None
+    if not torch.amp.is_autocast_available(device_type):
+        return f"mixed_precision {precision} is not available on {device_type}; choose mixed_precision no."
+    if precision == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        return ("mixed_precision bf16 needs a GPU with bf16 support (NVIDIA Ampere or newer), which this one is "
+                "not; choose fp16 (or no).")
+    return None

@@ -207,6 +207,7 @@ def setup(config: TrainConfig) -> Session:
     bad_checkpoints: list[str] = []
     resume_from = find_resume_checkpoint(config, bad_checkpoints.append)
     accelerator = Accelerator(mixed_precision="no")  # mixed precision is ours (amp.py): the fallback switches it
+    amp = MixedPrecision(config.mixed_precision, accelerator.device)  # refuses a dtype the device lacks, early
     previous = RunReader(config.output_dir).status()  # read before our own heartbeat replaces it
     run = RunWriter(config.output_dir, enabled=accelerator.is_main_process)
     run.status("starting", step=0)
@@ -316,7 +317,7 @@ def setup(config: TrainConfig) -> Session:
                       params=[p for g in groups for p in g["params"]], trained=trained,
                       state=TrainState(micro_batch_size=config.train_batch_size), max_steps=max_steps,
                       generator=torch.Generator().manual_seed(config.seed), weight_dtype=weight_dtype,
-                      amp=MixedPrecision(config.mixed_precision, device),
+                      amp=amp,
                       guards=make_guards(config), validation_items=held_out, resume_from=resume_from)
     if config.ema_decay > 0:
         session.ema = AdapterEMA(session.params, config.ema_decay, on_cpu=config.ema_on_cpu)

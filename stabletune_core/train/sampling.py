@@ -4,8 +4,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 import torch
 from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
@@ -46,7 +47,7 @@ def decode_latents(bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Path, device: torch.device,
                            *, resolution: int | None = None,
-                           autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> list[Path]:
+                           autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> list[Path]:
     """Render every validation prompt with every fixed seed into `folder` as p<prompt>_s<seed>.png.
 
     The pipeline stops at the latents and `decode_latents` makes the images, so fp16, bf16 and fp32 all work.
@@ -79,7 +80,7 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
 
 
 def _render(pipe, bundle: ModelBundle, prompts: list[str], config: TrainConfig, folder: Path, size: int,
-            extra: dict, autocast: Callable[[], ContextManager[Any]]) -> list[Path]:
+            extra: dict, autocast: Callable[[], AbstractContextManager[Any]]) -> list[Path]:
     paths = []
     for p, prompt in enumerate(prompts):
         for seed in sample_seeds(config):

@@ -141,7 +141,7 @@ class ActivationMonitor(Guard):
             with eval_mode(s):
                 noisy = scheduler.add_noise(probe.latents[0], probe.noise[0], probe.timesteps)
                 cond = fixed_conditioning(s, probe, [0])
-                with s.accelerator.autocast():
+                with s.amp.autocast():
                     s.trained["unet"](noisy.to(s.weight_dtype), probe.timesteps,
                                       encoder_hidden_states=cond.encoder_hidden_states,
                                       added_cond_kwargs=cond.added_cond_kwargs)

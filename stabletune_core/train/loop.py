@@ -40,6 +40,7 @@ from ..runs.reader import RunReader
 from ..runs.earlier import earlier_run
 from ..runs.writer import RunWriter
 from . import faults, signals
+from .amp import MixedPrecision
 from .guards import Guard, make_guards
 from .checkpoint import (Checkpoint, CheckpointError, latest_good_checkpoint, load_checkpoint, prune_checkpoints,
                          remove_stale_temporaries, save_checkpoint)
@@ -94,6 +95,7 @@ class Session:
     max_steps: int
     generator: torch.Generator  # noise and timesteps
     weight_dtype: torch.dtype
+    amp: MixedPrecision  # autocast and the fp16 loss scaler (amp.py), not accelerate's
     latent_cache: Any = None
     text_cache: Any = None
     guards: list[Guard] = field(default_factory=list)
@@ -204,7 +206,8 @@ def setup(config: TrainConfig) -> Session:
     prepare_run_dir(config)
     bad_checkpoints: list[str] = []
     resume_from = find_resume_checkpoint(config, bad_checkpoints.append)
-    accelerator = Accelerator(mixed_precision=config.mixed_precision)
+    accelerator = Accelerator(mixed_precision="no")  # mixed precision is ours (amp.py): the fallback switches it
+    amp = MixedPrecision(config.mixed_precision, accelerator.device)  # refuses a dtype the device lacks, early
     previous = RunReader(config.output_dir).status()  # read before our own heartbeat replaces it
     run = RunWriter(config.output_dir, enabled=accelerator.is_main_process)
     run.status("starting", step=0)
@@ -314,6 +317,7 @@ def setup(config: TrainConfig) -> Session:
                       params=[p for g in groups for p in g["params"]], trained=trained,
                       state=TrainState(micro_batch_size=config.train_batch_size), max_steps=max_steps,
                       generator=torch.Generator().manual_seed(config.seed), weight_dtype=weight_dtype,
+                      amp=amp,
                       guards=make_guards(config), validation_items=held_out, resume_from=resume_from)
     if config.ema_decay > 0:
         session.ema = AdapterEMA(session.params, config.ema_decay, on_cpu=config.ema_on_cpu)
@@ -395,7 +399,7 @@ def encode_text(s: Session, captions: list[str], *, grad: bool) -> dict[str, tor
     summed across ranks with the UNet's in `sum_gradients_across_ranks`; calling the DDP wrappers instead would
     broadcast the encoders' buffers (CLIP's position ids) inside every forward: a collective in the middle of a
     step, where a rank that ran out of memory would never meet it."""
-    with torch.set_grad_enabled(grad), s.accelerator.autocast():
+    with torch.set_grad_enabled(grad), s.amp.autocast():
         return s.bundle.family.encode_text(s.bundle, captions)
 
 
@@ -465,7 +469,7 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
                 no_sync.enter_context(s.accelerator.no_sync(module))
             for batch, rows, noisy, target, timesteps, chosen in work:
                 cond = conditioning_for(s, batch, rows)
-                with s.accelerator.autocast():
+                with s.amp.autocast():
                     pred = unet(noisy[rows].to(s.weight_dtype), timesteps[rows],
                                 encoder_hidden_states=cond.encoder_hidden_states,
                                 added_cond_kwargs=cond.added_cond_kwargs).sample
@@ -481,7 +485,7 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
                 if chosen:  # joins the gradients as lambda x the step's mean LPIPS, not the reported loss
                     objective = objective + s.perceptual.term(s, batch, rows, chosen, pred, noisy[rows],
                                                               timesteps[rows]) / perceptual_count
-                s.accelerator.backward(objective)
+                s.accelerator.backward(s.amp.scale(objective))
                 loss_sum += loss.detach().float()  # no .item() here: one device sync per step, not per micro-batch
     except torch.cuda.OutOfMemoryError as exc:
         if not several:
@@ -561,7 +565,7 @@ def clip_gradients(s: Session) -> float:
     """
     clip = s.guard("clipping")
     max_norm = clip.threshold() if clip else math.inf
-    s.accelerator.unscale_gradients()  # fp16: clip and check the true gradients, not the scaled ones
+    s.amp.unscale_(s.optimizer)  # fp16: clip and check the true gradients, not the scaled ones
     grads = [p.grad for p in s.params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)
     if math.isfinite(max_norm) and torch.isfinite(norm):
@@ -578,7 +582,7 @@ def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[float, flo
     grad_norm = clip_gradients(s)
     verdicts = [guard.before_optimizer_step(s, loss, grad_norm) for guard in s.guards]
     if all(verdicts):
-        s.optimizer.step()
+        s.amp.step(s.optimizer)
         if s.ema:
             s.ema.update()
     s.lr_scheduler.step()
@@ -619,9 +623,8 @@ def save(s: Session, reason: str) -> Path | None:
     s.run.status("saving", step=s.state.step)
     adapter = {f"{prefix}.{k}": v for prefix, module in s.trained.items()
                for k, v in lora_state_dict(s.accelerator.unwrap_model(module)).items()}
-    scaler = s.accelerator.scaler.state_dict() if s.accelerator.scaler is not None else {}
     state = {"train": s.state.as_dict(), "optimizer": s.optimizer.state_dict(),
-             "lr_scheduler": s.lr_scheduler.state_dict(), "scaler": scaler, "rng": rng_state(s),
+             "lr_scheduler": s.lr_scheduler.state_dict(), "scaler": s.amp.state_dict(), "rng": rng_state(s),
              "guards": {g.name: g.state_dict() for g in s.guards}, "ema": s.ema.state_dict() if s.ema else {}}
     try:
         folder = save_checkpoint(s.run.paths.checkpoint(s.state.step), s.state.step, adapter, state)
@@ -661,8 +664,7 @@ def resume(s: Session) -> None:
     state = checkpoint.state
     s.optimizer.load_state_dict(state["optimizer"])
     s.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    if s.accelerator.scaler is not None and state["scaler"]:
-        s.accelerator.scaler.load_state_dict(state["scaler"])
+    s.amp.load_state_dict(state["scaler"])
     s.state = TrainState(**state["train"])
     restore_rng(s, state["rng"])
     if s.ema and state.get("ema"):
@@ -911,7 +913,7 @@ def sample(s: Session, *, then: str = "training") -> None:
     s.run.status("sampling", step=s.state.step, max_steps=s.max_steps)
     folder = s.run.paths.sample_dir(s.state.step)
     with evaluation_weights(s.optimizer), optional_swap(s.ema, s.config.validation_with_ema):
-        paths = make_validation_images(s.bundle, s.config, folder, s.device)
+        paths = make_validation_images(s.bundle, s.config, folder, s.device, autocast=s.amp.autocast)
     s.run.event("samples", f"Made {len(paths)} validation images at step {s.state.step}.", step=s.state.step)
     if s.tensorboard:
         s.tensorboard.log_images(s.state.step, paths)

@@ -9,6 +9,7 @@ from diffusers.optimization import get_scheduler
 
 from ..config import TrainConfig
 from ..lora.inject import is_adapter_parameter
+from .schedule import LearningRateSchedule
 
 
 def make_optimizer(param_groups: list[dict], config: TrainConfig) -> torch.optim.Optimizer:
@@ -110,15 +111,17 @@ def evaluation_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 group["train_mode"] = mode
 
 
-def make_lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, max_steps: int):
+def make_lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, max_steps: int) -> LearningRateSchedule:
+    """diffusers' schedule for `config`, wrapped so that guards can lower the rate for good (schedule.py)."""
     name = config.lr_scheduler
     if config.optimizer == "adamw_schedulefree":  # it warms up itself; a schedule on top would undo its point
-        return get_scheduler("constant", optimizer=optimizer)
+        return LearningRateSchedule(optimizer, lambda o: get_scheduler("constant", optimizer=o))
     if name == "plateau":
         # Constant after the warm-up; the plateau guard lowers it when validation loss stalls.
         name = "constant_with_warmup"
-    return get_scheduler(name, optimizer=optimizer, num_warmup_steps=config.lr_warmup_steps,
-                         num_training_steps=max_steps, num_cycles=config.lr_num_cycles, power=config.lr_power)
+    return LearningRateSchedule(optimizer, lambda o: get_scheduler(
+        name, optimizer=o, num_warmup_steps=config.lr_warmup_steps, num_training_steps=max_steps,
+        num_cycles=config.lr_num_cycles, power=config.lr_power))
 
 
 def unet_block(name: str) -> str:

@@ -113,7 +113,7 @@ def build_fixed_set(s: Any, items: list[DataItem], timesteps: torch.Tensor, *, p
         out.sizes.append({k: example[k] for k in ("original_size", "crop_top_left", "target_size")})
         out.paths.append(str(item.path))
     if not config.train_text_encoder and items:
-        with on_device(s.bundle.text_encoders, s.device), s.accelerator.autocast():
+        with on_device(s.bundle.text_encoders, s.device), s.amp.autocast():
             text = s.bundle.family.encode_text(s.bundle, out.captions)
         out.text = [{k: v[i : i + 1].to(s.device) for k, v in text.items()} for i in range(len(items))]
     return out
@@ -148,7 +148,7 @@ def eval_mode(s: Any) -> Iterator[None]:
 
 
 def _conditioning(s: Any, captions: list[str], sizes: list[dict]) -> Any:
-    with s.accelerator.autocast():
+    with s.amp.autocast():
         text = s.bundle.family.encode_text(s.bundle, captions)
     return s.bundle.family.make_conditioning(s.bundle, text, sizes)
 
@@ -195,7 +195,7 @@ def _loss_of(s: Any, scheduler: Any, clean: torch.Tensor, noise: torch.Tensor, t
              cond: Any) -> torch.Tensor:
     noisy = scheduler.add_noise(clean, noise, timesteps)
     target = target_for(scheduler, s.bundle.prediction_type, clean, noise, timesteps)
-    with s.accelerator.autocast():
+    with s.amp.autocast():
         pred = s.trained["unet"](noisy.to(s.weight_dtype), timesteps, encoder_hidden_states=cond.encoder_hidden_states,
                                  added_cond_kwargs=cond.added_cond_kwargs).sample
     return diffusion_loss(pred, target, scheduler, timesteps, prediction_type=s.bundle.prediction_type,
@@ -214,7 +214,7 @@ def fixed_batch_loss(s: Any, batch: dict[str, Any], *, seed: int = 1234) -> floa
         noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, generator)
         target = target_for(s.bundle.noise_scheduler, s.bundle.prediction_type, latents, noise, timesteps)
         cond = conditioning_for(s, batch, slice(0, latents.shape[0]))
-        with s.accelerator.autocast():
+        with s.amp.autocast():
             pred = unet(noisy.to(s.weight_dtype), timesteps, encoder_hidden_states=cond.encoder_hidden_states,
                         added_cond_kwargs=cond.added_cond_kwargs).sample
         loss = diffusion_loss(pred, target, s.bundle.noise_scheduler, timesteps,

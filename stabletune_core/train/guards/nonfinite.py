@@ -43,12 +43,11 @@ class NonFiniteGuard(Guard):
             return True
         step = s.state.step + 1
         self.skipped += 1
-        scaler = s.accelerator.scaler
-        if scaler is not None:
-            scaler.update()  # the skipped optimizer.step would have done it: lower the loss scale
+        if s.amp.loss_scale is not None:
+            s.amp.skip()  # the skipped optimizer step would have done it: lower the loss scale
             if math.isfinite(loss):
                 s.run.event("fp16_overflow", f"Skipped step {step}: fp16 gradients overflowed; loss scale is now "
-                            f"{scaler.get_scale():g}.", step=step)
+                            f"{s.amp.loss_scale:g}.", step=step)
                 return False
         self.bad_in_a_row += 1
         what = "loss" if not math.isfinite(loss) else "gradients"
@@ -78,11 +77,7 @@ class NonFiniteGuard(Guard):
 
     def rollback(self, s: Any, step: int) -> None:
         source = self.restore(s)
-        bases = getattr(s.lr_scheduler, "base_lrs", None)  # the schedule's peak: the current rate is ~0 in warm-up
-        old_peak = float(bases[0]) if bases else None
-        old, new = scale_learning_rate(s, self.lr_factor, self.min_lr)
-        if old_peak is not None:
-            old, new = old_peak, float(bases[0])
+        old, new = scale_learning_rate(s, self.lr_factor, self.min_lr)  # peaks: the current rate is ~0 in warm-up
         self.rollbacks += 1
         s.run.event("rollback", f"{len(self.bad_steps)} non-finite steps within {self.window} steps (last at step "
                     f"{step}): {source}; learning rate {old:.3g} -> {new:.3g}.", step=step, old_lr=old, new_lr=new,

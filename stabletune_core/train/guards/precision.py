@@ -1,9 +1,10 @@
 """fp16 that keeps overflowing falls back to bf16 (where the GPU has it) or fp32, instead of wasting the run.
 
-accelerate's GradScaler already skips a step whose fp16 gradients overflow and halves its loss scale.
+The run's GradScaler (train/amp.py) already skips a step whose fp16 gradients overflow and halves its loss scale.
 Occasional skips are normal; a scale collapsing below `SCALE_FLOOR`, or `max_skips` overflowing steps in a
 row, means fp16 cannot represent this run. The guard then switches the frozen model to the fallback dtype,
 drops the scaler and carries on; the switch is kept in the guard state, so a resumed run switches again.
+Mixed precision is the engine's own object, not accelerate's, so the switch uses no private attributes.
 """
 from __future__ import annotations
 
@@ -26,17 +27,9 @@ def fallback_precision() -> str:
 
 
 def switch_precision(s: Any, precision: str) -> None:
-    """Run the rest of the training in `precision` ('bf16' or 'no'): recast the frozen model, drop the
-    scaler, and let accelerate's autocast follow. LoRA weights stay fp32 and are not touched."""
-    accelerator = s.accelerator
-    accelerator.state._mixed_precision = precision
-    accelerator.native_amp = precision != "no"
-    accelerator.scaler = None
-    for optimizer in accelerator._optimizers:
-        optimizer.scaler = None
-    for module in s.trained.values():
-        if hasattr(module, "_original_forward"):  # accelerate wrapped forward in an fp16 autocast
-            module.forward = module._original_forward
+    """Run the rest of the training in `precision` ('bf16' or 'no'): autocast follows and the scaler goes
+    (s.amp), and the frozen model is recast. LoRA weights stay fp32 and are not touched."""
+    s.amp.switch_to(precision)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     trained = {id(p) for p in s.params}
     for module in (s.bundle.unet, *s.bundle.text_encoders):
@@ -58,21 +51,20 @@ class PrecisionGuard(Guard):
         self.switched_to: str | None = None
 
     def on_start(self, s: Any) -> None:
-        if self.switched_to and s.accelerator.mixed_precision == "fp16":  # resumed after a fallback
+        if self.switched_to and s.amp.precision == "fp16":  # resumed after a fallback
             switch_precision(s, self.switched_to)
             s.run.event("precision", f"Continuing in {self.switched_to} as before the resume (fp16 overflowed).",
                         step=s.state.step)
 
     def before_optimizer_step(self, s: Any, loss: float, grad_norm: float) -> bool:
-        if s.accelerator.scaler is not None:
+        if s.amp.loss_scale is not None:
             self.streak = self.streak + 1 if grad_norm != grad_norm or abs(grad_norm) == float("inf") else 0
         return True
 
     def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
-        scaler = s.accelerator.scaler
-        if scaler is None:
+        scale = s.amp.loss_scale
+        if scale is None:  # not fp16, or already fallen back
             return None
-        scale = float(scaler.get_scale())
         metrics["loss_scale"] = scale
         if should_fall_back(self.streak, scale, self.max_skips):
             target = fallback_precision()

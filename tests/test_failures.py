@@ -409,9 +409,16 @@ def test_second_ctrl_c_exits_at_once(tiny_model, shapes_dataset, tmp_path):
                                                                   "--gradient_accumulation_steps", "16"])
     _wait_for_step(run, proc)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)
+    # Two signals that arrive while the main thread is inside one C call reach Python's handler once: send the
+    # second only after the first was heard.
+    heard = ""
+    while "finishing this step" not in heard:
+        line = proc.stderr.readline()
+        assert line, heard
+        heard += line
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
+    stderr = heard + stderr
     assert proc.returncode == 130
     assert "Traceback" not in stderr
     assert "second Ctrl-C" in stderr

@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 from stabletune_core.config import ConfigError, build_config
 from stabletune_core.lora.export import read_lora_metadata
 
+from webui_merge import trained_and_merged_outputs
+
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "conv1", "conv2"]  # attention, linear-ish and 3x3 conv
 
 
@@ -28,30 +30,6 @@ def webui_weight(weight: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.
         norm = norm.reshape(merged.shape[1], *[1] * (merged.dim() - 1)).transpose(0, 1)
         merged = merged * (parts["dora_scale"].double() / norm)
     return merged
-
-
-def merge_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], kohya_name) -> set[str]:
-    """Replace every weight the file names by the WebUIs' merged weight; returns the names applied."""
-    by_module: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        name, part = key.split(".", 1)
-        by_module.setdefault(name, {})[part] = value
-    applied = set()
-    with torch.no_grad():
-        for path, module in model.named_modules():
-            parts = by_module.get(kohya_name(path))
-            if parts is not None and hasattr(module, "weight"):
-                module.weight.copy_(webui_weight(module.weight, parts).to(module.weight.dtype))
-                applied.add(kohya_name(path))
-    return applied
-
-
-def unet_name(path: str) -> str:
-    return "lora_unet_" + path.replace(".", "_")
-
-
-def te_name(path: str) -> str:
-    return "lora_te_" + (path if path.startswith("text_model.") else "text_model." + path).replace(".", "_")
 
 
 def test_a_dora_layer_computes_the_webui_merged_weight_for_linear_and_conv():
@@ -89,7 +67,6 @@ def test_a_dora_layer_computes_the_webui_merged_weight_for_linear_and_conv():
 
 def test_exported_dora_file_reproduces_the_trained_model_by_the_webui_rule(tiny_config, tiny_model, one_thread):
     from stabletune_core.lora.layers import run_lora_layers
-    from stabletune_core.models import get_family
     from stabletune_core.train.loop import setup, train
 
     config = tiny_config(use_dora=True, unet_lora_targets=TARGETS, train_text_encoder=True, lora_rank=4,
@@ -112,30 +89,12 @@ def test_exported_dora_file_reproduces_the_trained_model_by_the_webui_rule(tiny_
     spectra = Path(config.output_dir) / "diagnostics" / "spectra.jsonl"
     assert spectra.is_file()  # the rank spectra ran on the DoRA run's direction (up @ down)
 
-    fresh = get_family("sd1").load(str(tiny_model))
-    modules = {k.split(".", 1)[0] for k in tensors}
-    applied = merge_into(fresh.unet, tensors, unet_name) | merge_into(fresh.text_encoders[0], tensors, te_name)
-    assert applied == modules, modules - applied
-
-    trained_unet = session.accelerator.unwrap_model(session.trained["unet"]).eval()
-    trained_te = session.accelerator.unwrap_model(session.trained["te0"]).eval()
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, fresh.text_encoders[0].config.vocab_size, (2, 77), generator=generator)
-    latents = torch.randn(2, fresh.unet.config.in_channels, 8, 8, generator=generator)
-    with torch.no_grad():
-        ours, theirs = trained_te(ids)[0], fresh.text_encoders[0].eval()(ids)[0]
-        torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
-        steps = torch.tensor([10, 500])
-        out_trained = trained_unet(latents, steps, encoder_hidden_states=ours).sample
-        out_merged = fresh.unet.eval()(latents, steps, encoder_hidden_states=ours).sample
-        out_base = get_family("sd1").load(str(tiny_model)).unet(latents, steps, encoder_hidden_states=ours).sample
-        without_dora = {k: v for k, v in tensors.items() if not k.endswith(".dora_scale")}
-        plain = get_family("sd1").load(str(tiny_model)).unet
-        merge_into(plain, without_dora, unet_name)
-        out_plain = plain.eval()(latents, steps, encoder_hidden_states=ours).sample
-    torch.testing.assert_close(out_merged, out_trained, atol=1e-4, rtol=1e-4)
-    assert (out_merged - out_base).abs().max() > 1e-3  # the UNet update is really there
-    assert (out_merged - out_plain).abs().max() > 1e-4  # and the magnitudes are part of it
+    out, unet_with = trained_and_merged_outputs(session, tensors, str(tiny_model), webui_weight)
+    torch.testing.assert_close(out.te_merged, out.te_trained, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.unet_merged, out.unet_trained, atol=1e-4, rtol=1e-4)
+    assert (out.unet_merged - out.unet_base).abs().max() > 1e-3  # the UNet update is really there
+    out_plain = unet_with({k: v for k, v in tensors.items() if not k.endswith(".dora_scale")})
+    assert (out.unet_merged - out_plain).abs().max() > 1e-4  # and the magnitudes are part of it
 
 
 def test_dora_run_resumes_exactly(tiny_config, one_thread, tmp_path):

@@ -14,6 +14,7 @@ import stat
 import struct
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -402,12 +403,22 @@ def test_first_signal_saves_a_checkpoint_and_the_lora_then_stops(signum, tiny_mo
 
 def test_second_ctrl_c_exits_at_once(tiny_model, shapes_dataset, tmp_path):
     run = tmp_path / "run"
-    proc = _start(base_flags(tiny_model, shapes_dataset, run) + ["--max_train_steps", "100000"])
+    # Sixteen micro-batches per step: the second Ctrl-C lands inside the step the first one lets finish (with
+    # one, the tiny run could save and exit first; that case has its own test below).
+    proc = _start(base_flags(tiny_model, shapes_dataset, run) + ["--max_train_steps", "100000",
+                                                                  "--gradient_accumulation_steps", "16"])
     _wait_for_step(run, proc)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)  # within the step the first one lets finish
+    # Two signals that arrive while the main thread is inside one C call reach Python's handler once: send the
+    # second only after the first was heard.
+    heard = ""
+    while "finishing this step" not in heard:
+        line = proc.stderr.readline()
+        assert line, heard
+        heard += line
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
+    stderr = heard + stderr
     assert proc.returncode == 130
     assert "Traceback" not in stderr
     assert "second Ctrl-C" in stderr
@@ -455,3 +466,22 @@ def test_unexpected_errors_are_one_line_and_the_traceback_goes_to_a_file(tiny_mo
     sentence = assert_failed(result, run, "internal error: KeyError: 'surprise'; please report it", code=1)
     assert str(run / "traceback.txt") in sentence
     assert "KeyError" in (run / "traceback.txt").read_text()
+
+
+def test_a_ctrl_c_after_the_stopped_run_is_saved_exits_quietly():
+    """The second Ctrl-C can land after the run saved and gave its handlers back (the interpreter exiting):
+    it must end the process with the stop's code, not raise KeyboardInterrupt into the exit."""
+    script = textwrap.dedent("""
+        import os, signal, time
+        from stabletune_core.train.signals import StopSignals
+        stop = StopSignals().install()
+        os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: the run stops and saves
+        stop.restore()                       # the CLI gives the handlers back after the run
+        os.kill(os.getpid(), signal.SIGINT)  # the second one, while the process is on its way out
+        time.sleep(5)
+        print("still running")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr and "still running" not in proc.stdout

@@ -1,7 +1,7 @@
 """The guards, one job each: units on real tensors and optimizers, then short real runs on the tiny model.
 
-GPU-only behaviour (fp16 GradScaler overflow and the bf16 fallback, VRAM after sampling, the preflight's
-micro-batch search) is tested at the bottom and skipped without CUDA.
+GPU-only behaviour (fp16 divergence on a GPU, VRAM after sampling, the preflight's micro-batch search) is tested
+at the bottom and skipped without CUDA; the fp16 fallback itself also runs on the CPU (test_amp.py).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from diffusers.optimization import get_scheduler
 from stabletune_core.runs.reader import RunReader, latest_timeline
 from stabletune_core.runs.writer import RunWriter
 from stabletune_core.train import faults
+from stabletune_core.train.amp import MixedPrecision
 from stabletune_core.train.checkpoint import (CheckpointError, latest_good_checkpoint, list_checkpoints,
                                               load_checkpoint, prune_checkpoints, remove_stale_temporaries,
                                               save_checkpoint)
@@ -27,6 +28,7 @@ from stabletune_core.train.guards.lr import PlateauGuard
 from stabletune_core.train.guards.nonfinite import NonFiniteGuard
 from stabletune_core.train.guards.precision import fallback_precision, should_fall_back
 from stabletune_core.train.guards.weightnorm import update_norm
+from stabletune_core.train.schedule import LearningRateSchedule
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -81,12 +83,12 @@ def small_session(tmp_path: Path, lr: float = 1e-2) -> SimpleNamespace:
     """A real parameter, AdamW, a diffusers schedule and a run directory: what the LR-touching guards use."""
     param = torch.nn.Parameter(torch.ones(4))
     optimizer = torch.optim.AdamW([param], lr=lr)
-    scheduler = get_scheduler("constant", optimizer=optimizer)
+    scheduler = LearningRateSchedule(optimizer, lambda o: get_scheduler("constant", optimizer=o))
     module = torch.nn.Module()
     module.lora_A = param
     return SimpleNamespace(params=[param], optimizer=optimizer, lr_scheduler=scheduler, run=RunWriter(tmp_path),
                            state=SimpleNamespace(step=0, micro_batch_size=4), max_steps=100,
-                           accelerator=SimpleNamespace(scaler=None, mixed_precision="no"),
+                           amp=MixedPrecision("no", "cpu"),
                            trained={"unet": module}, batch_paths=["a.png"], snapshot=None)
 
 
@@ -146,7 +148,7 @@ def test_repeated_nonfinite_steps_roll_back_weights_and_optimizer_and_lower_the_
     assert [e["what"] for e in events_of(tmp_path, "nonfinite")] == ["loss", "gradients"]
 
 
-# ---- precision fallback (decision logic; the switch itself needs a GPU, see the end of the file) --------
+# ---- precision fallback (decision logic; the switch itself: test_amp.py, and on a GPU the end of this file) -
 def test_fp16_fallback_decision():
     assert not should_fall_back(overflow_streak=3, scale=1024.0, max_skips=8)
     assert should_fall_back(overflow_streak=8, scale=1024.0, max_skips=8)

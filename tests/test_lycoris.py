@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 from stabletune_core.config import ConfigError, build_config
 from stabletune_core.lora.export import read_lora_metadata
 
+from webui_merge import trained_and_merged_outputs
+
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "conv1", "conv2"]  # attention, linear-ish and 3x3 conv
 
 
@@ -34,34 +36,13 @@ def lycoris_delta(parts: dict[str, torch.Tensor], shape: torch.Size) -> torch.Te
     return (update * scale).reshape(shape)
 
 
-def merge_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], kohya_name) -> set[str]:
-    """Add every file module's update to the weight it names; returns the names applied."""
-    by_module: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        name, part = key.split(".", 1)
-        by_module.setdefault(name, {})[part] = value
-    applied = set()
-    with torch.no_grad():
-        for path, module in model.named_modules():
-            parts = by_module.get(kohya_name(path))
-            if parts is not None and hasattr(module, "weight"):
-                module.weight += lycoris_delta(parts, module.weight.shape).to(module.weight.dtype)
-                applied.add(kohya_name(path))
-    return applied
-
-
-def unet_name(path: str) -> str:
-    return "lora_unet_" + path.replace(".", "_")
-
-
-def te_name(path: str) -> str:
-    return "lora_te_" + (path if path.startswith("text_model.") else "text_model." + path).replace(".", "_")
+def loader_weight(weight: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    return weight + lycoris_delta(parts, weight.shape).to(weight.dtype)
 
 
 @pytest.mark.parametrize("network_type", ["loha", "lokr"])
 def test_exported_file_reproduces_the_trained_model_by_the_loaders_rule(network_type, tiny_config, tiny_model,
                                                                         one_thread):
-    from stabletune_core.models import get_family
     from stabletune_core.train.loop import setup, train
 
     config = tiny_config(network_type=network_type, unet_lora_targets=TARGETS, train_text_encoder=True,
@@ -77,26 +58,11 @@ def test_exported_file_reproduces_the_trained_model_by_the_loaders_rule(network_
     assert meta["ss_network_module"] == "lycoris.kohya"
     assert json.loads(meta["ss_network_args"])["algo"] == network_type
 
-    fresh = get_family("sd1").load(str(tiny_model))
-    modules = {k.split(".", 1)[0] for k in tensors}
-    applied = merge_into(fresh.unet, tensors, unet_name) | merge_into(fresh.text_encoders[0], tensors, te_name)
-    assert applied == modules, modules - applied
-
-    trained_unet = session.accelerator.unwrap_model(session.trained["unet"]).eval()
-    trained_te = session.accelerator.unwrap_model(session.trained["te0"]).eval()
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, fresh.text_encoders[0].config.vocab_size, (2, 77), generator=generator)
-    latents = torch.randn(2, fresh.unet.config.in_channels, 8, 8, generator=generator)
-    with torch.no_grad():
-        ours, theirs = trained_te(ids)[0], fresh.text_encoders[0].eval()(ids)[0]
-        assert not torch.allclose(theirs, get_family("sd1").load(str(tiny_model)).text_encoders[0](ids)[0])
-        torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
-        steps = torch.tensor([10, 500])
-        out_trained = trained_unet(latents, steps, encoder_hidden_states=ours).sample
-        out_merged = fresh.unet.eval()(latents, steps, encoder_hidden_states=ours).sample
-        out_base = get_family("sd1").load(str(tiny_model)).unet(latents, steps, encoder_hidden_states=ours).sample
-    torch.testing.assert_close(out_merged, out_trained, atol=1e-4, rtol=1e-4)
-    assert (out_merged - out_base).abs().max() > 1e-3  # the UNet update is really there
+    out, _ = trained_and_merged_outputs(session, tensors, str(tiny_model), loader_weight)
+    assert not torch.allclose(out.te_merged, out.te_base)
+    torch.testing.assert_close(out.te_merged, out.te_trained, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.unet_merged, out.unet_trained, atol=1e-4, rtol=1e-4)
+    assert (out.unet_merged - out.unet_base).abs().max() > 1e-3  # the UNet update is really there
 
 
 def test_lycoris_run_resumes_exactly(tiny_config, one_thread, tmp_path):

@@ -273,3 +273,37 @@ def test_oom_on_one_rank_shrinks_the_micro_batch_on_every_rank(tiny_model, shape
     for step, loss in _metrics(run_dir).items():
         assert loss == pytest.approx(one_loss[step], rel=1e-4, abs=1e-6), step
     _assert_same_weights(load_file(str(run_dir / "output" / "lora.safetensors")), load_file(str(lora)))
+
+
+# ---- the fp16 fallback on 2 ranks ------------------------------------------------------------------------------
+def test_fp16_fallback_switches_every_rank_together(tiny_model, shapes_dataset, tmp_path, monkeypatch):
+    """fp16 with each rank's own GradScaler (train/amp.py, not accelerate's). Steps 2 and 3 overflow on both ranks
+    (an overflow in the backward reaches every rank through the gradient all-reduce; the injected one comes after
+    it, so it is injected on both): both scalers skip, halve and, after fp16_max_skips=2, fall back to fp32 at the
+    same step. A rank that had not switched would feed scaled gradients into the all-reduce; the run instead
+    trains as one process with the same global batch and the same overflows."""
+    from stabletune_core.train import faults
+    from stabletune_core.train.loop import train
+
+    overflows = "nan_grad@2,nan_grad@3"
+    values = dict(mixed_precision="fp16", fp16_max_skips=2, max_train_steps=5, save_steps=1000)
+    monkeypatch.setenv("TEST_FAULTS_RANK0", overflows)
+    two = _config(tiny_model, shapes_dataset, tmp_path / "run", **values, gradient_accumulation_steps=1)
+    done = _launch_two_processes(two, tmp_path, harness=True, rank1_faults=overflows, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    assert [e["step"] for e in _events(run_dir, "fp16_overflow")] == [2, 3]
+    assert [(e["step"], e["precision"]) for e in _events(run_dir, "precision") if e.get("precision")] == [(3, "no")]
+    rank0, rank1 = _rank_adapters(tmp_path)
+    for key in rank0:
+        assert torch.equal(rank0[key], rank1[key]), key
+
+    faults.install(overflows)
+    try:
+        lora = train(_config(tiny_model, shapes_dataset, tmp_path / "one", **values))
+    finally:
+        faults.install(None)
+    one_loss = _metrics(tmp_path / "one")
+    for step, loss in _metrics(run_dir).items():
+        assert loss == pytest.approx(one_loss[step], rel=1e-3, abs=1e-5), step
+    _assert_same_weights(load_file(str(run_dir / "output" / "lora.safetensors")), load_file(str(lora)))

@@ -81,3 +81,28 @@ def test_missing_package_and_schedule_conflict_are_one_sentence(tiny_config, mon
         build_config({"optimizer": "adamw_schedulefree", "lr_scheduler": "cosine"})
     assert caught.value.problems == ["optimizer=adamw_schedulefree replaces the learning-rate schedule; set "
                                      "lr_scheduler=constant instead of cosine (lr_warmup_steps still warms up)."]
+
+
+def test_default_adamw_uses_the_fused_kernel_with_the_same_update():
+    """The default optimizer updates a LoRA's many small tensors in one fused kernel; the update is AdamW's."""
+    from stabletune_core.train.optim import make_optimizer
+
+    config = build_config({"pretrained_model_name_or_path": "x", "train_data_dir": ".", "output_dir": "o",
+                           "adam_weight_decay": 1e-2})
+
+    def trained(make):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 32)), torch.nn.Parameter(torch.randn(32, 4))]
+        optimizer = make(params)
+        for _ in range(10):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            optimizer.step()
+        return optimizer, params
+
+    fused, ours = trained(lambda params: make_optimizer([{"params": params}], config))
+    assert fused.defaults["fused"] is True
+    _, plain = trained(lambda params: torch.optim.AdamW(params, lr=config.learning_rate, eps=config.adam_epsilon,
+                                                        betas=(config.adam_beta1, config.adam_beta2),
+                                                        weight_decay=1e-2))
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ours, plain))

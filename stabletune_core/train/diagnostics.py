@@ -148,7 +148,7 @@ class ActivationMonitor(Observer):
                 noisy = scheduler.add_noise(probe.latents[0], probe.noise[0], probe.timesteps)
                 cond = fixed_conditioning(s, probe, [0])
                 predict(s.trained["unet"], noisy, probe.timesteps, cond, dtype=s.weight_dtype,
-                        autocast=s.accelerator.autocast)
+                        autocast=s.amp.autocast)
         finally:
             for handle in handles:
                 handle.remove()

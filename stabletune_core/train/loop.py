@@ -22,9 +22,6 @@ from . import faults, signals, step
 from .export import export, export_best
 from .guards import Guard, OutOfMemoryStop
 from .guards.memory import free_memory
-from .guards.nonfinite import lower_rate_after_rollback, nonfinite_gradients
-from .guards.lr import scale_learning_rate
-from .guards.precision import switch_precision
 from .guards.verdicts import (Event, ExportBest, LowerLearningRate, ProtectCheckpoint, Report, RollBack, SaveBest,
                               ScaleWeights, ShrinkMicroBatch, SkipStep, StopEarly, StopOutOfMemory, SwitchPrecision,
                               TakeSnapshot, Verdict)
@@ -152,7 +149,7 @@ def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[float, flo
         skip |= any(isinstance(v, (SkipStep, RollBack)) for v in verdicts)
         carry_out(s, guard, verdicts)
     if not skip:
-        s.optimizer.step()
+        s.amp.step(s.optimizer)
         if s.ema:
             s.ema.update()
     s.lr_scheduler.step()
@@ -227,7 +224,7 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
                 s.run.status("failed", step=s.state.step, error=verdict.message)
                 raise OutOfMemoryStop(verdict.message)
             case LowerLearningRate():
-                old, new = scale_learning_rate(s, verdict.factor, verdict.floor)
+                old, new = s.lr_scheduler.lower(verdict.factor, verdict.floor)
                 s.run.event("lr_plateau", f"Validation loss has not improved on {verdict.best:.4g} for "
                             f"{verdict.patience} evaluations; learning rate {old:.3g} -> {new:.3g}.",
                             step=s.state.step, old_lr=old, new_lr=new)
@@ -262,12 +259,10 @@ def write_event(s: Session, event: Event) -> None:
 def skip_step(s: Session, verdict: SkipStep) -> None:
     """No optimizer step this time; say why, naming the tensors that went non-finite."""
     step_number = s.state.step + 1
-    scaler = s.accelerator.scaler
-    if scaler is not None:
-        scaler.update()  # the skipped optimizer.step would have done it: lower the loss scale
+    s.amp.skip()  # the skipped optimizer step would have done it: an overflow lowers the loss scale
     if verdict.overflow:
         s.run.event("fp16_overflow", f"Skipped step {step_number}: fp16 gradients overflowed; loss scale is now "
-                    f"{scaler.get_scale():g}.", step=step_number)
+                    f"{s.amp.loss_scale:g}.", step=step_number)
         return
     tensors = nonfinite_gradients(s)
     detail = f" in {len(tensors)} gradient tensors, e.g. {', '.join(tensors[:3])}" if tensors else ""
@@ -298,10 +293,36 @@ def roll_back(s: Session, verdict: RollBack) -> None:
         source = f"rolled the LoRA and optimizer back to checkpoint {checkpoint.path.name}"
     else:
         source = "no good state to roll back to (no snapshot, no checkpoint), kept the current weights"
-    old, new = lower_rate_after_rollback(s, verdict.lr_factor, verdict.min_lr)
+    old, new = s.lr_scheduler.lower(verdict.lr_factor, verdict.min_lr)  # peaks: the rate is ~0 in a warm-up
     s.run.event("rollback", f"{len(verdict.bad_steps)} non-finite steps within {verdict.window} steps (last at step "
                 f"{verdict.step}): {source}; learning rate {old:.3g} -> {new:.3g}.", step=verdict.step, old_lr=old,
                 new_lr=new, bad_steps=list(verdict.bad_steps), console=True)
+
+
+def switch_precision(s: Session, precision: str) -> None:
+    """Run the rest of the training in `precision` ('bf16' or 'no'): autocast follows and the scaler goes
+    (s.amp), and the frozen model is recast. LoRA weights stay fp32 and are not touched."""
+    s.amp.switch_to(precision)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    trained = {id(p) for p in s.params}
+    for module in (s.bundle.unet, *s.bundle.text_encoders):
+        for p in module.parameters():
+            if id(p) not in trained and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for b in module.buffers():
+            if b.is_floating_point():
+                b.data = b.data.to(dtype)
+    s.weight_dtype = dtype
+
+
+def nonfinite_gradients(s: Session) -> list[str]:
+    """Names of the trained tensors whose gradient holds NaN or Inf (only computed on a bad step)."""
+    names = []
+    for prefix, module in s.trained.items():
+        for name, p in module.named_parameters():
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                names.append(f"{prefix}.{name}")
+    return names
 
 
 # ---- between steps: signals, samples, the UI's commands -----------------------------------------------------
@@ -333,7 +354,7 @@ def sample(s: Session, *, then: str = "training") -> None:
     s.run.status("sampling", step=s.state.step, max_steps=s.max_steps)
     folder = s.run.paths.sample_dir(s.state.step)
     with evaluation_weights(s.optimizer), optional_swap(s.ema, s.config.validation_with_ema):
-        paths = make_validation_images(s.bundle, s.config, folder, s.device)
+        paths = make_validation_images(s.bundle, s.config, folder, s.device, autocast=s.amp.autocast)
     s.run.event("samples", f"Made {len(paths)} validation images at step {s.state.step}.", step=s.state.step)
     if s.tensorboard:
         s.tensorboard.log_images(s.state.step, paths)

@@ -9,6 +9,7 @@ from diffusers.optimization import get_scheduler
 
 from ..config import TrainConfig
 from ..lora.inject import is_adapter_parameter
+from .schedule import LearningRateSchedule
 
 
 def make_optimizer(param_groups: list[dict], config: TrainConfig) -> torch.optim.Optimizer:
@@ -32,7 +33,16 @@ def make_optimizer(param_groups: list[dict], config: TrainConfig) -> torch.optim
     if config.optimizer in OPTIONAL_OPTIMIZERS:
         return make_optional_optimizer(param_groups, config)
     return torch.optim.AdamW(param_groups, lr=config.learning_rate, betas=betas,
-                             weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
+                             weight_decay=config.adam_weight_decay, eps=config.adam_epsilon,
+                             fused=fused_kernel_fits(param_groups))
+
+
+def fused_kernel_fits(param_groups: list[dict]) -> bool:
+    """Whether torch's fused AdamW kernel can update these tensors. It is the same update in one kernel instead
+    of a loop over a LoRA's hundreds of small tensors: 0.7 vs 3.5-4.3 ms per step for 160 tensors on one CPU
+    thread (a few % of a tiny model's step), equal to the default within fp32 rounding."""
+    return all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point
+               for group in param_groups for p in group["params"])
 
 
 # ---- Lion, Adafactor, schedule-free AdamW (issue 13) ---------------------------------------------------------
@@ -101,15 +111,17 @@ def evaluation_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 group["train_mode"] = mode
 
 
-def make_lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, max_steps: int):
+def make_lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, max_steps: int) -> LearningRateSchedule:
+    """diffusers' schedule for `config`, wrapped so that guards can lower the rate for good (schedule.py)."""
     name = config.lr_scheduler
     if config.optimizer == "adamw_schedulefree":  # it warms up itself; a schedule on top would undo its point
-        return get_scheduler("constant", optimizer=optimizer)
+        return LearningRateSchedule(optimizer, lambda o: get_scheduler("constant", optimizer=o))
     if name == "plateau":
         # Constant after the warm-up; the plateau guard lowers it when validation loss stalls.
         name = "constant_with_warmup"
-    return get_scheduler(name, optimizer=optimizer, num_warmup_steps=config.lr_warmup_steps,
-                         num_training_steps=max_steps, num_cycles=config.lr_num_cycles, power=config.lr_power)
+    return LearningRateSchedule(optimizer, lambda o: get_scheduler(
+        name, optimizer=o, num_warmup_steps=config.lr_warmup_steps, num_training_steps=max_steps,
+        num_cycles=config.lr_num_cycles, power=config.lr_power))
 
 
 def unet_block(name: str) -> str:

@@ -85,7 +85,7 @@ def preflight(s: Session) -> dict[str, Any]:
         config = s.config.model_copy(update={"validation_prompt": s.config.validation_prompt or "preflight",
                                              "num_validation_images": 1, "validation_inference_steps": 2})
         with tempfile.TemporaryDirectory() as folder:
-            make_validation_images(s.bundle, config, Path(folder), device)
+            make_validation_images(s.bundle, config, Path(folder), device, autocast=s.amp.autocast)
         report["sampling_peak_mb" if device.type == "cuda" else "peak_rss_mb_after_sampling"] = round(
             _peak_mb(device), 1)
     finally:

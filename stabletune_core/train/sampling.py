@@ -1,9 +1,12 @@
 """Validation images: the same prompts and seeds every time, so steps can be compared side by side."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
@@ -43,10 +46,13 @@ def decode_latents(bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Path, device: torch.device,
-                           *, resolution: int | None = None) -> list[Path]:
+                           *, resolution: int | None = None,
+                           autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> list[Path]:
     """Render every validation prompt with every fixed seed into `folder` as p<prompt>_s<seed>.png.
 
     The pipeline stops at the latents and `decode_latents` makes the images, so fp16, bf16 and fp32 all work.
+    `autocast` is the training's mixed precision (train/amp.py): the pipeline's denoising runs in it, as the
+    training forward does; the decode stays outside, in the VAE's own dtype (an fp16 VAE decode overflows).
     """
     prompts = config.validation_prompts
     if not prompts:
@@ -62,7 +68,7 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
     extra = {"eta": config.validation_ddim_eta} if config.validation_sampler == "ddim" else {}
     try:
         with on_device((bundle.vae, *bundle.text_encoders), device):  # they may wait on the CPU (placement.py)
-            paths = _render(pipe, bundle, prompts, config, folder, size, extra)
+            paths = _render(pipe, bundle, prompts, config, folder, size, extra, autocast)
     finally:
         for module, was_training in zip((bundle.unet, *bundle.text_encoders), training):
             module.train(was_training)
@@ -74,14 +80,16 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
 
 
 def _render(pipe, bundle: ModelBundle, prompts: list[str], config: TrainConfig, folder: Path, size: int,
-            extra: dict) -> list[Path]:
+            extra: dict, autocast: Callable[[], AbstractContextManager[Any]]) -> list[Path]:
     paths = []
     for p, prompt in enumerate(prompts):
         for seed in sample_seeds(config):
             generator = torch.Generator("cpu").manual_seed(seed)
-            latents = pipe(prompt, height=size, width=size, num_inference_steps=config.validation_inference_steps,
-                           guidance_scale=config.validation_guidance_scale, generator=generator,
-                           output_type="latent", **extra).images
+            with autocast():
+                latents = pipe(prompt, height=size, width=size,
+                               num_inference_steps=config.validation_inference_steps,
+                               guidance_scale=config.validation_guidance_scale, generator=generator,
+                               output_type="latent", **extra).images
             pixels = decode_latents(bundle, latents)  # in the VAE's own dtype: fp16 latents meet an fp32 VAE
             image = pipe.image_processor.postprocess(pixels.float(), output_type="pil")[0]
             path = folder / f"p{p:02d}_s{seed}.png"

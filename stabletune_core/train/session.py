@@ -12,6 +12,7 @@ from ..config import TrainConfig
 from ..data.dataset import BatchFeed, BucketBatchSampler, DatasetView
 from ..models.base import ModelBundle
 from ..runs.writer import RunWriter
+from .amp import MixedPrecision
 from .ema import AdapterEMA
 from .guards.base import Guard
 from .loss import LossParts
@@ -59,6 +60,7 @@ class Session:
     max_steps: int
     generator: torch.Generator  # noise and timesteps
     weight_dtype: torch.dtype
+    amp: MixedPrecision  # autocast and the fp16 loss scaler (amp.py), not accelerate's
     latent_cache: Any = None
     text_cache: Any = None
     guards: list[Guard] = field(default_factory=list)
@@ -111,16 +113,15 @@ class SessionView:
 
     @property
     def mixed_precision(self) -> str:
-        return self._s.accelerator.mixed_precision
+        return self._s.amp.precision
 
     @property
     def scaler_active(self) -> bool:
-        return self._s.accelerator.scaler is not None
+        return self._s.amp.scaler is not None
 
     @property
     def loss_scale(self) -> float | None:
-        scaler = self._s.accelerator.scaler
-        return None if scaler is None else float(scaler.get_scale())
+        return self._s.amp.loss_scale
 
     @property
     def adapters(self) -> Mapping[str, torch.nn.Module]:

@@ -27,6 +27,7 @@ from ..runs.earlier import earlier_run
 from ..runs.reader import RunReader
 from ..runs.writer import RunWriter
 from . import faults
+from .amp import MixedPrecision
 from .checkpoint import Checkpoint, CheckpointError, latest_good_checkpoint, load_checkpoint, remove_stale_temporaries
 from .diagnostics import make_observers
 from .early_stopping import EarlyStoppingGuard
@@ -137,7 +138,8 @@ def setup(config: TrainConfig) -> Session:
     prepare_run_dir(config)
     bad_checkpoints: list[str] = []
     resume_from = find_resume_checkpoint(config, bad_checkpoints.append)
-    accelerator = Accelerator(mixed_precision=config.mixed_precision)
+    accelerator = Accelerator(mixed_precision="no")  # mixed precision is ours (amp.py): the fallback switches it
+    amp = MixedPrecision(config.mixed_precision, accelerator.device)  # refuses a dtype the device lacks, early
     previous = RunReader(config.output_dir).status()  # read before our own heartbeat replaces it
     run = RunWriter(config.output_dir, enabled=accelerator.is_main_process)
     run.status("starting", step=0)
@@ -246,7 +248,7 @@ def setup(config: TrainConfig) -> Session:
                       optimizer=optimizer, lr_scheduler=lr_scheduler,
                       params=[p for g in groups for p in g["params"]], trained=trained,
                       state=TrainState(micro_batch_size=config.train_batch_size), max_steps=max_steps,
-                      generator=torch.Generator().manual_seed(config.seed), weight_dtype=weight_dtype,
+                      generator=torch.Generator().manual_seed(config.seed), weight_dtype=weight_dtype, amp=amp,
                       guards=make_guards(config), observers=make_observers(config), validation_items=held_out,
                       resume_from=resume_from)
     if config.ema_decay > 0:

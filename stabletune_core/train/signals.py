@@ -30,9 +30,14 @@ class StopSignals:
         return self
 
     def restore(self) -> None:
+        """Give the signals back, except after a stop: the run is saved and the process is on its way out, so
+        a further Ctrl-C must not raise KeyboardInterrupt into the interpreter's exit (a traceback)."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, handler if self.requested is None else self._exit_saved)
         self._previous.clear()
+
+    def _exit_saved(self, signum: int, frame: Any) -> None:
+        os._exit(128 + (self.requested or signum))
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested is None:

@@ -14,6 +14,7 @@ from .ema import AdapterEMA
 from .outcome import RunFailed
 from .session import Session, TrainState
 
+
 def rng_state(s: Session) -> dict[str, Any]:
     py_version, py_state, py_gauss = random.getstate()
     np_state = np.random.get_state()
@@ -46,9 +47,8 @@ def save(s: Session, reason: str) -> Path | None:
     s.run.status("saving", step=s.state.step)
     adapter = {f"{prefix}.{k}": v for prefix, module in s.trained.items()
                for k, v in lora_state_dict(s.accelerator.unwrap_model(module)).items()}
-    scaler = s.accelerator.scaler.state_dict() if s.accelerator.scaler is not None else {}
     state = {"train": s.state.as_dict(), "optimizer": s.optimizer.state_dict(),
-             "lr_scheduler": s.lr_scheduler.state_dict(), "scaler": scaler, "rng": rng_state(s),
+             "lr_scheduler": s.lr_scheduler.state_dict(), "scaler": s.amp.state_dict(), "rng": rng_state(s),
              "guards": {g.name: g.state_dict() for g in [*s.guards, *s.observers]},  # observers' too
              "ema": s.ema.state_dict() if s.ema else {}}
     try:
@@ -87,8 +87,7 @@ def resume(s: Session) -> None:
     state = checkpoint.state
     s.optimizer.load_state_dict(state["optimizer"])
     s.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    if s.accelerator.scaler is not None and state["scaler"]:
-        s.accelerator.scaler.load_state_dict(state["scaler"])
+    s.amp.load_state_dict(state["scaler"])
     s.state = TrainState(**state["train"])
     restore_rng(s, state["rng"])
     if s.ema and state.get("ema"):

@@ -28,7 +28,7 @@ def encode_text(s: Session, captions: list[str], *, grad: bool) -> dict[str, tor
     summed across ranks with the UNet's in `sum_gradients_across_ranks`; calling the DDP wrappers instead would
     broadcast the encoders' buffers (CLIP's position ids) inside every forward: a collective in the middle of a
     step, where a rank that ran out of memory would never meet it."""
-    with torch.set_grad_enabled(grad), s.accelerator.autocast():
+    with torch.set_grad_enabled(grad), s.amp.autocast():
         return s.bundle.family.encode_text(s.bundle, captions)
 
 
@@ -102,7 +102,7 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
                 pred, per_sample = predict_and_loss(unet, noisy[rows], target[rows], timesteps[rows], cond,
                                                     scheduler=s.bundle.noise_scheduler,
                                                     prediction_type=s.bundle.prediction_type, dtype=s.weight_dtype,
-                                                    autocast=s.accelerator.autocast, snr_gamma=s.config.snr_gamma,
+                                                    autocast=s.amp.autocast, snr_gamma=s.config.snr_gamma,
                                                     debiased=s.config.debiased_estimation_loss,
                                                     mask=None if mask is None else mask[rows])
                 is_reg = batch["is_reg"][rows]
@@ -112,7 +112,7 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
                 if chosen:  # joins the gradients as lambda x the step's mean LPIPS, not the reported loss
                     objective = objective + s.perceptual.term(s, batch, rows, chosen, pred, noisy[rows],
                                                               timesteps[rows]) / perceptual_count
-                s.accelerator.backward(objective)
+                s.accelerator.backward(s.amp.scale(objective))
                 loss_sum += loss.detach().float()  # no .item() here: one device sync per step, not per micro-batch
     except torch.cuda.OutOfMemoryError as exc:
         if not several:
@@ -192,7 +192,7 @@ def clip_gradients(s: Session) -> float:
     """
     clip = s.guard("clipping")
     max_norm = clip.threshold() if clip else math.inf
-    s.accelerator.unscale_gradients()  # fp16: clip and check the true gradients, not the scaled ones
+    s.amp.unscale_(s.optimizer)  # fp16: clip and check the true gradients, not the scaled ones
     grads = [p.grad for p in s.params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)
     if math.isfinite(max_norm) and torch.isfinite(norm):

@@ -116,7 +116,7 @@ def build_fixed_set(s: Session, items: list[DataItem], timesteps: torch.Tensor, 
         out.sizes.append({k: example[k] for k in ("original_size", "crop_top_left", "target_size")})
         out.paths.append(str(item.path))
     if not config.train_text_encoder and items:
-        with on_device(s.bundle.text_encoders, s.device), s.accelerator.autocast():
+        with on_device(s.bundle.text_encoders, s.device), s.amp.autocast():
             text = s.bundle.family.encode_text(s.bundle, out.captions)
         out.text = [{k: v[i : i + 1].to(s.device) for k, v in text.items()} for i in range(len(items))]
     return out
@@ -151,7 +151,7 @@ def eval_mode(s: Session) -> Iterator[None]:
 
 
 def _conditioning(s: Session, captions: list[str], sizes: list[dict]) -> Any:
-    with s.accelerator.autocast():
+    with s.amp.autocast():
         text = s.bundle.family.encode_text(s.bundle, captions)
     return s.bundle.family.make_conditioning(s.bundle, text, sizes)
 
@@ -206,7 +206,7 @@ def _plain_loss(s: Session, noisy: torch.Tensor, target: torch.Tensor, timesteps
     """Per-sample loss without SNR weighting: the same number whatever loss options the run trains with."""
     _, loss = predict_and_loss(s.trained["unet"], noisy, target, timesteps, cond, scheduler=s.bundle.noise_scheduler,
                                prediction_type=s.bundle.prediction_type, dtype=s.weight_dtype,
-                               autocast=s.accelerator.autocast)
+                               autocast=s.amp.autocast)
     return loss
 
 

@@ -1,8 +1,7 @@
 """Learning-rate changes taken by guards, and the plateau mode (lr_scheduler=plateau, the seed's AdaLR).
 
-The diffusers schedules are LambdaLR objects: each step sets lr = base_lr x factor(step). Lowering the rate
-for good therefore means lowering `base_lrs` (saved with the scheduler, so a resumed run keeps it) as well
-as the current rate of each parameter group.
+Lowering the rate for good is the run's schedule's own job (train/schedule.py: a factor per parameter group,
+saved with the schedule, so a resumed run keeps it); the guards only decide when and by how much.
 """
 from __future__ import annotations
 
@@ -11,22 +10,6 @@ from typing import Any
 
 from .base import Guard, GuardView, Verdicts
 from .verdicts import LowerLearningRate
-
-
-def scale_learning_rate(s: Any, factor: float, floor: float = 0.0) -> tuple[float, float]:
-    """Multiply every group's rate by `factor`, never below `floor`; returns the first group's (old, new)."""
-    scheduler = s.lr_scheduler
-    old = s.optimizer.param_groups[0]["lr"]
-    bases = getattr(scheduler, "base_lrs", None)
-    for i, group in enumerate(s.optimizer.param_groups):
-        group["lr"] = max(group["lr"] * factor, min(floor, group["lr"]))
-        if "initial_lr" in group:
-            group["initial_lr"] = max(group["initial_lr"] * factor, min(floor, group["initial_lr"]))
-        if bases is not None:
-            bases[i] = max(bases[i] * factor, min(floor, bases[i]))
-    if hasattr(scheduler, "_last_lr"):
-        scheduler._last_lr = [g["lr"] for g in s.optimizer.param_groups]
-    return old, s.optimizer.param_groups[0]["lr"]
 
 
 class PlateauGuard(Guard):

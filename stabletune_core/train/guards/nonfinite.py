@@ -18,7 +18,6 @@ import torch
 
 from ...config import TrainConfig
 from .base import Guard, GuardView, Verdicts
-from .lr import scale_learning_rate
 from .verdicts import RollBack, SkipStep, TakeSnapshot, Verdict
 
 
@@ -86,24 +85,3 @@ class NonFiniteGuard(Guard):
         self.skipped = int(state.get("skipped", 0))
         self.rollbacks = int(state.get("rollbacks", 0))
         self.bad_steps = [int(b) for b in state.get("bad_steps", [])]
-
-
-# ---- what the loop calls to carry out a rollback (RollBack) ---------------------------------------------
-def lower_rate_after_rollback(s: Any, lr_factor: float, min_lr: float) -> tuple[float, float]:
-    """Lower the rate by `lr_factor` (never below `min_lr`); returns the schedule's (old, new) peak rate."""
-    bases = getattr(s.lr_scheduler, "base_lrs", None)  # the schedule's peak: the current rate is ~0 in warm-up
-    old_peak = float(bases[0]) if bases else None
-    old, new = scale_learning_rate(s, lr_factor, min_lr)
-    if old_peak is not None:
-        old, new = old_peak, float(bases[0])
-    return old, new
-
-
-def nonfinite_gradients(s: Any) -> list[str]:
-    """Names of the trained tensors whose gradient holds NaN or Inf (only computed on a bad step)."""
-    names = []
-    for prefix, module in s.trained.items():
-        for name, p in module.named_parameters():
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                names.append(f"{prefix}.{name}")
-    return names

@@ -1,9 +1,10 @@
 """fp16 that keeps overflowing falls back to bf16 (where the GPU has it) or fp32, instead of wasting the run.
 
-accelerate's GradScaler already skips a step whose fp16 gradients overflow and halves its loss scale.
+The run's GradScaler (train/amp.py) already skips a step whose fp16 gradients overflow and halves its loss scale.
 Occasional skips are normal; a scale collapsing below `SCALE_FLOOR`, or `max_skips` overflowing steps in a
-row, means fp16 cannot represent this run. The guard then switches the frozen model to the fallback dtype,
-drops the scaler and carries on; the switch is kept in the guard state, so a resumed run switches again.
+row, means fp16 cannot represent this run. The guard then asks for the fallback precision (`SwitchPrecision`);
+the loop recasts the frozen model and drops the scaler. The switch is kept in the guard state, so a resumed run
+asks again.
 """
 from __future__ import annotations
 
@@ -24,30 +25,6 @@ def should_fall_back(overflow_streak: int, scale: float, max_skips: int, floor: 
 def fallback_precision() -> str:
     """'bf16' on a GPU that supports it, else 'no' (fp32)."""
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-
-
-def switch_precision(s: Any, precision: str) -> None:
-    """Run the rest of the training in `precision` ('bf16' or 'no'): recast the frozen model, drop the
-    scaler, and let accelerate's autocast follow. LoRA weights stay fp32 and are not touched."""
-    accelerator = s.accelerator
-    accelerator.state._mixed_precision = precision
-    accelerator.native_amp = precision != "no"
-    accelerator.scaler = None
-    for optimizer in accelerator._optimizers:
-        optimizer.scaler = None
-    for module in s.trained.values():
-        if hasattr(module, "_original_forward"):  # accelerate wrapped forward in an fp16 autocast
-            module.forward = module._original_forward
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    trained = {id(p) for p in s.params}
-    for module in (s.bundle.unet, *s.bundle.text_encoders):
-        for p in module.parameters():
-            if id(p) not in trained and p.dtype != dtype:
-                p.data = p.data.to(dtype)
-        for b in module.buffers():
-            if b.is_floating_point():
-                b.data = b.data.to(dtype)
-    s.weight_dtype = dtype
 
 
 class PrecisionGuard(Guard):

@@ -268,3 +268,81 @@ def test_observers_are_not_guards():
     observers = make_observers(config)
     assert [o.name for o in observers] == ["validation_loss", "perceptual", "spectra", "activations"]
     assert all(isinstance(o, Observer) and not isinstance(o, Guard) for o in observers)
+
+
+# ---- issue 14.2: the session is typed, not an untyped bag ----------------------------------------------------
+def test_no_engine_function_takes_the_session_as_any():
+    """Parts that get the session say so in their signature (`s: Session`); guards get a GuardView instead."""
+    offenders = []
+    for path in TRAIN.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in node.args.args + node.args.kwonlyargs:
+                    if arg.arg in ("s", "view") and (arg.annotation is None or ast.unparse(arg.annotation) == "Any"):
+                        offenders.append(f"{path.name}:{node.lineno} {node.name}({arg.arg})")
+    assert not offenders, offenders
+
+
+# ---- issue 14.4: one UNet-forward-and-loss ---------------------------------------------------------------------
+def calls_to(path: Path, name: str) -> list[int]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and
+            ast.unparse(node.func).split(".")[-1] == name]
+
+
+def test_the_unet_is_called_in_one_place_and_the_loss_computed_in_one_helper():
+    """Training, validation loss, the early-stopping/knob fixed-batch loss and the diagnostics probe all go
+    through forward.predict (and predict_and_loss): what validation measures is what training optimises."""
+    unet_calls = {}
+    for path in TRAIN.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and (ast.unparse(node.func) == "unet" or
+                                               ast.unparse(node.func).endswith(('["unet"]', ".unet"))):
+                unet_calls.setdefault(path.name, []).append(node.lineno)
+    assert set(unet_calls) == {"forward.py"}, unet_calls
+    loss_users = {path.name for path in TRAIN.rglob("*.py") if calls_to(path, "diffusion_loss")}
+    assert loss_users == {"forward.py"}, loss_users
+    for user in ("step.py", "validation.py"):
+        assert calls_to(TRAIN / user, "predict_and_loss"), user
+    assert calls_to(TRAIN / "diagnostics.py", "predict")
+
+
+# ---- issue 14.5: fault injection out of the hot path's shape -------------------------------------------------
+def test_fault_injection_is_hooks_installed_at_setup_not_branches_in_the_step_or_the_checkpoint_writer():
+    users = {}
+    for path in TRAIN.rglob("*.py"):
+        if path.name == "faults.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found = [ast.unparse(node) for node in ast.walk(tree)
+                 if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "faults"]
+        if found:
+            users[path.name] = found
+    assert users == {"setup.py": ["faults.arm"]}, users
+
+
+def test_faults_reach_a_run_through_its_hooks(tiny_config, tmp_path):
+    """nan_loss through a UNet forward hook, nan_grad through a gradient hook, and the checkpoint writer's
+    halfway callback: the same faults as before, with the loop unaware of them."""
+    from stabletune_core.runs.reader import RunReader
+    from stabletune_core.train import faults
+    from stabletune_core.train.loop import setup, train
+
+    faults.install("nan_loss@2,nan_grad@3,disk_full@save:3")
+    try:
+        config = tiny_config(max_train_steps=4, save_steps=3, output_dir=str(tmp_path / "run"))
+        s = setup(config)
+        assert s.checkpoint_halfway is faults.during_checkpoint_write
+        train(config, session=s)
+    finally:
+        faults.install(None)
+    events = RunReader(tmp_path / "run").events()
+    skipped = [(e["step"], e["what"]) for e in events if e["kind"] == "nonfinite"]
+    assert skipped == [(2, "loss"), (3, "gradients")]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_failed"] == [3]
+    assert all(torch.isfinite(p).all() for p in s.params)
+    clean = setup(tiny_config(max_train_steps=1, output_dir=str(tmp_path / "clean")))
+    assert clean.checkpoint_halfway.__name__ == "nothing"  # no faults listed: nothing installed
+    unet = clean.accelerator.unwrap_model(clean.trained["unet"])
+    assert not unet._forward_hooks and not unet._forward_pre_hooks

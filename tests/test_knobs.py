@@ -44,7 +44,7 @@ def lora_b(module: torch.nn.Module) -> list[torch.Tensor]:
 
 # ---- the loss -----------------------------------------------------------------------------------------------
 def test_snr_gamma_reweights_each_image_by_min_snr(knob_session, monkeypatch):
-    from stabletune_core.train import step
+    from stabletune_core.train import forward, step
     from stabletune_core.train.loss import diffusion_loss
 
     s = knob_session(snr_gamma=1.0)
@@ -56,7 +56,7 @@ def test_snr_gamma_reweights_each_image_by_min_snr(knob_session, monkeypatch):
         seen.append((out.detach(), timesteps))
         return out
 
-    monkeypatch.setattr(step, "diffusion_loss", recording)
+    monkeypatch.setattr(forward, "diffusion_loss", recording)
     loss_on, grads_on = step_gradients(s, batches)
     s.config.snr_gamma = None
     loss_off, grads_off = step_gradients(s, batches)

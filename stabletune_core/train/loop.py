@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import TrainConfig
-from . import faults, signals, step
+from . import signals, step
 from .export import export, export_best
 from .guards import Guard, OutOfMemoryStop
 from .guards.memory import free_memory
@@ -140,8 +140,6 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
 def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[float, float]:
     """Forward, backward, clip, ask the guards, optimizer step. Returns (loss, gradient norm before clipping)."""
     loss = forward_backward_fitting(s, batches)
-    if faults.ACTIVE:
-        loss = faults.corrupt_step(s, loss)
     grad_norm = step.clip_gradients(s)
     view, skip = SessionView(s), False
     for guard in s.guards:

@@ -3,20 +3,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from accelerate import Accelerator
 
 from ..config import TrainConfig
-from ..data.dataset import BatchFeed, BucketBatchSampler, DatasetView
+from ..data.dataset import BatchFeed, BucketBatchSampler, DatasetView, EmbeddingCache, LatentCache
+from ..data.scan import DataItem
 from ..models.base import ModelBundle
 from ..runs.writer import RunWriter
 from .amp import MixedPrecision
+from .checkpoint import Checkpoint, nothing
 from .ema import AdapterEMA
 from .guards.base import Guard
 from .loss import LossParts
 from .observers import Observer
+from .perceptual import Perceptual
+from .schedule import LearningRateSchedule
+from .tensorboard import TensorBoardLog
 
 
 @dataclass
@@ -53,7 +58,7 @@ class Session:
     data: DatasetView
     sampler: BucketBatchSampler
     optimizer: torch.optim.Optimizer
-    lr_scheduler: Any
+    lr_scheduler: LearningRateSchedule
     params: list[torch.nn.Parameter]
     trained: dict[str, torch.nn.Module]  # modules with adapters, by checkpoint prefix
     state: TrainState
@@ -61,20 +66,21 @@ class Session:
     generator: torch.Generator  # noise and timesteps
     weight_dtype: torch.dtype
     amp: MixedPrecision  # autocast and the fp16 loss scaler (amp.py), not accelerate's
-    latent_cache: Any = None
-    text_cache: Any = None
+    latent_cache: LatentCache | None = None
+    text_cache: EmbeddingCache | None = None
     guards: list[Guard] = field(default_factory=list)
     observers: list[Observer] = field(default_factory=list)
     batch_paths: list[str] = field(default_factory=list)  # images of the current step, for the guards' events
     best_checkpoint: Path | None = None  # the best one (early stopping); pruning always keeps it
     snapshot: Snapshot | None = None  # the last in-memory good state (non-finite guard); never saved
-    validation_items: list[Any] = field(default_factory=list)  # images held out of training (validation_split)
-    perceptual: Any = None  # the LPIPS regulariser (perceptual.py) when perceptual_lambda > 0
+    validation_items: list[DataItem] = field(default_factory=list)  # images held out of training (validation_split)
+    perceptual: Perceptual | None = None  # the LPIPS regulariser (perceptual.py) when perceptual_lambda > 0
     sample_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # sample_judge: first and last
-    tensorboard: Any = None  # report_to=tensorboard: an observer of the logged metrics and samples
+    tensorboard: TensorBoardLog | None = None  # report_to=tensorboard: an observer of the logged metrics and samples
     feed: BatchFeed | None = None  # the DataLoader that next_batches draws from (made at its first call)
-    resume_from: Any = None  # the checkpoint setup found to resume from (read before any model loaded)
+    resume_from: Checkpoint | None = None  # the checkpoint setup found to resume from (read before any model loaded)
     checkpoint_failures: int = 0  # checkpoints in a row that could not be written (a full disk)
+    checkpoint_halfway: Callable[[int], None] = nothing  # test-only: the fault harness (faults.arm) sets it
     ema: AdapterEMA | None = None  # ema_decay > 0: the moving average of the adapter weights
     loss_parts: LossParts = field(default_factory=LossParts)  # this step's instance / prior loss (reg_data_dir)
 

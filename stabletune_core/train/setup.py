@@ -261,8 +261,7 @@ def setup(config: TrainConfig) -> Session:
             run.event("config", note)
             print(f"note: {note}", file=sys.stderr)
     build_caches(session)
-    if faults.ACTIVE:
-        faults.arm_oom(session)
+    faults.arm(session)  # test-only hooks (STABLETUNE_FAULTS); installs nothing in a real run
     return session
 
 

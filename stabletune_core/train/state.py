@@ -52,7 +52,8 @@ def save(s: Session, reason: str) -> Path | None:
              "guards": {g.name: g.state_dict() for g in [*s.guards, *s.observers]},  # observers' too
              "ema": s.ema.state_dict() if s.ema else {}}
     try:
-        folder = save_checkpoint(s.run.paths.checkpoint(s.state.step), s.state.step, adapter, state)
+        folder = save_checkpoint(s.run.paths.checkpoint(s.state.step), s.state.step, adapter, state,
+                                 halfway=s.checkpoint_halfway)
     except CheckpointError as exc:
         s.checkpoint_failures += 1
         s.run.event("checkpoint_failed", str(exc), step=s.state.step, console=True)

@@ -265,8 +265,9 @@ def test_preflight_in_a_run_changes_nothing_in_the_trajectory(tiny_config, tmp_p
 
 # ---- checkpoints ---------------------------------------------------------------------------------------
 def tiny_checkpoint(parent: Path, step: int) -> Path:
+    """A checkpoint written as a run writes it, with the fault harness's halfway hook (a no-op without faults)."""
     return save_checkpoint(parent / f"step_{step:06d}", step, {"unet.w": torch.full((8,), float(step))},
-                           {"train": {"step": step}})
+                           {"train": {"step": step}}, halfway=faults.during_checkpoint_write)
 
 
 def test_full_disk_is_a_clear_error_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):

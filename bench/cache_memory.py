@@ -56,7 +56,7 @@ def child(variant: str, model: str, data: str, steps: int, out: Path) -> None:
     import torch
 
     from stabletune_core.config import build_config
-    from stabletune_core.train import loop
+    from stabletune_core.train import loop, setup, step
 
     mixed = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     config = build_config(dict(
@@ -65,9 +65,9 @@ def child(variant: str, model: str, data: str, steps: int, out: Path) -> None:
         cache_latents=True, cache_text_embeddings=True, validation_loss_every=100, activation_stats_every=200,
         diagnostics_every=0, save_steps=10**6, lora_rank=16, lora_alpha=16, seed=0))
     if variant == "before":
-        loop.frozen_modules_to_offload = lambda *a, **k: {}  # keep them on the GPU, as before
+        setup.frozen_modules_to_offload = lambda *a, **k: {}  # keep them on the GPU, as before
     start = time.perf_counter()
-    s = loop.setup(config)
+    s = setup.setup(config)
     if variant == "before":  # built before step 1, as before
         s.guard("validation_loss").fixed_set(s)
         s.guard("activations").probe_set(s)
@@ -78,7 +78,7 @@ def child(variant: str, model: str, data: str, steps: int, out: Path) -> None:
     torch.cuda.reset_peak_memory_stats()
     first_step = None
     for _ in range(steps):
-        loop.training_step(s, loop.next_batches(s, 1))
+        loop.training_step(s, step.next_batches(s, 1))
         s.state.step += 1
         torch.cuda.synchronize()
         first_step = first_step or time.perf_counter() - start

@@ -54,7 +54,7 @@ def main() -> None:
         start = time.perf_counter()
         train(config, session=session)
         wall = time.perf_counter() - start
-    guards = {g.name: g for g in session.guards if g.name in MEASURED}
+    guards = {g.name: g for g in [*session.guards, *session.observers] if g.name in MEASURED}
     evaluations = args.steps // args.every
     diag_total = sum(g.seconds for g in guards.values())
     step_time = (wall - diag_total) / args.steps  # what remains is training (plus the final save and export)

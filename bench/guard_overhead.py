@@ -38,7 +38,9 @@ def main() -> None:
     from stabletune_core.config import build_config
     from stabletune_core.demo import draw_demo_dataset
     from stabletune_core.models.tiny import build_tiny_sd1
-    from stabletune_core.train.loop import next_batches, setup, training_step
+    from stabletune_core.train.loop import carry_out, setup, training_step
+    from stabletune_core.train.session import SessionView
+    from stabletune_core.train.step import next_batches
 
     tmp = Path(tempfile.mkdtemp(prefix="stabletune-bench-"))
     model = args.model or str(build_tiny_sd1(tmp / "model", seed=0))
@@ -56,7 +58,7 @@ def main() -> None:
     robustness = {"clipping", "memory", "nonfinite", "precision", "weight_norms", "plateau"}
     guards_on = [g for g in s.guards if g.name in robustness]  # diagnostics monitors run on their own cadence
     for guard in guards_on:
-        guard.on_start(s)
+        carry_out(s, guard, guard.on_start(SessionView(s)))
     inside = [0.0]  # seconds spent in guard code during "on" steps, measured directly
 
     def timed(method):
@@ -69,21 +71,9 @@ def main() -> None:
         return wrapper
 
     for guard in guards_on:
-        for hook in ("before_optimizer_step", "after_step", "threshold"):
+        for hook in ("before_optimizer_step", "after_step", "after_measuring", "threshold"):
             if hasattr(guard, hook):
                 setattr(guard, hook, timed(getattr(guard, hook)))
-        if hasattr(guard, "run"):  # the OOM wrapper: count its own work, not the forward/backward inside it
-            run = guard.run
-
-            def run_timed(s_, fn, run=run):
-                def inner():
-                    start = time.perf_counter()
-                    try:
-                        return fn()
-                    finally:
-                        inside[0] -= time.perf_counter() - start
-                return timed(run)(s_, inner)
-            guard.run = run_timed
 
     def step(on: bool) -> float:
         batches = next_batches(s, 1)
@@ -96,7 +86,8 @@ def main() -> None:
         s.state.step += 1
         metrics = dict(loss=loss, grad_norm=grad_norm)
         for guard in s.guards:
-            guard.after_step(s, metrics)
+            carry_out(s, guard, guard.after_step(SessionView(s), metrics))
+            carry_out(s, guard, guard.after_measuring(SessionView(s), metrics))
         if s.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start

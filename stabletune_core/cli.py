@@ -180,8 +180,8 @@ def run_preflight(config: TrainConfig) -> int:
     """Preflight in a throw-away run directory, so the real one is never touched."""
     import tempfile
 
-    from .train.loop import setup
     from .train.preflight import describe, preflight
+    from .train.setup import setup
 
     with tempfile.TemporaryDirectory(prefix="stabletune-preflight-") as folder:
         session = setup(config.model_copy(update={"output_dir": folder, "resume_from_checkpoint": None}))
@@ -217,7 +217,9 @@ def run_export(checkpoint: Path, name: str | None) -> int:
     import shutil
     import tempfile
 
-    from .train.loop import export, resume, setup
+    from .train.export import export
+    from .train.setup import setup
+    from .train.state import resume
 
     checkpoint = checkpoint.resolve()
     run_dir = checkpoint.parent.parent

@@ -67,7 +67,8 @@ def test_workers_change_nothing_and_resume_is_exact_with_workers(tiny_config, tm
 
 
 def test_images_are_decoded_in_the_worker_processes(tiny_config, one_thread) -> None:
-    from stabletune_core.train.loop import next_batches, setup
+    from stabletune_core.train.setup import setup
+    from stabletune_core.train.step import next_batches
 
     s = setup(tiny_config(dataloader_num_workers=2, train_batch_size=2, validation_loss_every=0))
     batches = next_batches(s, 4)

@@ -81,21 +81,21 @@ def test_rank_collapse_warns_naming_the_first_block_and_a_healthy_adapter_does_n
 
     _set_adapters(s)  # healthy
     s.state.step = 1
-    monitor.after_step(s, {})
-    assert not [e for e in _events(run) if "collapse" in e["kind"]]
+    assert monitor.observe(s).events == ()
 
     # The mid block and every up block collapse (7 of the 10 attention blocks); the down blocks stay healthy.
     _set_adapters(s, collapsed={"mid_block", "up_blocks"})
     s.state.step = 2
-    found = monitor.check(s)
+    found, events = monitor.check(s)
+    for event in events:  # as the loop records them
+        s.run.event(event.kind, event.message, console=event.console, **event.fields)
     collapse = detect_collapse(found, config.collapse_threshold)
     assert collapse is not None and collapse.first_block == "unet.mid_block"
     warnings = [e for e in _events(run) if e["kind"] == "collapse"]
     assert len(warnings) == 1 and warnings[0]["block"] == "unet.mid_block" and warnings[0]["step"] == 2
     assert "unet.mid_block" in warnings[0]["message"]
     s.state.step = 3
-    monitor.check(s)  # still collapsed: no second warning
-    assert len([e for e in _events(run) if e["kind"] == "collapse"]) == 1
+    assert monitor.check(s)[1] == ()  # still collapsed: no second warning
 
     lines = [json.loads(line) for line in (run / "diagnostics" / "spectra.jsonl").read_text().splitlines()]
     modules = {r["module"] for r in lines}
@@ -118,12 +118,11 @@ def test_activation_stats_on_the_fixed_probe(tiny_config):
     config = tiny_config(activation_stats_every=1, diagnostics_every=0, validation_loss_every=0)
     s = setup(config)
     monitor = ActivationMonitor(config)
-    monitor.on_start(s)
     at_init = monitor.measure(s)  # B starts at zero: the LoRA path outputs exact zeros
     assert at_init and all(r["zero_fraction"] == 1.0 and r["relative_rms"] == 0.0 for r in at_init)
     _set_adapters(s)
     s.state.step = 1
-    monitor.after_step(s, {})
+    monitor.observe(s)
     lines = [json.loads(line) for line in (Path(config.output_dir) / "diagnostics" / "activations.jsonl")
              .read_text().splitlines()]
     assert {r["module"] for r in lines} == {r["module"] for r in at_init}
@@ -134,7 +133,8 @@ def test_activation_stats_on_the_fixed_probe(tiny_config):
 
 # ---- the LPIPS term -------------------------------------------------------------------------------------
 def test_perceptual_term_changes_gradients_when_on_and_is_absent_at_lambda_zero(tiny_config):
-    from stabletune_core.train.loop import forward_backward, next_batches, setup
+    from stabletune_core.train.setup import setup
+    from stabletune_core.train.step import forward_backward, next_batches
 
     config = tiny_config(perceptual_lambda=1.0, perceptual_random_backbone=True, perceptual_timestep_max=1000,
                          perceptual_batch=2, validation_loss_every=0, diagnostics_every=0, activation_stats_every=0)

@@ -68,7 +68,6 @@ def test_validation_loss_is_identical_twice_and_after_a_resume(tiny_config):
     resume(s2)
     assert s2.state.step == 4
     guard2 = s2.guard("validation_loss")
-    guard2.on_start(s2)
     assert guard2.measure(s2) == first
     assert guard2.history == guard.history  # the curve travels in the checkpoint
 

@@ -193,7 +193,7 @@ def test_exported_keys_alpha_and_metadata(trained_run):
 
 
 def test_existing_run_is_never_overwritten(trained_run):
-    from stabletune_core.train.loop import RunExists, setup
+    from stabletune_core.train.setup import RunExists, setup
 
     config, _, _ = trained_run
     with pytest.raises(RunExists, match="already holds an earlier run"):

@@ -458,9 +458,9 @@ def test_nan_learning_rate_is_not_a_number():
 
 
 def test_unexpected_errors_are_one_line_and_the_traceback_goes_to_a_file(tiny_model, shapes_dataset, tmp_path):
-    code = ("import sys\nfrom stabletune_core.train import loop\n"
+    code = ("import sys\nfrom stabletune_core.train import setup\n"
             "def broken(config, report):\n    raise KeyError('surprise')\n"
-            "loop.find_resume_checkpoint = broken\nfrom stabletune_core.cli import main\nsys.exit(main(['train', *sys.argv[1:]]))")
+            "setup.find_resume_checkpoint = broken\nfrom stabletune_core.cli import main\nsys.exit(main(['train', *sys.argv[1:]]))")
     run = tmp_path / "run"
     result = train(base_flags(tiny_model, shapes_dataset, run), entry=[sys.executable, "-c", code])
     sentence = assert_failed(result, run, "internal error: KeyError: 'surprise'; please report it", code=1)

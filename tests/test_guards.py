@@ -87,40 +87,59 @@ def small_session(tmp_path: Path, lr: float = 1e-2) -> SimpleNamespace:
     module = torch.nn.Module()
     module.lora_A = param
     return SimpleNamespace(params=[param], optimizer=optimizer, lr_scheduler=scheduler, run=RunWriter(tmp_path),
-                           state=SimpleNamespace(step=0), amp=MixedPrecision("no", "cpu"),
-                           trained={"unet": module}, batch_paths=["a.png"])
+                           state=SimpleNamespace(step=0, micro_batch_size=4), max_steps=100,
+                           amp=MixedPrecision("no", "cpu"),
+                           trained={"unet": module}, batch_paths=["a.png"], snapshot=None)
+
+
+def decide(s, guard, verdicts) -> list:
+    """Carry `guard`'s verdicts out as the loop does; returns them."""
+    from stabletune_core.train.loop import carry_out
+
+    carry_out(s, guard, verdicts)
+    return list(verdicts)
+
+
+def view_of(s):
+    from stabletune_core.train.session import SessionView
+
+    return SessionView(s)
 
 
 def test_plateau_lowers_the_rate_after_patience_and_never_below_min_lr(tmp_path):
     s = small_session(tmp_path, lr=1e-2)
     guard = PlateauGuard(patience=2, factor=0.5, min_lr=3e-3)
     for val in (1.0, 0.9, 0.95, 0.91):  # two evaluations without a new best
-        guard.after_step(s, {"val_loss": val})
+        decide(s, guard, guard.after_measuring(view_of(s), {"val_loss": val}))
     assert s.optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
     s.optimizer.step()  # no gradients: changes nothing, but keeps the scheduler's order check quiet
     s.lr_scheduler.step()
     assert s.lr_scheduler.get_last_lr()[0] == pytest.approx(5e-3)  # the schedule keeps the lower rate
     for val in (0.95, 0.95, 0.95, 0.95):
-        guard.after_step(s, {"val_loss": val})
+        decide(s, guard, guard.after_measuring(view_of(s), {"val_loss": val}))
     assert s.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3)  # floored at min_lr
-    guard.after_step(s, {"loss": 1.0})  # steps without validation loss change nothing
+    assert not guard.after_measuring(view_of(s), {"loss": 1.0})  # steps without validation loss change nothing
     assert [e["new_lr"] for e in events_of(tmp_path, "lr_plateau")] == pytest.approx([5e-3, 3e-3])
 
 
 def test_repeated_nonfinite_steps_roll_back_weights_and_optimizer_and_lower_the_rate(tmp_path):
+    from stabletune_core.train.guards.verdicts import RollBack, SkipStep, TakeSnapshot
+
     s = small_session(tmp_path, lr=1e-2)
     guard = NonFiniteGuard(window=10, max_bad=2, lr_factor=0.1)
-    guard.on_start(s)  # snapshot of the good state
+    assert decide(s, guard, guard.on_start(view_of(s))) == [TakeSnapshot()]  # snapshot of the good state
     for _ in range(3):  # good steps move the weights
         s.params[0].grad = torch.ones(4)
         s.optimizer.step()
         s.state.step += 1
     moved = s.params[0].detach().clone()
-    assert guard.before_optimizer_step(s, 1.0, 0.5)
+    assert decide(s, guard, guard.before_optimizer_step(view_of(s), 1.0, 0.5)) == []
     s.params[0].grad = torch.full((4,), float("nan"))
-    assert not guard.before_optimizer_step(s, float("nan"), float("nan"))
+    skipped = decide(s, guard, guard.before_optimizer_step(view_of(s), float("nan"), float("nan")))
+    assert [type(v) for v in skipped] == [SkipStep] and skipped[0].what == "loss"
     assert torch.equal(s.params[0].detach(), moved)  # one bad step: skipped, nothing rolled back
-    assert not guard.before_optimizer_step(s, 1.0, float("inf"))
+    rolled = decide(s, guard, guard.before_optimizer_step(view_of(s), 1.0, float("inf")))
+    assert [type(v) for v in rolled] == [SkipStep, RollBack] and rolled[1].bad_steps == (4, 4)
     assert torch.equal(s.params[0].detach(), torch.ones(4))  # rolled back to the snapshot
     assert s.optimizer.state_dict()["state"] == {}  # the snapshot had no Adam moments yet
     assert s.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
@@ -246,8 +265,9 @@ def test_preflight_in_a_run_changes_nothing_in_the_trajectory(tiny_config, tmp_p
 
 # ---- checkpoints ---------------------------------------------------------------------------------------
 def tiny_checkpoint(parent: Path, step: int) -> Path:
+    """A checkpoint written as a run writes it, with the fault harness's halfway hook (a no-op without faults)."""
     return save_checkpoint(parent / f"step_{step:06d}", step, {"unet.w": torch.full((8,), float(step))},
-                           {"train": {"step": step}})
+                           {"train": {"step": step}}, halfway=faults.during_checkpoint_write)
 
 
 def test_full_disk_is_a_clear_error_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ def knob_session(tiny_config, one_thread):
 
 
 def step_gradients(s, batches) -> tuple[float, list[torch.Tensor]]:
-    from stabletune_core.train.loop import forward_backward
+    from stabletune_core.train.step import forward_backward
 
     s.optimizer.zero_grad(set_to_none=True)
     loss = forward_backward(s, batches)
@@ -44,11 +44,11 @@ def lora_b(module: torch.nn.Module) -> list[torch.Tensor]:
 
 # ---- the loss -----------------------------------------------------------------------------------------------
 def test_snr_gamma_reweights_each_image_by_min_snr(knob_session, monkeypatch):
-    from stabletune_core.train import loop
+    from stabletune_core.train import forward, step
     from stabletune_core.train.loss import diffusion_loss
 
     s = knob_session(snr_gamma=1.0)
-    batches = loop.next_batches(s, 1)
+    batches = step.next_batches(s, 1)
     seen = []
 
     def recording(pred, target, scheduler, timesteps, **kw):
@@ -56,7 +56,7 @@ def test_snr_gamma_reweights_each_image_by_min_snr(knob_session, monkeypatch):
         seen.append((out.detach(), timesteps))
         return out
 
-    monkeypatch.setattr(loop, "diffusion_loss", recording)
+    monkeypatch.setattr(forward, "diffusion_loss", recording)
     loss_on, grads_on = step_gradients(s, batches)
     s.config.snr_gamma = None
     loss_off, grads_off = step_gradients(s, batches)
@@ -71,11 +71,11 @@ def test_snr_gamma_reweights_each_image_by_min_snr(knob_session, monkeypatch):
 
 
 def test_noise_offset_shifts_each_channels_noise_by_a_constant(knob_session, monkeypatch):
-    from stabletune_core.train import loop
+    from stabletune_core.train import step
     from stabletune_core.train.loss import add_noise
 
     s = knob_session(noise_offset=0.1)
-    batches = loop.next_batches(s, 1)
+    batches = step.next_batches(s, 1)
     drawn = []
 
     def recording(*args, **kw):
@@ -83,7 +83,7 @@ def test_noise_offset_shifts_each_channels_noise_by_a_constant(knob_session, mon
         drawn.append(out[1])
         return out
 
-    monkeypatch.setattr(loop, "add_noise", recording)
+    monkeypatch.setattr(step, "add_noise", recording)
     step_gradients(s, batches)
     s.config.noise_offset = 0.0
     step_gradients(s, batches)
@@ -149,7 +149,8 @@ def test_plateau_without_validation_loss_is_refused_in_one_sentence(tiny_config)
 def test_text_encoder_lr_is_the_text_encoder_groups_rate(knob_session):
     """Adam's first step moves every weight with a non-zero gradient by its group's rate, so after one step the
     largest text-encoder LoRA weight is text_encoder_lr and the largest UNet one is learning_rate."""
-    from stabletune_core.train.loop import next_batches, training_step
+    from stabletune_core.train.loop import training_step
+    from stabletune_core.train.step import next_batches
 
     s = knob_session(train_text_encoder=True, text_encoder_lr=3e-4, learning_rate=1e-3, adam_weight_decay=0.0)
     te_params = {id(p) for p in s.bundle.text_encoders[0].parameters()}
@@ -162,7 +163,8 @@ def test_text_encoder_lr_is_the_text_encoder_groups_rate(knob_session):
 
 
 def test_cached_text_embeddings_allow_caption_dropout_and_cache_the_empty_caption(knob_session):
-    from stabletune_core.train.loop import encode_text, train
+    from stabletune_core.train.loop import train
+    from stabletune_core.train.step import encode_text
 
     s = knob_session(cache_text_embeddings=True, caption_dropout_rate=0.5, max_train_steps=2)
     empty = s.text_cache.get("")
@@ -174,7 +176,7 @@ def test_cached_text_embeddings_allow_caption_dropout_and_cache_the_empty_captio
 
 # ---- memory and precision -------------------------------------------------------------------------------------
 def test_gradient_checkpointing_is_on_in_the_unet_and_gives_the_same_gradients(knob_session):
-    from stabletune_core.train.loop import next_batches
+    from stabletune_core.train.step import next_batches
 
     s = knob_session(gradient_checkpointing=True)
     unet = s.bundle.unet
@@ -228,7 +230,7 @@ def test_num_train_epochs_gives_epochs_times_steps_per_epoch(tiny_config, one_th
 def test_cache_latents_to_disk_writes_the_latents_training_reads(knob_session, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    from stabletune_core.train.loop import next_batches
+    from stabletune_core.train.step import next_batches
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # wherever the cache lives, it is under tmp_path
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -279,7 +281,7 @@ def test_perceptual_term_does_not_depend_on_the_micro_batch_and_decodes_in_fp32(
     """After an OOM halving the same images get the LPIPS term with the same weight (it is chosen per sampler
     batch and is the mean over the chosen images), and the VAE decodes for it in its own fp32, outside any
     autocast (a bf16 autocast around the step stands in for fp16, which CPUs do not autocast)."""
-    from stabletune_core.train.loop import next_batches
+    from stabletune_core.train.step import next_batches
 
     s = knob_session(perceptual_lambda=1.0, perceptual_random_backbone=True, perceptual_timestep_max=1000,
                      perceptual_batch=2, train_batch_size=4)

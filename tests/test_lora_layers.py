@@ -35,6 +35,7 @@ def test_export_spectra_weight_norms_and_activation_stats_see_the_same_layers(ti
     from stabletune_core.train.diagnostics import ActivationMonitor, all_spectra
     from stabletune_core.train.guards.weightnorm import WeightNormGuard
     from stabletune_core.train.loop import setup
+    from stabletune_core.train.session import SessionView
 
     config = tiny_config(train_text_encoder=True, unet_lora_targets=["to_q", "to_k", "to_v", "to_out.0", "conv1",
                                                                      "conv2"],
@@ -48,7 +49,7 @@ def test_export_spectra_weight_norms_and_activation_stats_see_the_same_layers(ti
     assert {sp.module for sp in all_spectra(s)} == set(walked)
     # The weight-norm guard holds exactly the walked factors
     guard = WeightNormGuard(max_norm=1.0)
-    guard.on_start(s)
+    guard.on_start(SessionView(s))
     held = {id(t) for downs, ups, _ in guard.groups for t in (*downs, *ups)}
     assert held == {id(t) for layer in walked.values() for t in (layer.down, layer.up)}
     # Export: one lora_down per walked layer, holding that layer's numbers
@@ -59,7 +60,6 @@ def test_export_spectra_weight_norms_and_activation_stats_see_the_same_layers(ti
                                                                          for layer in walked.values()))
     # Activation statistics: the probe encodes its prompt and runs the UNet, so it reaches every layer
     monitor = ActivationMonitor(config)
-    monitor.on_start(s)
     assert {r["module"] for r in monitor.measure(s)} == set(walked)
 
 

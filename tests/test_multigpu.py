@@ -185,7 +185,8 @@ def test_two_processes_match_one_and_resume_across_process_counts(reference, tin
 def test_noise_does_not_depend_on_the_process_count(tiny_config):
     """The per-batch noise generator is keyed by the batch's global place, not by how many batches this
     process drew before; a rank that skips batches draws what one process would have drawn."""
-    from stabletune_core.train.loop import noise_generator, setup
+    from stabletune_core.train.setup import setup
+    from stabletune_core.train.step import noise_generator
 
     session = setup(tiny_config(max_train_steps=1))
     a = torch.randn(3, generator=noise_generator(session, {"position": (1, 5)}))

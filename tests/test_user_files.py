@@ -86,7 +86,7 @@ def test_overwrite_output_dir_moves_the_earlier_run_aside(tiny_config, tmp_path,
 
 def test_the_old_knob_name_still_works_and_an_own_config_is_no_earlier_run(tiny_config, tmp_path):
     from stabletune_core.config import build_config
-    from stabletune_core.train.loop import RunExists, prepare_run_dir
+    from stabletune_core.train.setup import RunExists, prepare_run_dir
 
     assert build_config({"overwrite_output": True}).overwrite_output_dir  # old TOMLs and flags keep working
     config = tiny_config()

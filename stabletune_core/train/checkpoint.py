@@ -14,14 +14,13 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from ..atomic import fsync_dir, fsync_file, replace, user_permissions
 from ..runs.reader import pid_alive
-from . import faults
 
 MANIFEST = "manifest.json"
 ADAPTER = "adapter.safetensors"
@@ -55,10 +54,15 @@ def estimate_size(adapter: dict[str, torch.Tensor], state: dict[str, Any]) -> in
     return total * 4 + (1 << 20)  # adapter + Adam moments + slack
 
 
+def nothing(step: int) -> None:
+    pass
+
+
 def save_checkpoint(folder: Path, step: int, adapter: dict[str, torch.Tensor], state: dict[str, Any],
-                    *, extra_files: dict[str, bytes] | None = None) -> Path:
+                    *, extra_files: dict[str, bytes] | None = None, halfway: Callable[[int], None] = nothing) -> Path:
     """Write `folder` atomically. Raises CheckpointError (and leaves older checkpoints untouched) when the disk
-    is full or unwritable."""
+    is full or unwritable. `halfway(step)` runs between the first file and the manifest: where the fault harness
+    (faults.py) puts a SIGKILL or a full disk."""
     folder = Path(folder)
     parent = folder.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -77,8 +81,7 @@ def save_checkpoint(folder: Path, step: int, adapter: dict[str, torch.Tensor], s
         tmp.mkdir()
         save_file({k: v.detach().contiguous().cpu() for k, v in adapter.items()}, tmp / ADAPTER)
         user_permissions(tmp / ADAPTER)
-        if faults.ACTIVE:
-            faults.during_checkpoint_write(step)
+        halfway(step)
         torch.save(state, tmp / STATE)
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)

@@ -1,4 +1,4 @@
-"""Diagnostics guards: LoRA singular-value spectra and LoRA output statistics, every N steps.
+"""Diagnostics observers: LoRA singular-value spectra and LoRA output statistics, every N steps.
 
 Files under RUN/diagnostics/, one JSON object per line (the UI's Diagnostics tab reads spectra.jsonl):
 
@@ -25,14 +25,17 @@ from ..config import TrainConfig
 from ..lora.layers import run_lora_layers
 from ..lora.svd import Spectrum, block_of, detect_collapse, lora_factors, spectra
 from ..runs.jsonfiles import append_jsonl
-from .guards.base import Guard
+from .forward import predict
+from .guards.verdicts import Event
+from .observers import NOTHING, Observation, Observer
+from .session import Session
 
 SPECTRA_FILE = "spectra.jsonl"
 ACTIVATIONS_FILE = "activations.jsonl"
 NEAR_ZERO = 1e-3
 
 
-def all_spectra(s: Any) -> list[Spectrum]:
+def all_spectra(s: Session) -> list[Spectrum]:
     """Spectra of every adapter of the run, UNet first, in network order."""
     factors = []
     for prefix, module in s.trained.items():
@@ -40,7 +43,7 @@ def all_spectra(s: Any) -> list[Spectrum]:
     return spectra(factors)
 
 
-class SpectralMonitor(Guard):
+class SpectralMonitor(Observer):
     name = "spectra"
 
     def __init__(self, config: TrainConfig) -> None:
@@ -49,15 +52,16 @@ class SpectralMonitor(Guard):
         self.collapsed = False  # a warning was given and the adapters have not recovered since
         self.seconds = 0.0
 
-    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
+    def observe(self, s: Session) -> Observation:
         if not self.every or s.state.step % self.every:
-            return None
+            return NOTHING
         start = time.perf_counter()
-        self.check(s)
+        _, events = self.check(s)
         self.seconds += time.perf_counter() - start
-        return None
+        return Observation(events=events)
 
-    def check(self, s: Any) -> list[Spectrum]:
+    def check(self, s: Session) -> tuple[list[Spectrum], tuple[Event, ...]]:
+        """The spectra (also appended to spectra.jsonl), and the collapse warning or recovery, if any."""
         found = all_spectra(s)
         step = s.state.step
         if s.run.enabled:
@@ -65,17 +69,19 @@ class SpectralMonitor(Guard):
             for sp in found:
                 append_jsonl(path, {"step": step, **sp.as_record(), "block": block_of(sp.module)})
         collapse = detect_collapse(found, self.threshold)
+        events: tuple[Event, ...] = ()
         if collapse and not self.collapsed:
-            s.run.event("collapse", f"Rank collapse at step {step}: in {collapse.collapsed} of {collapse.considered} "
-                        f"LoRA modules the second singular value is under {self.threshold} of the first; it starts "
-                        f"in block {collapse.first_block} ({collapse.first_module}). Lower the learning rate or "
-                        "the rank, or raise alpha less.", step=step, module=collapse.first_module,
-                        block=collapse.first_block, fraction=collapse.fraction)
+            events = (Event("collapse", f"Rank collapse at step {step}: in {collapse.collapsed} of "
+                            f"{collapse.considered} LoRA modules the second singular value is under {self.threshold} "
+                            f"of the first; it starts in block {collapse.first_block} ({collapse.first_module}). "
+                            "Lower the learning rate or the rank, or raise alpha less.",
+                            fields=dict(step=step, module=collapse.first_module, block=collapse.first_block,
+                                        fraction=collapse.fraction)),)
         elif self.collapsed and not collapse:
-            s.run.event("collapse_recovered", f"LoRA spectra recovered at step {step}: most modules have a second "
-                        f"direction above {self.threshold} again.", step=step)
+            events = (Event("collapse_recovered", f"LoRA spectra recovered at step {step}: most modules have a "
+                            f"second direction above {self.threshold} again.", fields=dict(step=step)),)
         self.collapsed = collapse is not None
-        return found
+        return found, events
 
     def state_dict(self) -> dict[str, Any]:
         return {"collapsed": self.collapsed}
@@ -84,7 +90,7 @@ class SpectralMonitor(Guard):
         self.collapsed = bool(state.get("collapsed", False))
 
 
-class ActivationMonitor(Guard):
+class ActivationMonitor(Observer):
     """Statistics of each LoRA layer's adapter output on a fixed probe, through forward hooks on one forward."""
 
     name = "activations"
@@ -94,7 +100,7 @@ class ActivationMonitor(Guard):
         self.probe = None
         self.seconds = 0.0
 
-    def probe_set(self, s: Any) -> Any:
+    def probe_set(self, s: Session) -> Any:
         """The probe, built when first measured (not before step 1: the first measurement may be far off)."""
         if self.probe is None:
             from .validation import build_fixed_set, validation_items
@@ -106,9 +112,9 @@ class ActivationMonitor(Guard):
             self.seconds += time.perf_counter() - start
         return self.probe
 
-    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
+    def observe(self, s: Session) -> Observation:
         if not self.every or s.state.step % self.every:
-            return None
+            return NOTHING
         start = time.perf_counter()
         records = self.measure(s)
         if s.run.enabled:
@@ -116,10 +122,10 @@ class ActivationMonitor(Guard):
             for record in records:
                 append_jsonl(path, {"step": s.state.step, **record})
         self.seconds += time.perf_counter() - start
-        return None
+        return NOTHING
 
     @torch.no_grad()
-    def measure(self, s: Any) -> list[dict[str, Any]]:
+    def measure(self, s: Session) -> list[dict[str, Any]]:
         from .validation import eval_mode, fixed_conditioning
 
         probe, scheduler = self.probe_set(s), s.bundle.noise_scheduler  # built before any hook is in place
@@ -141,10 +147,8 @@ class ActivationMonitor(Guard):
             with eval_mode(s):
                 noisy = scheduler.add_noise(probe.latents[0], probe.noise[0], probe.timesteps)
                 cond = fixed_conditioning(s, probe, [0])
-                with s.amp.autocast():
-                    s.trained["unet"](noisy.to(s.weight_dtype), probe.timesteps,
-                                      encoder_hidden_states=cond.encoder_hidden_states,
-                                      added_cond_kwargs=cond.added_cond_kwargs)
+                predict(s.trained["unet"], noisy, probe.timesteps, cond, dtype=s.weight_dtype,
+                        autocast=s.amp.autocast)
         finally:
             for handle in handles:
                 handle.remove()
@@ -166,18 +170,18 @@ class ActivationMonitor(Guard):
         return [{"module": name, "block": block_of(name), **dict(zip(keys, row))} for name, row in zip(names, table)]
 
 
-def measuring_guards(config: TrainConfig) -> list[Guard]:
-    """The guards that measure, in order: validation loss first (plateau and early stopping read it)."""
+def make_observers(config: TrainConfig) -> list[Observer]:
+    """The observers a config asks for, in order: validation loss, LPIPS report, spectra, activations."""
     from .perceptual import PerceptualReport
-    from .validation import ValidationLossGuard
+    from .validation import ValidationLoss
 
-    guards: list[Guard] = []
+    observers: list[Observer] = []
     if config.validation_loss_every:
-        guards.append(ValidationLossGuard(config))
+        observers.append(ValidationLoss(config))
     if config.perceptual_lambda > 0:
-        guards.append(PerceptualReport())
+        observers.append(PerceptualReport())
     if config.diagnostics_every:
-        guards.append(SpectralMonitor(config))
+        observers.append(SpectralMonitor(config))
     if config.activation_stats_every:
-        guards.append(ActivationMonitor(config))
-    return guards
+        observers.append(ActivationMonitor(config))
+    return observers

@@ -7,9 +7,9 @@ latest values instead would rise along with a slowly overfitting curve and never
 region, the rule reads "the loss is now clearly above where it was at its best", while a single noisy
 evaluation is absorbed by the patience.
 
-On every new best the guard saves a resumable checkpoint and remembers it as `s.best_checkpoint`, which
-pruning keeps. When the run ends (stopped here, or finished) the best adapter is exported as
-`<output_name>_best.safetensors` next to the last one.
+On every new best the guard asks the loop to save a resumable checkpoint, which pruning keeps. When the run
+ends (stopped here, or finished) it asks the loop to export the best adapter as `<output_name>_best.safetensors`
+next to the last one.
 """
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from ..config import TrainConfig
-from .guards.base import Guard
+from .guards.base import Guard, GuardView, Verdicts
+from .guards.verdicts import Event, ExportBest, ProtectCheckpoint, Report, SaveBest, StopEarly, Verdict
 
 
 @dataclass
-class Verdict:
+class Judgement:
     stop: bool
     triggered: bool
     threshold: float | None  # factor x upper quartile of the reference window; None while it is not full
@@ -38,7 +39,7 @@ def upper_quartile(values: list[float]) -> float:
 
 
 def judge(history: list[tuple[int, float]], *, window: int, factor: float, patience: int, min_steps: int
-          ) -> Verdict:
+          ) -> Judgement:
     """Apply the rule to a whole (step, value) history; pure, so it is easy to test and to resume."""
     best_step, best_value = min(history, key=lambda sv: (sv[1], sv[0]))
     best_index = max(i for i, (step, _) in enumerate(history) if step == best_step)
@@ -53,11 +54,11 @@ def judge(history: list[tuple[int, float]], *, window: int, factor: float, patie
     if best_index == len(history) - 1:
         triggered = False
     stop = triggers >= patience and history[-1][0] >= min_steps
-    return Verdict(stop, triggered, threshold, best_step, best_value, triggers)
+    return Judgement(stop, triggered, threshold, best_step, best_value, triggers)
 
 
 class EarlyStoppingGuard(Guard):
-    """Reads `val_loss` from the step's metrics (the validation guard, earlier in the list, puts it there)."""
+    """Reads `val_loss` from the step's metrics (the validation observer puts it there)."""
 
     name = "early_stopping"
 
@@ -70,73 +71,40 @@ class EarlyStoppingGuard(Guard):
         self.best_checkpoint: str | None = None
         self.best_step: int | None = None
 
-    def on_start(self, s: Any) -> None:
-        s.best_checkpoint = Path(self.best_checkpoint) if self.best_checkpoint else None
+    def on_start(self, view: GuardView) -> Verdicts:
+        return (ProtectCheckpoint(Path(self.best_checkpoint) if self.best_checkpoint else None),)
 
-    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
+    def after_measuring(self, view: GuardView, metrics: dict[str, Any]) -> Verdicts:
         value = metrics.get("val_loss")
+        step = view.step
+        verdicts: list[Verdict] = []
         if value is not None:
-            self.history.append((s.state.step, float(value)))
-            verdict = judge(self.history, window=self.window, factor=self.factor, patience=self.patience,
-                            min_steps=self.min_steps)
-            if verdict.best_step == s.state.step:
-                self.keep_best(s)
-            elif verdict.triggered:
-                s.run.event("early_stopping_trigger",
-                            f"Validation loss {value:.5f} at step {s.state.step} is above {self.factor} x the upper "
-                            f"quartile of its best {self.window} evaluations ({verdict.threshold:.5f}); trigger "
-                            f"{verdict.triggers} of {self.patience} since the best ({verdict.best_value:.5f} at "
-                            f"step {verdict.best_step}).", step=s.state.step, val_loss=value,
-                            threshold=verdict.threshold, triggers=verdict.triggers)
-            if verdict.stop:
-                best = self.export_best(s)
-                s.run.event("early_stop",
-                            f"Stopped early at step {s.state.step}: validation loss {value:.5f} was above "
-                            f"{self.factor} x the upper quartile of its best {self.window} evaluations "
-                            f"({verdict.threshold:.5f}) {verdict.triggers} times since its best "
-                            f"{verdict.best_value:.5f} at step {verdict.best_step}. The best LoRA is "
-                            f"{best.name if best else 'not exported'}; the last one is exported too.",
-                            step=s.state.step, best_step=verdict.best_step, best_val_loss=verdict.best_value,
-                            best_lora=str(best) if best else None, console=True,
-                            best_checkpoint=str(s.best_checkpoint) if s.best_checkpoint else None)
-                return "stop"
-        if s.state.step >= s.max_steps and self.best_step is not None:
-            self.export_best(s)
-        return None
+            self.history.append((step, float(value)))
+            judgement = judge(self.history, window=self.window, factor=self.factor, patience=self.patience,
+                              min_steps=self.min_steps)
+            if judgement.best_step == step:
+                self.best_step = step
+                verdicts.append(SaveBest())
+            elif judgement.triggered:
+                verdicts.append(Report(Event(
+                    "early_stopping_trigger",
+                    f"Validation loss {value:.5f} at step {step} is above {self.factor} x the upper "
+                    f"quartile of its best {self.window} evaluations ({judgement.threshold:.5f}); trigger "
+                    f"{judgement.triggers} of {self.patience} since the best ({judgement.best_value:.5f} at "
+                    f"step {judgement.best_step}).",
+                    fields=dict(step=step, val_loss=value, threshold=judgement.threshold,
+                                triggers=judgement.triggers))))
+            if judgement.stop:
+                verdicts.append(StopEarly(step, value, self.factor, self.window, judgement.threshold,
+                                          judgement.triggers, judgement.best_step, judgement.best_value))
+                return verdicts
+        if step >= view.max_steps and self.best_step is not None:
+            verdicts.append(ExportBest())
+        return verdicts
 
-    def keep_best(self, s: Any) -> None:
-        from .loop import save
-
-        self.best_step = s.state.step
-        save(s, "best validation loss")  # every process: save() waits for all of them
-        folder = s.run.paths.checkpoint(s.state.step)
+    def remember_best(self, folder: Path) -> None:
+        """The loop saved the checkpoint a SaveBest asked for into `folder`."""
         self.best_checkpoint = str(folder)
-        s.best_checkpoint = folder
-
-    def export_best(self, s: Any) -> Path | None:
-        """Export the adapter of the best checkpoint as <output_name>_best, then put the current one back."""
-        from .checkpoint import load_checkpoint
-        from .loop import export
-        from ..lora.inject import load_lora_state_dict, lora_state_dict
-
-        if not self.best_checkpoint:
-            return None
-        best = load_checkpoint(Path(self.best_checkpoint))
-        current = {prefix: lora_state_dict(s.accelerator.unwrap_model(m)) for prefix, m in s.trained.items()}
-        by_prefix: dict[str, dict[str, torch.Tensor]] = {}
-        for key, value in best.adapter.items():
-            prefix, name = key.split(".", 1)
-            by_prefix.setdefault(prefix, {})[name] = value
-        step = s.state.step
-        try:
-            for prefix, module in s.trained.items():
-                load_lora_state_dict(s.accelerator.unwrap_model(module), by_prefix.get(prefix, {}))
-            s.state.step = best.step  # the file's metadata (ss_steps) names the step it comes from
-            return export(s, f"{s.config.output_name}_best")
-        finally:
-            s.state.step = step
-            for prefix, module in s.trained.items():
-                load_lora_state_dict(s.accelerator.unwrap_model(module), current[prefix])
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": [[step, value] for step, value in self.history],

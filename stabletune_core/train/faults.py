@@ -2,7 +2,7 @@
 
     STABLETUNE_FAULTS="nan_loss@5,nan_grad@7,oom@3,disk_full@save:4,kill@step:6,kill@checkpoint:4"
 
-    nan_loss@N          the loss (and so every gradient) of step N is NaN
+    nan_loss@N          the UNet's prediction in step N is NaN, so the loss and every gradient are
     nan_grad@N          one LoRA gradient of step N is NaN, the loss stays finite
     oom@N               the first UNet forward of step N raises torch.cuda.OutOfMemoryError (list it twice
                         to fail twice)
@@ -11,8 +11,10 @@
     kill@step:N         SIGKILL between the backward pass and the optimizer step of step N
     kill@checkpoint:N   SIGKILL half way through writing the checkpoint of step N
 
-Steps count from 1 (step N is the N-th optimizer step). With the variable unset, `ACTIVE` is False and the
-loop never calls into this module, so production runs pay one boolean test per step.
+Steps count from 1 (step N is the N-th optimizer step). The faults reach a run through hooks that `arm`
+installs on a freshly set-up session (a forward pre-hook and a forward hook on the UNet, a gradient hook on one
+LoRA tensor, an optimizer step pre-hook, the checkpoint writer's `halfway` callback), so the loop and the
+checkpoint writer hold no fault branch: a run without STABLETUNE_FAULTS installs nothing.
 """
 from __future__ import annotations
 
@@ -20,9 +22,12 @@ import errno
 import os
 import signal
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # annotations only
+    from .session import Session
 
 KINDS = ("nan_loss", "nan_grad", "oom", "disk_full@save", "torch_full@save", "kill@step", "kill@checkpoint")
 
@@ -64,36 +69,56 @@ def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def corrupt_step(s: Any, loss: float) -> float:
-    """After the backward pass of step `s.state.step + 1`: poison the loss or gradients, or die."""
-    step = s.state.step + 1
-    if take("kill@step", step):
-        kill_self()
-    if take("nan_loss", step):
-        for p in s.params:
-            if p.grad is not None:
-                p.grad.fill_(float("nan"))
-        return float("nan")
-    if take("nan_grad", step):
-        first = next(p for p in s.params if p.grad is not None)
-        first.grad.view(-1)[0] = float("nan")
-    return loss
+def arm(s: Session) -> None:
+    """Install this process's faults into `s` (setup calls it last); nothing at all when none are listed.
 
-
-def arm_oom(s: Any) -> None:
-    """Make the UNet raise CUDA out-of-memory on the first forward of each step listed as oom@N."""
+    Only forward passes that build a graph count as the step's: validation loss, the diagnostics probe and
+    sampling run without gradients between steps and must not take a fault meant for the next step.
+    """
+    if not ACTIVE:
+        return
     unet = s.accelerator.unwrap_model(s.trained["unet"])
 
-    def hook(module: torch.nn.Module, args: Any) -> None:
-        if take("oom", s.state.step + 1):
-            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by STABLETUNE_FAULTS at step "
-                                              f"{s.state.step + 1}, micro-batch {s.state.micro_batch_size}).")
+    def next_step() -> int:
+        return s.state.step + 1
 
-    unet.register_forward_pre_hook(hook)
+    def before_forward(module: torch.nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and take("oom", next_step()):
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by STABLETUNE_FAULTS at step "
+                                              f"{next_step()}, micro-batch {s.state.micro_batch_size}).")
+
+    def after_forward(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if not (torch.is_grad_enabled() and take("nan_loss", next_step())):
+            return None
+        if isinstance(output, tuple):
+            return (output[0] * float("nan"), *output[1:])
+        output.sample = output.sample * float("nan")
+        return output
+
+    unet.register_forward_pre_hook(before_forward)
+    unet.register_forward_hook(after_forward)
+
+    first = next(p for p in s.params if p.requires_grad)
+
+    def poison_gradient(grad: torch.Tensor) -> torch.Tensor:
+        if not take("nan_grad", next_step()):
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("nan")
+        return grad
+
+    first.register_hook(poison_gradient)
+
+    def before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if take("kill@step", next_step()):
+            kill_self()
+
+    getattr(s.optimizer, "optimizer", s.optimizer).register_step_pre_hook(before_optimizer_step)
+    s.checkpoint_halfway = during_checkpoint_write
 
 
 def during_checkpoint_write(step: int) -> None:
-    """Called by save_checkpoint after the first file is written and before the manifest."""
+    """The checkpoint writer's `halfway` callback: after the first file, before the manifest."""
     if take("kill@checkpoint", step):
         kill_self()
     if take("disk_full@save", step):

@@ -1,789 +1,39 @@
 """The training loop. Read it top to bottom: set up, resume, then one optimizer step at a time.
 
-Everything that makes a run survive (non-finite losses, out-of-memory, clipping, checkpoints) lives in
-guard objects called at fixed points of the step; everything the world should know goes to the run
-directory through `RunWriter`.
+Everything that makes a run survive (non-finite losses, out-of-memory, clipping, early stopping) lives in guard
+objects (guards/) called at fixed points of the step; a guard returns verdicts and `carry_out`, below, acts on
+them, in one place, because only the loop owns the weights, the optimizer, the step counter and the run folder.
+Observers (observers.py) measure; everything the world should know goes to the run directory through
+`RunWriter`. Nothing imports this module but the entry points (cli.py).
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
-import math
-import os
-import random
-import sys
+import copy
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Sequence
 
-import numpy as np
 import torch
-from accelerate import Accelerator
-from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from ..config import ConfigError, TrainConfig, check_inputs
-from ..data.dataset import (BatchFeed, BucketBatchSampler, DatasetView, EmbeddingCache, LatentCache,
-                            derive_seed, module_fingerprint)
-from ..data.masks import batch_loss_mask, masks_note
-from ..data.reg import merge_reg, scan_reg_images
-from ..data.scan import scan_dataset
-from ..cache import cache_root
-from ..lora.export import export_kohya_lora
-from ..lora.inject import add_lora, load_lora_state_dict, lora_parameters, lora_state_dict
-from ..models.loading import load_model
-from ..models.base import Conditioning, ModelBundle
-from ..runs.reader import RunReader
-from ..runs.earlier import earlier_run
-from ..runs.writer import RunWriter
-from . import faults, signals
-from .amp import MixedPrecision
-from .guards import Guard, make_guards
-from .checkpoint import (Checkpoint, CheckpointError, latest_good_checkpoint, load_checkpoint, prune_checkpoints,
-                         remove_stale_temporaries, save_checkpoint)
-from .outcome import RunFailed
-from .loss import LossParts, add_noise, diffusion_loss, prior_weights, target_for
+from ..config import TrainConfig
+from . import signals, step
+from .export import export, export_best
+from .guards import Guard, OutOfMemoryStop
+from .guards.memory import free_memory
+from .guards.verdicts import (Event, ExportBest, LowerLearningRate, ProtectCheckpoint, Report, RollBack, SaveBest,
+                              ScaleWeights, ShrinkMicroBatch, SkipStep, StopEarly, StopOutOfMemory, SwitchPrecision,
+                              TakeSnapshot, Verdict)
 from .memory import memory_stats
-from .ema import AdapterEMA, optional_swap
-from .optim import evaluation_weights, make_lr_scheduler, make_optimizer, optimizer_problems, unet_param_groups
-from .perceptual import Perceptual, perceptual_problems
-from .placement import frozen_modules_to_offload, offload
+from .optim import evaluation_weights
+from .ema import optional_swap
+from .outcome import RunFailed
 from .sampling import make_validation_images
-from .tensorboard import make_tensorboard_log
-from .validation import split_validation
-
-
-class RunExists(ConfigError):
-    """The output folder holds an earlier run. The sentence is the failure; the earlier run's own status.json
-    and events.jsonl must not be rewritten to say so (they describe that run, not this refusal)."""
-
-    earlier_run_untouched = True
-
-
-@dataclass
-class TrainState:
-    """Counters that a checkpoint must restore for a run to continue exactly."""
-
-    step: int = 0  # optimizer steps taken
-    epoch: int = 0
-    batch_in_epoch: int = 0  # sampler batches of `epoch` already consumed
-    images_seen: int = 0
-    micro_batch_size: int = 0  # may shrink after an out-of-memory error; the effective batch never does
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))
-
-
-@dataclass
-class Session:
-    """What setup builds and every part of the step uses."""
-
-    config: TrainConfig
-    accelerator: Accelerator
-    run: RunWriter
-    bundle: ModelBundle
-    data: DatasetView
-    sampler: BucketBatchSampler
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: Any
-    params: list[torch.nn.Parameter]
-    trained: dict[str, torch.nn.Module]  # modules with adapters, by checkpoint prefix
-    state: TrainState
-    max_steps: int
-    generator: torch.Generator  # noise and timesteps
-    weight_dtype: torch.dtype
-    amp: MixedPrecision  # autocast and the fp16 loss scaler (amp.py), not accelerate's
-    latent_cache: Any = None
-    text_cache: Any = None
-    guards: list[Guard] = field(default_factory=list)
-    batch_paths: list[str] = field(default_factory=list)  # images of the current step, for the guards' events
-    best_checkpoint: Path | None = None  # set by the guard that judges "best"; pruning always keeps it
-    validation_items: list[Any] = field(default_factory=list)  # images held out of training (validation_split)
-    perceptual: Any = None  # the LPIPS regulariser (perceptual.py) when perceptual_lambda > 0
-    sample_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # sample_judge: first and last
-    tensorboard: Any = None  # report_to=tensorboard: an observer of the logged metrics and samples
-    feed: BatchFeed | None = None  # the DataLoader that next_batches draws from (made at its first call)
-    resume_from: Any = None  # the checkpoint setup found to resume from (read before any model loaded)
-    checkpoint_failures: int = 0  # checkpoints in a row that could not be written (a full disk)
-    ema: AdapterEMA | None = None  # ema_decay > 0: the moving average of the adapter weights
-    loss_parts: LossParts = field(default_factory=LossParts)  # this step's instance / prior loss (reg_data_dir)
-
-    @property
-    def device(self) -> torch.device:
-        return self.accelerator.device
-
-    def guard(self, name: str) -> Guard | None:
-        return next((g for g in self.guards if g.name == name), None)
-
-
-# ---- set up -----------------------------------------------------------------------------------------------
-#: What a run leaves in RUN/ (see runs/layout.py); train.log stays: the UI's launcher holds it open for this run.
-RUN_ARTEFACTS = ("config.toml", "status.json", "metrics.jsonl", "events.jsonl", "control.json", "samples",
-                 "diagnostics", "checkpoints", "output", "cache")
-
-
-def prepare_run_dir(config: TrainConfig) -> RunWriter:
-    """Never write over an earlier run: refuse (one sentence), or with --overwrite_output_dir move it aside.
-
-    Runs before the dataset scan and the model load. A folder that only holds this run's own config.toml (the
-    UI writes it, then starts the engine on it) or a run that never trained a step is not an earlier run.
-    """
-    writer = RunWriter(config.output_dir, enabled=False)
-    if config.resume_from_checkpoint:
-        return writer
-    found = earlier_run(writer.paths, config)
-    if not found:
-        return writer
-    root = writer.paths.root
-    aside = root / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not config.overwrite_output_dir:
-        raise RunExists([f"Output folder {root} already holds an earlier run ({found}); pass --resume auto to "
-                         f"continue it, choose a new --output_dir, or pass --overwrite_output_dir to move it aside "
-                         f"into {aside.name}/ and start afresh."])
-    if os.environ.get("RANK", "0") == "0":  # with several processes, the first one moves; nothing is deleted
-        n = 2
-        while aside.exists():
-            aside, n = root / f"previous-{time.strftime('%Y%m%d-%H%M%S')}-{n}", n + 1
-        aside.mkdir()
-        for name in RUN_ARTEFACTS:
-            if (root / name).exists():
-                (root / name).rename(aside / name)
-        print(f"note: moved the earlier run in {root} aside into {aside.name}/ (--overwrite_output_dir).",
-              file=sys.stderr)
-    return writer
-
-
-def resolve_seed(config: TrainConfig) -> tuple[TrainConfig, bool]:
-    """Seed -1 means "random" (as in the WebUIs): draw one and put it in the config, which is saved as the run's
-    config.toml, so the run can be resumed and repeated. Returns (config, whether a seed was drawn)."""
-    if config.seed != -1:
-        return config, False
-    import secrets
-
-    return config.model_copy(update={"seed": secrets.randbelow(2**32)}), True
-
-
-def find_resume_checkpoint(config: TrainConfig, report: Any) -> Checkpoint | None:
-    """The checkpoint `resume_from_checkpoint` names, read and verified before any model loads.
-
-    An explicit path that is missing or corrupt is refused. With auto/latest the newest good one wins (each bad
-    one is reported); when there are checkpoints and none can be read, the run is refused rather than silently
-    restarted from step 0, unless `allow_restart` says so.
-    """
-    target = config.resume_from_checkpoint
-    if not target:
-        return None
-    if target not in ("auto", "latest"):  # check_inputs made sure it is a folder
-        path = Path(target).expanduser()
-        try:
-            return load_checkpoint(path)
-        except (CheckpointError, RuntimeError, OSError, ValueError) as exc:
-            raise RunFailed(f"Cannot resume from {path}: {str(exc).rstrip('.')}. Choose another checkpoint folder, "
-                            "or --resume auto for the newest good one.") from None
-    parent = RunWriter(config.output_dir, enabled=False).paths.checkpoints
-    bad: list[str] = []
-    checkpoint = latest_good_checkpoint(parent, report=lambda message: (bad.append(message), report(message)))
-    if checkpoint is None and bad and not config.allow_restart:
-        raise RunFailed(f"None of the {len(bad)} checkpoints in {parent} can be read ({bad[0].split(' Falling')[0]}"
-                        "); nothing was changed. Pass --allow_restart to start this run over from step 0 (the bad "
-                        "checkpoints are kept), or resume from a copy of a good checkpoint.")
-    return checkpoint
-
-
-def weight_dtype_for(config: TrainConfig) -> torch.dtype:
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
-
-
-def setup(config: TrainConfig) -> Session:
-    """Check everything the user pointed at (model, resume checkpoint, then the dataset) before any model loads."""
-    config, random_seed = resolve_seed(config)
-    problems = check_inputs(config) + perceptual_problems(config) + optimizer_problems(config)
-    if problems:
-        raise ConfigError(problems)
-    prepare_run_dir(config)
-    bad_checkpoints: list[str] = []
-    resume_from = find_resume_checkpoint(config, bad_checkpoints.append)
-    accelerator = Accelerator(mixed_precision="no")  # mixed precision is ours (amp.py): the fallback switches it
-    amp = MixedPrecision(config.mixed_precision, accelerator.device)  # refuses a dtype the device lacks, early
-    previous = RunReader(config.output_dir).status()  # read before our own heartbeat replaces it
-    run = RunWriter(config.output_dir, enabled=accelerator.is_main_process)
-    run.status("starting", step=0)
-    if previous.get("stale"):
-        run.event("previous_died", f"The previous process {previous.get('pid')} died at step "
-                  f"{previous.get('step', 0)} (it was {previous.get('reported_state') or previous.get('state')}; status.json went stale).",
-                  step=previous.get("step"), pid=previous.get("pid"))
-    if accelerator.is_main_process:
-        config.save_toml(run.paths.config)
-        for leftover in remove_stale_temporaries(run.paths.checkpoints):
-            run.event("checkpoint_bad", f"Removed {leftover.name}: a checkpoint whose writing was interrupted.")
-    for message in bad_checkpoints:
-        run.event("checkpoint_bad", message, console=True)
-    if resume_from is None and config.resume_from_checkpoint:
-        run.event("resume", "No checkpoint to resume from; starting from step 0." if not bad_checkpoints else
-                  "No checkpoint could be read; starting over from step 0 (allow_restart).", console=True)
-    if random_seed:
-        run.event("seed", f"Seed -1: this run uses the random seed {config.seed} (recorded in config.toml, so "
-                  "--resume and a rerun with that seed repeat it).", console=True, seed=config.seed)
-    if config.mixed_precision != "no" and accelerator.device.type == "cpu":
-        run.event("precision", f"{config.mixed_precision} was requested but there is no GPU: the frozen model runs "
-                  f"in {config.mixed_precision} on the CPU, which is slow; use mixed_precision no on a CPU.",
-                  console=True)
-    for note in config.notes():
-        run.event("config", note)
-    set_seed(config.seed)
-
-    scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension)
-    for skipped in scan.skipped:
-        run.event("data_skipped", f"Skipped {skipped.path}: {skipped.reason}", path=str(skipped.path))
-    if scan.skipped:
-        run.event("data_skipped", f"Skipped {len(scan.skipped)} unreadable image(s), e.g. {scan.skipped[0].path.name}: "
-                  f"{scan.skipped[0].reason} (all listed in events.jsonl).", console=True)
-    scan, held_out = split_validation(scan, config)  # held-out images never reach the sampler
-    if held_out:
-        how = "validation_split empty: automatic" if config.validation_split is None else "validation_split"
-        run.event("validation_split", f"Held {len(held_out)} of {len(held_out) + len(scan.items)} images out of "
-                  f"training to measure validation loss on ({how}; set validation_split = 0 to train on all).",
-                  held_out=[str(item.path) for item in held_out])
-    if config.reg_data_dir:  # after the split: held-out images are instance images only
-        reg = scan_reg_images(Path(config.reg_data_dir), scan.total_with_repeats, config.default_caption,
-                              config.caption_extension)
-        run.event("reg_images", f"Prior preservation: {len(reg.items)} regularisation image(s) from "
-                  f"{config.reg_data_dir}, {reg.total_with_repeats} per epoch, loss weight {config.prior_loss_weight}.",
-                  console=True)
-        scan = merge_reg(scan, reg)
-    data = DatasetView.from_config(scan, config)
-    for note in data.notes:
-        run.event("data", note)
-    if config.masked_loss and (note := masks_note(data.items)):
-        run.event("data", note)
-    sampler = data.sampler(config.train_batch_size)
-
-    run.status("loading", step=0)
-    bundle = load_model(config)
-    if config.prediction_type:
-        bundle.noise_scheduler.register_to_config(prediction_type=config.prediction_type)
-    add_lora(bundle, config)
-    weight_dtype = weight_dtype_for(config)
-    device = accelerator.device
-    bundle.vae.to(device, dtype=torch.float32 if config.mixed_precision == "fp16" else weight_dtype)
-    bundle.unet.to(device, dtype=weight_dtype)
-    for encoder in bundle.text_encoders:
-        encoder.to(device, dtype=weight_dtype)
-    trained = {"unet": bundle.unet, **({f"te{i}": e for i, e in enumerate(bundle.text_encoders)}
-                                       if config.train_text_encoder else {})}
-    for module in trained.values():  # adapters train in fp32 whatever the base runs in
-        for p in lora_parameters(module):
-            p.data = p.data.float()
-    if config.gradient_checkpointing:
-        bundle.unet.enable_gradient_checkpointing()
-        if config.train_text_encoder:
-            for encoder in bundle.text_encoders:
-                encoder.gradient_checkpointing_enable()
-    enable_fast_attention(bundle, config, run)
-    if config.allow_tf32 and torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-
-    groups = unet_param_groups(bundle.unet, config)  # block-wise rates; a block at rate 0 is frozen
-    if config.train_text_encoder:
-        te_params = [p for e in bundle.text_encoders for p in lora_parameters(e)]
-        groups.append({"params": te_params, "lr": config.text_encoder_lr or config.learning_rate})
-    effective_batch = config.train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
-    if accelerator.num_processes > 1:
-        run.event("processes", f"Training on {accelerator.num_processes} processes ({accelerator.distributed_type}); "
-                  f"effective batch {effective_batch}.", processes=accelerator.num_processes)
-    if config.scale_lr:
-        for g in groups:
-            g["lr"] *= effective_batch
-    optimizer = make_optimizer(groups, config)
-    steps_per_epoch = math.ceil(len(sampler) / (config.gradient_accumulation_steps * accelerator.num_processes))
-    max_steps = config.max_train_steps or config.num_train_epochs * steps_per_epoch
-    if config.validation_epochs:  # diffusers' flag, in epochs: the loop counts steps
-        config.validation_steps = config.validation_epochs * steps_per_epoch
-        run.event("config", f"validation_epochs {config.validation_epochs} = validation images every "
-                  f"{config.validation_steps} steps ({steps_per_epoch} steps per epoch).")
-    lr_scheduler = make_lr_scheduler(optimizer, config, max_steps)
-    if config.lr_warmup_steps >= max_steps and config.lr_scheduler not in ("constant", "plateau"):
-        run.event("config", f"lr_warmup_steps ({config.lr_warmup_steps}) is not shorter than the run ({max_steps} "
-                  "steps): the learning rate never reaches its peak; lower lr_warmup_steps.", console=True)
-    prepared = accelerator.prepare(*trained.values(), optimizer)
-    trained = dict(zip(trained, prepared[:-1]))
-    optimizer = prepared[-1]
-
-    session = Session(config=config, accelerator=accelerator, run=run, bundle=bundle, data=data, sampler=sampler,
-                      optimizer=optimizer, lr_scheduler=lr_scheduler,
-                      params=[p for g in groups for p in g["params"]], trained=trained,
-                      state=TrainState(micro_batch_size=config.train_batch_size), max_steps=max_steps,
-                      generator=torch.Generator().manual_seed(config.seed), weight_dtype=weight_dtype,
-                      amp=amp,
-                      guards=make_guards(config), validation_items=held_out, resume_from=resume_from)
-    if config.ema_decay > 0:
-        session.ema = AdapterEMA(session.params, config.ema_decay, on_cpu=config.ema_on_cpu)
-    if config.perceptual_lambda > 0:
-        session.perceptual = Perceptual(config, device, run)
-    if accelerator.is_main_process:  # report_to: observers fed by the loop, never deciding anything
-        session.tensorboard, note = make_tensorboard_log(config, run.paths.root)
-        if note:
-            run.event("config", note)
-            print(f"note: {note}", file=sys.stderr)
-    build_caches(session)
-    if faults.ACTIVE:
-        faults.arm_oom(session)
-    return session
-
-
-def enable_fast_attention(bundle: ModelBundle, config: TrainConfig, run: RunWriter) -> None:
-    """PyTorch SDPA is diffusers' default; xformers only when asked for and importable."""
-    if not config.enable_xformers_memory_efficient_attention:
-        return
-    try:
-        import xformers  # noqa: F401
-
-        bundle.unet.enable_xformers_memory_efficient_attention()
-        run.event("attention", "Using xformers memory-efficient attention.")
-    except Exception as exc:  # not installed, or no kernel for this device
-        run.event("attention", f"xformers is not usable here ({type(exc).__name__}); using PyTorch SDPA, which "
-                  "is as memory-efficient on PyTorch 2.", console=True)
-
-
-def build_caches(s: Session) -> None:
-    """Encode latents and caption embeddings once; then the modules no step needs go to the CPU (placement.py).
-
-    With cache_latents_to_disk the latents go to a cache shared by every run (STABLETUNE_CACHE, default
-    ~/.cache/stabletune/latents), keyed by the image's bytes, its bucket and crop, and the VAE's weights and
-    dtype, so a later run on the same images skips encoding. Each latent is a posterior sample seeded by its
-    own pixels: the same whether this run encoded it or found it cached, and the run's RNG is not touched.
-    """
-    config = s.config
-    folder = Path(config.output_dir) / "cache" if config.cache_latents_to_disk else None
-    model_id = f"{Path(config.pretrained_model_name_or_path).resolve()}|{config.mixed_precision}"
-    if config.cache_latents:
-        s.run.status("caching", step=s.state.step)
-        shared = cache_root() / "latents" if config.cache_latents_to_disk else None
-        vae_id = f"{module_fingerprint(s.bundle.vae)}|{s.bundle.vae.dtype}" if shared else "this-run"
-        s.latent_cache = LatentCache(shared, model_id=vae_id)
-
-        def encode(pixels: torch.Tensor) -> torch.Tensor:
-            seed = derive_seed("cached-latent", hashlib.sha256(pixels.numpy().tobytes()).hexdigest())
-            return encode_pixels(s, pixels, torch.Generator().manual_seed(seed % 2**63))
-
-        encoded = s.latent_cache.build(s.data, encode, disable=not s.accelerator.is_main_process)
-        where = f" in {shared}" if shared else ""
-        s.run.event("latent_cache", f"Encoded {encoded} images and reused {s.latent_cache.reused} cached latents"
-                    f"{where}.", encoded=encoded, reused=s.latent_cache.reused, folder=str(shared) if shared else None)
-    if config.cache_text_embeddings:
-        s.text_cache = EmbeddingCache(folder / "text" if folder else None, model_id=model_id)
-        s.text_cache.build(s.data, lambda captions: encode_text(s, captions, grad=False),
-                           disable=not s.accelerator.is_main_process)
-    off = frozen_modules_to_offload(s.bundle, config, latents_cached=s.latent_cache is not None,
-                                    text_cached=s.text_cache is not None)
-    if off:
-        offload(off.values(), s.device)
-        s.run.event("placement", f"{', '.join(off)} stay on the CPU after caching: their outputs are cached, so "
-                    f"only sampling brings them to {s.device}.", modules=list(off), device=str(s.device))
-
-
-# ---- the pieces of a step ----------------------------------------------------------------------------------
-@torch.no_grad()
-def encode_pixels(s: Session, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    vae = s.bundle.vae
-    latents = vae.encode(pixels.to(s.device, dtype=vae.dtype)).latent_dist.sample(generator=generator)
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    return ((latents - shift) * s.bundle.latent_scaling).float()
-
-
-def encode_text(s: Session, captions: list[str], *, grad: bool) -> dict[str, torch.Tensor]:
-    """The family's text tensors, from the bundle's own encoders. With several processes their LoRA gradients are
-    summed across ranks with the UNet's in `sum_gradients_across_ranks`; calling the DDP wrappers instead would
-    broadcast the encoders' buffers (CLIP's position ids) inside every forward: a collective in the middle of a
-    step, where a rank that ran out of memory would never meet it."""
-    with torch.set_grad_enabled(grad), s.amp.autocast():
-        return s.bundle.family.encode_text(s.bundle, captions)
-
-
-def latents_for(s: Session, batch: dict[str, Any]) -> torch.Tensor:
-    if s.latent_cache is not None:
-        return s.latent_cache.get_batch(batch["index"]).to(s.device)
-    return encode_pixels(s, batch["pixel_values"], noise_generator(s, batch, "vae"))
-
-
-def conditioning_for(s: Session, batch: dict[str, Any], rows: slice) -> Conditioning:
-    captions = batch["caption"][rows]
-    if s.text_cache is not None:
-        text = {k: v.to(s.device) for k, v in s.text_cache.get_batch(captions).items()}
-    else:
-        text = encode_text(s, captions, grad=s.config.train_text_encoder)
-    return s.bundle.family.make_conditioning(s.bundle, text, batch["sizes"][rows])
-
-
-def micro_chunks(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
-    """Mean loss over every image of one optimizer step (all processes), gradients accumulated.
-
-    Noise and timesteps are drawn per sampler batch before it is split into micro-batches, so shrinking the
-    micro-batch after an OOM changes nothing but memory use; they come from a generator seeded by the batch's
-    place in the global order, so they do not depend on the number of processes either. The gradient is the
-    mean over every image of the step on every process, however unevenly the images are spread over ranks.
-
-    With several processes nothing here talks to the other ranks while a rank computes (no DDP hook fires in
-    a backward): each phase ends in one all-reduce that also says whether any rank ran out of memory, so every
-    rank retries (or goes on) together instead of hanging in a collective that the failed rank never reaches.
-    """
-    several = s.accelerator.num_processes > 1
-    images = sum(len(b["caption"]) for b in batches)
-    work, perceptual_count, failure = [], 0, None
-    try:
-        for batch in batches:
-            latents = latents_for(s, batch)
-            # masked loss: None when masks are off or no image of the batch has one
-            batch["latent_mask"] = batch_loss_mask(batch, latents.shape[-2:]) if s.config.masked_loss else None
-            noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, noise_generator(s, batch),
-                                                noise_offset=s.config.noise_offset,
-                                                multires_noise_iterations=s.config.multires_noise_iterations,
-                                                multires_noise_discount=s.config.multires_noise_discount,
-                                                ip_noise_gamma=s.config.ip_noise_gamma)
-            target = target_for(s.bundle.noise_scheduler, s.bundle.prediction_type, latents, noise, timesteps)
-            # The LPIPS rows are chosen per sampler batch, so micro-batching cannot change who gets the term.
-            chosen = s.perceptual.chosen_rows(s.state.step, timesteps) if s.perceptual else []
-            perceptual_count += len(chosen)
-            for rows in micro_chunks(len(batch["caption"]), s.state.micro_batch_size):
-                work.append((batch, rows, noisy, target, timesteps,
-                             [i for i in chosen if rows.start <= i < rows.stop]))
-    except torch.cuda.OutOfMemoryError as exc:
-        if not several:
-            raise
-        failure = (str(exc).splitlines() or ["CUDA out of memory"])[0]
-    if several:
-        images, perceptual_count = (int(n) for n in agree_across_ranks(s, [images, perceptual_count], failure))
-    unet = s.trained["unet"]
-    loss_sum = torch.zeros((), device=s.device)
-    s.loss_parts.reset()  # a retry after an out-of-memory error starts the step's parts again
-    try:
-        with contextlib.ExitStack() as no_sync:  # with several processes, gradients are summed once, below
-            for module in s.trained.values():
-                no_sync.enter_context(s.accelerator.no_sync(module))
-            for batch, rows, noisy, target, timesteps, chosen in work:
-                cond = conditioning_for(s, batch, rows)
-                with s.amp.autocast():
-                    pred = unet(noisy[rows].to(s.weight_dtype), timesteps[rows],
-                                encoder_hidden_states=cond.encoder_hidden_states,
-                                added_cond_kwargs=cond.added_cond_kwargs).sample
-                mask = batch["latent_mask"]
-                per_sample = diffusion_loss(pred, target[rows], s.bundle.noise_scheduler, timesteps[rows],
-                                            prediction_type=s.bundle.prediction_type, snr_gamma=s.config.snr_gamma,
-                                            debiased=s.config.debiased_estimation_loss,
-                                            mask=None if mask is None else mask[rows])
-                is_reg = batch["is_reg"][rows]
-                s.loss_parts.add(per_sample, is_reg)
-                loss = (per_sample * prior_weights(is_reg, s.config.prior_loss_weight, per_sample.device)).sum()
-                objective = loss / images
-                if chosen:  # joins the gradients as lambda x the step's mean LPIPS, not the reported loss
-                    objective = objective + s.perceptual.term(s, batch, rows, chosen, pred, noisy[rows],
-                                                              timesteps[rows]) / perceptual_count
-                s.accelerator.backward(s.amp.scale(objective))
-                loss_sum += loss.detach().float()  # no .item() here: one device sync per step, not per micro-batch
-    except torch.cuda.OutOfMemoryError as exc:
-        if not several:
-            raise
-        failure = (str(exc).splitlines() or ["CUDA out of memory"])[0]
-    if several:
-        (loss_sum,) = agree_across_ranks(s, [loss_sum], failure)
-        sum_gradients_across_ranks(s)
-    return float(loss_sum) / images
-
-
-def agree_across_ranks(s: Session, values: list[float | torch.Tensor], failure: str | None) -> torch.Tensor:
-    """`values` summed over all ranks, in one all-reduce that also carries whether this rank ran out of memory.
-    If any rank did, every rank raises the same out-of-memory error naming them, so the memory guard shrinks
-    the micro-batch on every rank (or stops every rank) alike."""
-    flags = [torch.as_tensor(float(failure is not None)), *(torch.as_tensor(v).float() for v in values)]
-    summed = s.accelerator.reduce(torch.stack([f.to(s.device) for f in flags]), "sum")
-    if summed[0] > 0:
-        from accelerate.utils import gather_object
-
-        reasons = [f"rank {rank}: {reason}" for rank, reason in enumerate(gather_object([failure])) if reason]
-        raise torch.cuda.OutOfMemoryError(f"CUDA out of memory on {len(reasons)} of {s.accelerator.num_processes} "
-                                          f"processes ({'; '.join(reasons)}).")
-    return summed[1:]
-
-
-def sum_gradients_across_ranks(s: Session) -> None:
-    """Sum the LoRA gradients (text encoders' included) over ranks in one all-reduce; each rank already divided
-    by the global image count, so the sum is the gradient of the global mean loss."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in s.params]
-    flat = s.accelerator.reduce(torch.cat([g.flatten() for g in grads]), "sum")
-    for p, chunk in zip(s.params, flat.split([g.numel() for g in grads])):
-        if p.grad is not None:
-            p.grad.copy_(chunk.view_as(p.grad))
-
-
-def global_image_count(s: Session, batches: list[dict[str, Any]]) -> int:
-    """Images of this step on every process (ranks may hold different counts when buckets end unevenly)."""
-    count = sum(len(b["caption"]) for b in batches)
-    if s.accelerator.num_processes > 1:
-        count = int(s.accelerator.reduce(torch.tensor(float(count), device=s.device), "sum"))
-    return count
-
-
-def noise_generator(s: Session, batch: dict[str, Any], purpose: str = "noise") -> torch.Generator:
-    """The generator of one sampler batch's noise and timesteps (or its VAE posterior sample), seeded by
-    (seed, epoch, place in the epoch): never by how many batches this process drew before."""
-    epoch, place = batch.get("position", (s.state.epoch, s.state.batch_in_epoch))
-    return torch.Generator().manual_seed(derive_seed(purpose, s.config.seed, epoch, place) % 2**63)
-
-
-def next_batches(s: Session, count: int) -> list[dict[str, Any]]:
-    """This process's share of the next `count` x processes sampler batches; moves the data position.
-
-    Every process walks the same global order and takes every world-th batch, so the global batch of a step
-    is the same whatever the number of processes. The batches come from a torch DataLoader (data/dataset.py
-    `BatchFeed`) whose workers decode the next ones while this step runs; it is made at the first call, after
-    a resume has restored the data position, and restarted if that position moved under it.
-    """
-    position = (s.state.epoch, s.state.batch_in_epoch)
-    if s.feed is None:
-        config = s.config
-        s.feed = BatchFeed(s.data, s.sampler, position, with_pixels=s.latent_cache is None,
-                           num_workers=config.dataloader_num_workers, world=s.accelerator.num_processes,
-                           rank=s.accelerator.process_index, pin_memory=s.device.type == "cuda")
-    elif s.feed.position != position:
-        s.feed.restart(position)
-    batches = [next(s.feed) for _ in range(count)]
-    s.state.epoch, s.state.batch_in_epoch = s.feed.position
-    return batches
-
-
-def clip_gradients(s: Session) -> float:
-    """Clip to the clipping guard's threshold (fixed or adaptive); returns the norm before clipping.
-
-    A non-finite norm leaves the gradients as they are, so the non-finite guard can name the bad tensors.
-    """
-    clip = s.guard("clipping")
-    max_norm = clip.threshold() if clip else math.inf
-    s.amp.unscale_(s.optimizer)  # fp16: clip and check the true gradients, not the scaled ones
-    grads = [p.grad for p in s.params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
-    if math.isfinite(max_norm) and torch.isfinite(norm):
-        torch.nn.utils.clip_grads_with_norm_(s.params, max_norm, norm)
-    return float(norm)
-
-
-def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[float, float]:
-    """Forward, backward, clip, ask the guards, optimizer step. Returns (loss, gradient norm before clipping)."""
-    memory = s.guard("memory")  # out-of-memory: retried with a smaller micro-batch
-    loss = memory.run(s, lambda: forward_backward(s, batches)) if memory else forward_backward(s, batches)
-    if faults.ACTIVE:
-        loss = faults.corrupt_step(s, loss)
-    grad_norm = clip_gradients(s)
-    verdicts = [guard.before_optimizer_step(s, loss, grad_norm) for guard in s.guards]
-    if all(verdicts):
-        s.amp.step(s.optimizer)
-        if s.ema:
-            s.ema.update()
-    s.lr_scheduler.step()
-    s.optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm
-
-
-# ---- checkpoints ---------------------------------------------------------------------------------------
-def rng_state(s: Session) -> dict[str, Any]:
-    py_version, py_state, py_gauss = random.getstate()
-    np_state = np.random.get_state()
-    return {
-        "python": torch.tensor(py_state, dtype=torch.int64), "python_version": py_version,
-        "numpy": torch.from_numpy(np_state[1].astype(np.int64)), "numpy_pos": int(np_state[2]),
-        "torch": torch.get_rng_state(), "loop": s.generator.get_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def restore_rng(s: Session, rng: dict[str, Any]) -> None:
-    random.setstate((rng["python_version"], tuple(int(x) for x in rng["python"].tolist()), None))
-    np.random.set_state(("MT19937", rng["numpy"].numpy().astype(np.uint32), rng["numpy_pos"], 0, 0.0))
-    torch.set_rng_state(rng["torch"])
-    s.generator.set_state(rng["loop"])
-    if rng["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-
-
-CHECKPOINT_FAILURE_LIMIT = 3  # checkpoints in a row that may fail (a full disk) before the run stops
-
-
-def save(s: Session, reason: str) -> Path | None:
-    """Write a checkpoint. A failed one (a full disk) is one console line and the run goes on, keeping the last
-    good checkpoint; CHECKPOINT_FAILURE_LIMIT failures in a row stop the run with a sentence."""
-    s.accelerator.wait_for_everyone()
-    if not s.accelerator.is_main_process:
-        return None
-    s.run.status("saving", step=s.state.step)
-    adapter = {f"{prefix}.{k}": v for prefix, module in s.trained.items()
-               for k, v in lora_state_dict(s.accelerator.unwrap_model(module)).items()}
-    state = {"train": s.state.as_dict(), "optimizer": s.optimizer.state_dict(),
-             "lr_scheduler": s.lr_scheduler.state_dict(), "scaler": s.amp.state_dict(), "rng": rng_state(s),
-             "guards": {g.name: g.state_dict() for g in s.guards}, "ema": s.ema.state_dict() if s.ema else {}}
-    try:
-        folder = save_checkpoint(s.run.paths.checkpoint(s.state.step), s.state.step, adapter, state)
-    except CheckpointError as exc:
-        s.checkpoint_failures += 1
-        s.run.event("checkpoint_failed", str(exc), step=s.state.step, console=True)
-        if s.checkpoint_failures >= CHECKPOINT_FAILURE_LIMIT:
-            raise RunFailed(f"Stopped at step {s.state.step} because {s.checkpoint_failures} checkpoints in a row "
-                            f"could not be written ({exc.reason or exc}); {last_good_sentence(s)}") from None
-        s.run.status("training", step=s.state.step, max_steps=s.max_steps, error=str(exc))
-        return None
-    s.checkpoint_failures = 0
-    protect = {s.best_checkpoint} if s.best_checkpoint else set()
-    removed = prune_checkpoints(s.run.paths.checkpoints, s.config.checkpoints_total_limit, protect=protect)
-    s.run.event("checkpoint", f"Saved checkpoint at step {s.state.step} ({reason}).", step=s.state.step,
-                path=str(folder), removed=[str(p) for p in removed])
-    return folder
-
-
-def last_good_sentence(s: Session) -> str:
-    """What to do after checkpoints failed, naming the last good one (lower case: it ends a sentence)."""
-    from .checkpoint import list_checkpoints
-
-    folders = list_checkpoints(s.run.paths.checkpoints)
-    if not folders:
-        return "free some space and start the run again (it has no checkpoint yet)."
-    return f"free some space and continue with --resume auto from the last good checkpoint, {folders[-1].name}."
-
-
-def resume(s: Session) -> None:
-    """Continue from the checkpoint setup found (setup read and verified it before loading the model)."""
-    checkpoint = s.resume_from
-    if checkpoint is None:
-        return
-    s.resume_from = None  # its tensors are not needed once loaded
-    restore_adapter(s, checkpoint.adapter)
-    state = checkpoint.state
-    s.optimizer.load_state_dict(state["optimizer"])
-    s.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    s.amp.load_state_dict(state["scaler"])
-    s.state = TrainState(**state["train"])
-    restore_rng(s, state["rng"])
-    if s.ema and state.get("ema"):
-        s.ema.load_state_dict(state["ema"])
-    elif s.ema:  # the checkpoint was made without EMA: average from here on
-        s.ema = AdapterEMA(s.params, s.config.ema_decay, on_cpu=s.config.ema_on_cpu)
-        s.run.event("config", f"{checkpoint.path.name} holds no EMA weights (ema_decay was 0 then); the EMA starts "
-                    f"from the resumed weights at step {s.state.step}.", step=s.state.step, console=True)
-    for guard in s.guards:
-        guard.load_state_dict(state.get("guards", {}).get(guard.name, {}))
-    s.run.event("resumed", f"Resumed from {checkpoint.path} at step {s.state.step} ({s.state.images_seen} images "
-                f"seen, micro-batch {s.state.micro_batch_size}).", step=s.state.step, path=str(checkpoint.path),
-                images_seen=s.state.images_seen)
-
-
-def restore_adapter(s: Session, adapter: dict[str, torch.Tensor]) -> None:
-    """Load checkpoint adapter tensors ('<prefix>.<peft key>') into the trained modules."""
-    by_prefix: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in adapter.items():
-        prefix, name = key.split(".", 1)
-        by_prefix.setdefault(prefix, {})[name] = value
-    for prefix, module in s.trained.items():
-        load_lora_state_dict(s.accelerator.unwrap_model(module), by_prefix.get(prefix, {}))
-
-
-# ---- export --------------------------------------------------------------------------------------------
-def export(s: Session, name: str | None = None) -> Path | None:
-    """The LoRA as trained, and with ema_decay its moving average beside it as NAME-ema.safetensors."""
-    with evaluation_weights(s.optimizer):  # schedule-free: export the averaged weights, not the training point
-        path = _export(s, name)
-    if s.ema:
-        with s.ema.swapped_in():
-            _export(s, f"{name or s.config.output_name}-ema")
-    return path
-
-
-def _export(s: Session, name: str | None = None) -> Path | None:
-    s.accelerator.wait_for_everyone()
-    if not s.accelerator.is_main_process:
-        return None
-    config = s.config
-    unet = s.accelerator.unwrap_model(s.trained["unet"])
-    encoders = [s.accelerator.unwrap_model(s.trained[k]) for k in s.trained if k.startswith("te")]
-    path = s.run.paths.output / f"{name or config.output_name}.safetensors"
-    # The family knows its version strings (SD2's follow the prediction type); the run knows the rest.
-    metadata = {**s.bundle.family.metadata(s.bundle), **training_metadata(s)}
-    path = export_kohya_lora(path, unet, encoders, s.bundle.family, rank=config.lora_rank,
-                             alpha=config.effective_lora_alpha, metadata=metadata,
-                             dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.save_precision,
-                                                                                       torch.float32),
-                             overwrite=True)  # RUN/output is this run's own: prepare_run_dir moved any other aside
-    s.run.event("exported", f"Wrote LoRA {path.name} at step {s.state.step}.", step=s.state.step, path=str(path))
-    if config.export_diffusers_format:
-        from ..lora.export import export_diffusers_lora
-
-        # The run's own output folder: a later export of this run (resume, early stopping's next best)
-        # replaces its earlier one, file by file through a rename, never a file outside the run.
-        folder = s.run.paths.output / f"{name or config.output_name}_diffusers"
-        written = export_diffusers_lora(folder, unet, encoders, s.bundle.family, overwrite=True)
-        s.run.event("exported", f"Wrote diffusers-format LoRA {folder.name}/{written.name} at step {s.state.step}.",
-                    step=s.state.step, path=str(written))
-    return path
-
-
-def training_metadata(s: Session) -> dict[str, str]:
-    """kohya's ss_* keys as this run trained (they override the family's defaults), and the config without
-    the user's local paths."""
-    config = s.config
-    return {
-        "ss_output_name": config.output_name,
-        "ss_sd_model_name": Path(config.pretrained_model_name_or_path).name,
-        "ss_resolution": f"({config.resolution}, {config.resolution})",
-        "modelspec.resolution": f"{config.resolution}x{config.resolution}",
-        "ss_tag_frequency": json.dumps(s.data.scan.tag_frequency()),
-        "ss_reg_dataset_dirs": json.dumps(s.data.scan.reg_dataset_dirs()),
-        "ss_num_reg_images": str(sum(item.is_reg for item in s.data.items)),
-        "ss_prior_loss_weight": str(config.prior_loss_weight),
-        "ss_training_started_at": str(s.run._started),
-        "ss_training_finished_at": str(time.time()),
-        "ss_steps": str(s.state.step),
-        "ss_max_train_steps": str(s.max_steps),
-        "ss_epoch": str(s.state.epoch + 1),  # kohya counts epochs from 1; state.epoch is the one being drawn from
-        "ss_learning_rate": str(config.learning_rate),
-        "ss_text_encoder_lr": str(config.text_encoder_lr or config.learning_rate),
-        "ss_unet_lr": str(config.learning_rate),
-        "ss_batch_size_per_device": str(config.train_batch_size),
-        "ss_gradient_accumulation_steps": str(config.gradient_accumulation_steps),
-        "ss_lr_scheduler": config.lr_scheduler,
-        "ss_lr_warmup_steps": str(config.lr_warmup_steps),
-        "ss_mixed_precision": config.mixed_precision,
-        "ss_seed": str(config.seed),
-        "ss_noise_offset": str(config.noise_offset),
-        "ss_min_snr_gamma": str(config.snr_gamma),
-        "ss_multires_noise_iterations": str(config.multires_noise_iterations or None),
-        "ss_multires_noise_discount": str(config.multires_noise_discount),
-        "ss_ip_noise_gamma": str(config.ip_noise_gamma or None),
-        "ss_debiased_estimation": str(config.debiased_estimation_loss),
-        "ss_network_dropout": str(config.lora_dropout),
-        "ss_num_train_images": str(sum(not item.is_reg for item in s.data.items)),
-        "stabletune_config": json.dumps(shareable_config(config)),
-    }
-
-
-def shareable_config(config: TrainConfig) -> dict[str, Any]:
-    """The config as it goes into a LoRA people share: folders and files by their names only (the run's own
-    folder is "."), never the absolute paths of the machine it was trained on; a hub id stays as it is."""
-    values = config.model_dump(mode="json")
-    run = Path(config.output_dir).expanduser().resolve()
-    for key in ("pretrained_model_name_or_path", "train_data_dir", "model_config_dir", "resume_from_checkpoint"):
-        value = values.get(key)
-        if not value or value in ("auto", "latest"):
-            continue
-        path = Path(value).expanduser()
-        if not (path.is_absolute() or path.exists()):
-            continue  # a hub id
-        path = path.resolve()
-        values[key] = path.relative_to(run).as_posix() if path.is_relative_to(run) else path.name
-    values["output_dir"] = "."
-    return values
+from .session import Session, SessionView, Snapshot
+from .setup import setup
+from .state import last_good_sentence, restore_adapter, restore_rng, resume, rng_state, save
+from .checkpoint import latest_good_checkpoint
 
 
 # ---- the loop ------------------------------------------------------------------------------------------
@@ -811,7 +61,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     for module in s.trained.values():
         module.train()
     for guard in s.guards:
-        guard.on_start(s)
+        carry_out(s, guard, guard.on_start(SessionView(s)))
     try:  # the progress bar ends its line whatever happens, so a failure sentence starts on its own
         while state.step < s.max_steps:
             signum = stop_signal(s)
@@ -822,11 +72,11 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                           step=state.step, console=True)
                 stop_reason = "stopped"
                 break
-            batches = next_batches(s, s.config.gradient_accumulation_steps)
+            batches = step.next_batches(s, s.config.gradient_accumulation_steps)
             s.batch_paths = [str(p) for b in batches for p in b["path"]]
             loss, grad_norm = training_step(s, batches)
             state.step += 1
-            state.images_seen += global_image_count(s, batches)
+            state.images_seen += step.global_image_count(s, batches)
 
             now = time.perf_counter()
             sec_per_step = (now - last_time) if sec_per_step is None else 0.9 * sec_per_step + 0.1 * (now - last_time)
@@ -836,7 +86,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                            sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
             if s.config.reg_data_dir:
                 metrics.update(s.loss_parts.means())
-            verdicts = [guard.after_step(s, metrics) for guard in s.guards]
+            guard_stops = after_step(s, metrics)
             if state.step % s.config.logging_steps == 0 or state.step == s.max_steps:
                 logged = {**metrics, **memory_stats(s.device)}
                 run.metric(state.step, **logged)
@@ -848,19 +98,19 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
             progress.set_postfix(loss=f"{loss:.4f}")
             nonfinite = s.guard("nonfinite")
             if nonfinite is not None and nonfinite.hopeless(state.step - first_step):
-                raise RunFailed(nonfinite.hopeless_sentence(s, state.step - first_step))
+                raise RunFailed(nonfinite.hopeless_sentence(s.config, current_lr(s), state.step - first_step))
             if s.config.validation_prompts and state.step % s.config.validation_steps == 0:
                 sample(s)
             if state.step % s.config.save_steps == 0 and state.step < s.max_steps:
                 save(s, "every save_steps")
-            if "stop" in verdicts or obey_control(s) == "stop":
+            if guard_stops or obey_control(s) == "stop":
                 stop_reason = "stopped"
                 break
     finally:
         progress.close()
     nonfinite = s.guard("nonfinite")
     if nonfinite is not None and state.step > first_step and nonfinite.hopeless(state.step - first_step, end=True):
-        raise RunFailed(nonfinite.hopeless_sentence(s, state.step - first_step))
+        raise RunFailed(nonfinite.hopeless_sentence(s.config, current_lr(s), state.step - first_step))
     if state.step == first_step and stop_reason == "stopped":  # stopped before any step: nothing new to keep
         run.status("stopped", step=state.step, max_steps=s.max_steps, eta_seconds=0)
         run.event("stopped", f"Run stopped at step {state.step} before training a step; nothing new to save.",
@@ -885,6 +135,195 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     return path
 
 
+
+# ---- one step -----------------------------------------------------------------------------------------
+def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[float, float]:
+    """Forward, backward, clip, ask the guards, optimizer step. Returns (loss, gradient norm before clipping)."""
+    loss = forward_backward_fitting(s, batches)
+    grad_norm = step.clip_gradients(s)
+    view, skip = SessionView(s), False
+    for guard in s.guards:
+        verdicts = guard.before_optimizer_step(view, loss, grad_norm)
+        skip |= any(isinstance(v, (SkipStep, RollBack)) for v in verdicts)
+        carry_out(s, guard, verdicts)
+    if not skip:
+        s.amp.step(s.optimizer)
+        if s.ema:
+            s.ema.update()
+    s.lr_scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+def forward_backward_fitting(s: Session, batches: list[dict[str, Any]]) -> float:
+    """`step.forward_backward`; with the memory guard, an out-of-memory error frees the step's memory, puts the
+    random-number state back (the retry draws exactly what the failed attempt drew) and asks the guard."""
+    memory = s.guard("memory")
+    if memory is None:
+        return step.forward_backward(s, batches)
+    rng = rng_state(s)
+    tries = 0
+    while True:
+        try:
+            return step.forward_backward(s, batches)
+        except torch.cuda.OutOfMemoryError as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
+        # Out of the except block: the traceback, and the activations its frames hold, are gone.
+        s.optimizer.zero_grad(set_to_none=True)
+        free_memory(s.device)
+        restore_rng(s, rng)
+        carry_out(s, memory, memory.on_out_of_memory(SessionView(s), reason, tries))
+        tries += 1
+
+
+def after_step(s: Session, metrics: dict[str, Any]) -> bool:
+    """The guards look at the counted step, the observers measure, then the guards judge the measurements
+    (validation loss). Returns True when a guard ended the run."""
+    view, stop = SessionView(s), False
+    for guard in s.guards:
+        stop |= carry_out(s, guard, guard.after_step(view, metrics))
+    for observer in s.observers:
+        observation = observer.observe(s)
+        metrics.update(observation.metrics)
+        for event in observation.events:
+            write_event(s, event)
+    for guard in s.guards:
+        stop |= carry_out(s, guard, guard.after_measuring(view, metrics))
+    return stop
+
+
+def current_lr(s: Session) -> float:
+    return s.optimizer.param_groups[0]["lr"]
+
+
+# ---- the guards' verdicts, carried out -------------------------------------------------------------------
+def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
+    """Act on `guard`'s verdicts, in order. Returns True when one ends the run (early stopping)."""
+    stop = False
+    for verdict in verdicts:
+        match verdict:
+            case Report():
+                write_event(s, verdict.event)
+            case SkipStep():
+                skip_step(s, verdict)
+            case TakeSnapshot():
+                s.snapshot = take_snapshot(s) or s.snapshot
+            case RollBack():
+                roll_back(s, verdict)
+            case ShrinkMicroBatch():
+                s.state.micro_batch_size = verdict.new
+                s.run.event("oom", f"Out of memory at step {verdict.step} with micro-batch {verdict.old} "
+                            f"({verdict.reason}); retrying with micro-batch {verdict.new} and twice the accumulation, "
+                            "so the effective batch stays the same.", step=verdict.step, old_micro_batch=verdict.old,
+                            new_micro_batch=verdict.new, paths=list(s.batch_paths), console=True)
+            case StopOutOfMemory():
+                s.run.event("oom_stop", verdict.message, step=verdict.step)
+                save(s, "out of memory")
+                s.run.status("failed", step=s.state.step, error=verdict.message)
+                raise OutOfMemoryStop(verdict.message)
+            case LowerLearningRate():
+                old, new = s.lr_scheduler.lower(verdict.factor, verdict.floor)
+                s.run.event("lr_plateau", f"Validation loss has not improved on {verdict.best:.4g} for "
+                            f"{verdict.patience} evaluations; learning rate {old:.3g} -> {new:.3g}.",
+                            step=s.state.step, old_lr=old, new_lr=new)
+            case SwitchPrecision():
+                switch_precision(s, verdict.precision)
+                write_event(s, verdict.event)
+            case ScaleWeights():
+                with torch.no_grad():
+                    for tensors, factors in zip(verdict.tensors, verdict.factors):
+                        torch._foreach_mul_(tensors, factors)
+            case SaveBest():
+                save(s, verdict.reason)  # every process: save() waits for all of them
+                s.best_checkpoint = s.run.paths.checkpoint(s.state.step)
+                guard.remember_best(s.best_checkpoint)
+            case ProtectCheckpoint():
+                s.best_checkpoint = verdict.path
+            case ExportBest():
+                export_best(s)
+            case StopEarly():
+                best = export_best(s)
+                write_event(s, verdict.event(best, s.best_checkpoint))
+                stop = True
+            case _:
+                raise TypeError(f"{guard.name} returned {verdict!r}, which the loop does not know how to carry out.")
+    return stop
+
+
+def write_event(s: Session, event: Event) -> None:
+    s.run.event(event.kind, event.message, console=event.console, **event.fields)
+
+
+def skip_step(s: Session, verdict: SkipStep) -> None:
+    """No optimizer step this time; say why, naming the tensors that went non-finite."""
+    step_number = s.state.step + 1
+    s.amp.skip()  # the skipped optimizer step would have done it: an overflow lowers the loss scale
+    if verdict.overflow:
+        s.run.event("fp16_overflow", f"Skipped step {step_number}: fp16 gradients overflowed; loss scale is now "
+                    f"{s.amp.loss_scale:g}.", step=step_number)
+        return
+    tensors = nonfinite_gradients(s)
+    detail = f" in {len(tensors)} gradient tensors, e.g. {', '.join(tensors[:3])}" if tensors else ""
+    s.run.event("nonfinite", f"Skipped step {step_number}: non-finite {verdict.what} (loss {verdict.loss}, grad norm "
+                f"{verdict.grad_norm}){detail}.", step=step_number, what=verdict.what, tensors=tensors[:20],
+                paths=list(s.batch_paths))
+
+
+def take_snapshot(s: Session) -> Snapshot | None:
+    """A copy of the adapter and optimizer state to roll back to; None when the weights are not all finite."""
+    with torch.no_grad():
+        if not all(bool(torch.isfinite(p).all()) for p in s.params):
+            return None
+        return Snapshot(s.state.step, [p.detach().clone() for p in s.params], copy.deepcopy(s.optimizer.state_dict()))
+
+
+def roll_back(s: Session, verdict: RollBack) -> None:
+    """Weights and optimizer back to the last good state, and a lower learning rate."""
+    if s.snapshot is not None:
+        with torch.no_grad():
+            for p, saved in zip(s.params, s.snapshot.params):
+                p.copy_(saved)
+        s.optimizer.load_state_dict(copy.deepcopy(s.snapshot.optimizer))
+        source = f"rolled the LoRA and optimizer back to step {s.snapshot.step} (in memory)"
+    elif (checkpoint := latest_good_checkpoint(s.run.paths.checkpoints)) is not None:
+        restore_adapter(s, checkpoint.adapter)
+        s.optimizer.load_state_dict(checkpoint.state["optimizer"])
+        source = f"rolled the LoRA and optimizer back to checkpoint {checkpoint.path.name}"
+    else:
+        source = "no good state to roll back to (no snapshot, no checkpoint), kept the current weights"
+    old, new = s.lr_scheduler.lower(verdict.lr_factor, verdict.min_lr)  # peaks: the rate is ~0 in a warm-up
+    s.run.event("rollback", f"{len(verdict.bad_steps)} non-finite steps within {verdict.window} steps (last at step "
+                f"{verdict.step}): {source}; learning rate {old:.3g} -> {new:.3g}.", step=verdict.step, old_lr=old,
+                new_lr=new, bad_steps=list(verdict.bad_steps), console=True)
+
+
+def switch_precision(s: Session, precision: str) -> None:
+    """Run the rest of the training in `precision` ('bf16' or 'no'): autocast follows and the scaler goes
+    (s.amp), and the frozen model is recast. LoRA weights stay fp32 and are not touched."""
+    s.amp.switch_to(precision)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    trained = {id(p) for p in s.params}
+    for module in (s.bundle.unet, *s.bundle.text_encoders):
+        for p in module.parameters():
+            if id(p) not in trained and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for b in module.buffers():
+            if b.is_floating_point():
+                b.data = b.data.to(dtype)
+    s.weight_dtype = dtype
+
+
+def nonfinite_gradients(s: Session) -> list[str]:
+    """Names of the trained tensors whose gradient holds NaN or Inf (only computed on a bad step)."""
+    names = []
+    for prefix, module in s.trained.items():
+        for name, p in module.named_parameters():
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                names.append(f"{prefix}.{name}")
+    return names
+
+
+# ---- between steps: signals, samples, the UI's commands -----------------------------------------------------
 def learning_summary(scores: dict[str, dict[str, float]]) -> str:
     from ..toy.judge import learning_summary as colours
 

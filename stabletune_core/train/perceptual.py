@@ -19,12 +19,15 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..config import TrainConfig
-from .guards.base import Guard
+from .observers import NOTHING, Observation, Observer
+
+if TYPE_CHECKING:  # annotations only: the session holds the regulariser
+    from .session import Session
 
 _WEIGHTS = {"alex": "AlexNet_Weights", "vgg": "VGG16_Weights", "squeeze": "SqueezeNet1_1_Weights"}
 
@@ -105,7 +108,7 @@ class Perceptual:
             return []
         return torch.nonzero(timesteps < config.perceptual_timestep_max).flatten()[: config.perceptual_batch].tolist()
 
-    def term(self, s: Any, batch: dict[str, Any], rows: slice, chosen: list[int], pred: torch.Tensor,
+    def term(self, s: Session, batch: dict[str, Any], rows: slice, chosen: list[int], pred: torch.Tensor,
              noisy: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         """lambda x the sum of LPIPS over the `chosen` rows (indices in the sampler batch, all inside `rows`);
         `pred`, `noisy` and `timesteps` are the micro-batch's. The loop divides by the step's chosen count."""
@@ -128,7 +131,7 @@ class Perceptual:
         return self.config.perceptual_lambda * distance.sum()
 
     @staticmethod
-    def training_pixels(s: Any, batch: dict[str, Any], rows: slice, chosen: list[int]) -> torch.Tensor:
+    def training_pixels(s: Session, batch: dict[str, Any], rows: slice, chosen: list[int]) -> torch.Tensor:
         """The training images of the chosen rows in [-1, 1]; with cached latents, their center crop (what
         the cache encoded)."""
         if "pixel_values" in batch:
@@ -145,15 +148,15 @@ class Perceptual:
         return mean
 
 
-class PerceptualReport(Guard):
+class PerceptualReport(Observer):
     """Puts the step's mean LPIPS into the metrics as `perceptual` (the loss itself stays the diffusion loss)."""
 
     name = "perceptual"
 
-    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
+    def observe(self, s: Session) -> Observation:
         perceptual = getattr(s, "perceptual", None)
         if perceptual is not None:
             value = perceptual.take_mean()
             if value is not None:
-                metrics["perceptual"] = value
-        return None
+                return Observation({"perceptual": value})
+        return NOTHING

@@ -17,12 +17,16 @@ import torch
 
 from ..data.dataset import collate
 from .guards.memory import free_memory
+from .sampling import make_validation_images
+from .session import Session
+from .state import restore_rng, rng_state
+from .step import forward_backward
 
 MB = 2**20
 MAX_SEARCH = 64
 
 
-def largest_bucket_batch(s: Any, size: int) -> tuple[dict[str, Any], tuple[int, int]]:
+def largest_bucket_batch(s: Session, size: int) -> tuple[dict[str, Any], tuple[int, int]]:
     """`size` examples of the largest-area bucket (repeating its images when it has fewer)."""
     buckets = s.data.item_buckets
     bucket = max(buckets, key=lambda b: (b[0] * b[1], b))
@@ -44,9 +48,7 @@ def _reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _fits(s: Any, micro: int) -> bool:
-    from .loop import forward_backward
-
+def _fits(s: Session, micro: int) -> bool:
     batch, _ = largest_bucket_batch(s, micro)
     s.state.micro_batch_size = micro
     ok = True
@@ -59,11 +61,8 @@ def _fits(s: Any, micro: int) -> bool:
     return ok
 
 
-def preflight(s: Any) -> dict[str, Any]:
+def preflight(s: Session) -> dict[str, Any]:
     """Measure one step and one sampling pass; returns the report (also written as a 'preflight' event)."""
-    from .loop import forward_backward, restore_rng, rng_state
-    from .sampling import make_validation_images
-
     rng, micro = rng_state(s), s.state.micro_batch_size
     device = s.device
     report: dict[str, Any] = {"device": str(device)}
@@ -102,7 +101,7 @@ def describe(report: dict[str, Any]) -> str:
     return "Preflight: " + ", ".join(parts) + "."
 
 
-def apply_preflight(s: Any) -> dict[str, Any]:
+def apply_preflight(s: Session) -> dict[str, Any]:
     """Run the preflight inside a training run; on a GPU start at the largest micro-batch that fits."""
     report = preflight(s)
     largest = report.get("largest_micro_batch")

@@ -20,9 +20,12 @@ import torch
 from ..config import AUTO_SPLIT_MIN_IMAGES, AUTO_VALIDATION_SPLIT, ConfigError, TrainConfig
 from ..data.dataset import DatasetView, derive_seed
 from ..data.scan import DataItem, DatasetScan
-from .guards.base import Guard
-from .loss import add_noise, diffusion_loss, target_for
+from .guards.verdicts import Event
+from .forward import predict_and_loss
+from .loss import add_noise, target_for
+from .observers import NOTHING, Observation, Observer
 from .placement import on_device
+from .session import Session
 
 VAL_LOSS_FILE = "val_loss.jsonl"
 
@@ -53,7 +56,7 @@ def effective_validation_split(config: TrainConfig, image_count: int) -> float:
     return 0.0
 
 
-def validation_items(s: Any) -> tuple[list[DataItem], bool]:
+def validation_items(s: Session) -> tuple[list[DataItem], bool]:
     """The images measured (at most validation_count) and whether they are held out of training."""
     held = list(getattr(s, "validation_items", None) or [])
     if held:
@@ -86,7 +89,7 @@ def fixed_timesteps(num_train_timesteps: int, count: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def build_fixed_set(s: Any, items: list[DataItem], timesteps: torch.Tensor, *, purpose: str = "val") -> FixedSet:
+def build_fixed_set(s: Session, items: list[DataItem], timesteps: torch.Tensor, *, purpose: str = "val") -> FixedSet:
     """Encode `items` once (center crop, no flip, the caption as written) with fixed noise per image.
 
     The VAE (and the frozen text encoders) may wait on the CPU after caching (placement.py): they come to the
@@ -125,7 +128,7 @@ _mode_modules: dict[int, list[torch.nn.Module]] = {}
 
 
 @contextlib.contextmanager
-def eval_mode(s: Any) -> Iterator[None]:
+def eval_mode(s: Session) -> Iterator[None]:
     """LoRA dropout (and any other mode-dependent layer) off in every trained module, restored afterwards.
 
     Only the modules whose behaviour depends on the mode are flipped: module.eval() on a whole UNet walks
@@ -147,13 +150,13 @@ def eval_mode(s: Any) -> Iterator[None]:
             m.training = training
 
 
-def _conditioning(s: Any, captions: list[str], sizes: list[dict]) -> Any:
+def _conditioning(s: Session, captions: list[str], sizes: list[dict]) -> Any:
     with s.amp.autocast():
         text = s.bundle.family.encode_text(s.bundle, captions)
     return s.bundle.family.make_conditioning(s.bundle, text, sizes)
 
 
-def fixed_conditioning(s: Any, fixed: FixedSet, indices: list[int]) -> Any:
+def fixed_conditioning(s: Session, fixed: FixedSet, indices: list[int]) -> Any:
     """The conditioning of images `indices` of `fixed`: from the text encoded at build time, or encoded now
     (when the text encoders train)."""
     sizes = [fixed.sizes[i] for i in indices]
@@ -164,7 +167,7 @@ def fixed_conditioning(s: Any, fixed: FixedSet, indices: list[int]) -> Any:
 
 
 @torch.no_grad()
-def fixed_set_loss(s: Any, fixed: FixedSet) -> float:
+def fixed_set_loss(s: Session, fixed: FixedSet) -> float:
     """Mean diffusion loss (no SNR weighting) over every image and fixed timestep of `fixed`.
 
     Rows (image x timestep) of the same latent size go through the UNet together, in chunks of twice the
@@ -191,39 +194,38 @@ def fixed_set_loss(s: Any, fixed: FixedSet) -> float:
     return total / max(count, 1)
 
 
-def _loss_of(s: Any, scheduler: Any, clean: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+def _loss_of(s: Session, scheduler: Any, clean: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
              cond: Any) -> torch.Tensor:
     noisy = scheduler.add_noise(clean, noise, timesteps)
     target = target_for(scheduler, s.bundle.prediction_type, clean, noise, timesteps)
-    with s.amp.autocast():
-        pred = s.trained["unet"](noisy.to(s.weight_dtype), timesteps, encoder_hidden_states=cond.encoder_hidden_states,
-                                 added_cond_kwargs=cond.added_cond_kwargs).sample
-    return diffusion_loss(pred, target, scheduler, timesteps, prediction_type=s.bundle.prediction_type,
-                          snr_gamma=None)
+    return _plain_loss(s, noisy, target, timesteps, cond)
+
+
+def _plain_loss(s: Session, noisy: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor,
+                cond: Any) -> torch.Tensor:
+    """Per-sample loss without SNR weighting: the same number whatever loss options the run trains with."""
+    _, loss = predict_and_loss(s.trained["unet"], noisy, target, timesteps, cond, scheduler=s.bundle.noise_scheduler,
+                               prediction_type=s.bundle.prediction_type, dtype=s.weight_dtype,
+                               autocast=s.amp.autocast)
+    return loss
 
 
 @torch.no_grad()
-def fixed_batch_loss(s: Any, batch: dict[str, Any], *, seed: int = 1234) -> float:
+def fixed_batch_loss(s: Session, batch: dict[str, Any], *, seed: int = 1234) -> float:
     """Mean loss of a collated `batch` with noise and timesteps drawn from `seed` alone (LoRA dropout off)."""
-    from .loop import conditioning_for, latents_for
+    from .step import conditioning_for, latents_for
 
-    unet = s.trained["unet"]
     with eval_mode(s):
         latents = latents_for(s, batch)
         generator = torch.Generator().manual_seed(seed)
         noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, generator)
         target = target_for(s.bundle.noise_scheduler, s.bundle.prediction_type, latents, noise, timesteps)
         cond = conditioning_for(s, batch, slice(0, latents.shape[0]))
-        with s.amp.autocast():
-            pred = unet(noisy.to(s.weight_dtype), timesteps, encoder_hidden_states=cond.encoder_hidden_states,
-                        added_cond_kwargs=cond.added_cond_kwargs).sample
-        loss = diffusion_loss(pred, target, s.bundle.noise_scheduler, timesteps,
-                              prediction_type=s.bundle.prediction_type, snr_gamma=None)
-        return float(loss.mean())
+        return float(_plain_loss(s, noisy, target, timesteps, cond).mean())
 
 
-# ---- the guard -------------------------------------------------------------------------------------------
-class ValidationLossGuard(Guard):
+# ---- the observer ----------------------------------------------------------------------------------------
+class ValidationLoss(Observer):
     """Every `validation_loss_every` steps: the fixed-set loss, into diagnostics/val_loss.jsonl and into the
     step's metrics as `val_loss` (which early stopping and the plateau scheduler read)."""
 
@@ -236,7 +238,7 @@ class ValidationLossGuard(Guard):
         self.held_out = False
         self.seconds = 0.0  # time spent measuring, for the overhead benchmark
 
-    def fixed_set(self, s: Any) -> FixedSet:
+    def fixed_set(self, s: Session) -> FixedSet:
         """The fixed set, built when first measured, not before step 1: a run whose first validation is at step
         100 (or never, when validation_loss_every > max steps) should not wait for it at start-up."""
         if self.fixed is not None:
@@ -248,25 +250,27 @@ class ValidationLossGuard(Guard):
         timesteps = fixed_timesteps(s.bundle.noise_scheduler.config.num_train_timesteps,
                                     s.config.validation_timesteps)
         self.fixed = build_fixed_set(s, items, timesteps)
-        what = "held-out" if self.held_out else "training (not held out: this shows divergence, not overfitting)"
-        s.run.event("validation", f"Validation loss every {self.every} steps on {len(items)} {what} images at "
-                    f"timesteps {timesteps.tolist()} with fixed noise.", step=s.state.step, held_out=self.held_out,
-                    paths=self.fixed.paths)
         self.seconds += time.perf_counter() - start
         return self.fixed
 
-    def measure(self, s: Any) -> float:
+    def described(self, s: Session) -> Event:
+        what = "held-out" if self.held_out else "training (not held out: this shows divergence, not overfitting)"
+        return Event("validation", f"Validation loss every {self.every} steps on {len(self.fixed)} {what} images "
+                     f"at timesteps {self.fixed.timesteps.tolist()} with fixed noise.",
+                     fields=dict(step=s.state.step, held_out=self.held_out, paths=self.fixed.paths))
+
+    def measure(self, s: Session) -> float:
         return fixed_set_loss(s, self.fixed_set(s))
 
-    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
+    def observe(self, s: Session) -> Observation:
         if not self.every or s.state.step % self.every:
-            return None
+            return NOTHING
         import time
 
+        first = self.fixed is None
         start = time.perf_counter()
         value = self.measure(s)
         self.history.append((s.state.step, value))
-        metrics["val_loss"] = value
         if s.run.enabled:
             from ..runs.jsonfiles import append_jsonl
 
@@ -274,7 +278,7 @@ class ValidationLossGuard(Guard):
                          {"step": s.state.step, "val_loss": value, "held_out": self.held_out,
                           "images": len(self.fixed), "timesteps": self.fixed.timesteps.tolist()})
         self.seconds += time.perf_counter() - start
-        return None
+        return Observation({"val_loss": value}, (self.described(s),) if first else ())
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": [[step, value] for step, value in self.history]}

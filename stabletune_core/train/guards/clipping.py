@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Guard
+from .base import Guard, GuardView, Verdicts
 
 MIN_HISTORY = 10
 
@@ -35,16 +35,16 @@ class ClipGuard(Guard):
         self.last_threshold = ceiling if math.isfinite(ceiling) else None
         return ceiling
 
-    def before_optimizer_step(self, s: Any, loss: float, grad_norm: float) -> bool:
+    def before_optimizer_step(self, view: GuardView, loss: float, grad_norm: float) -> Verdicts:
         if math.isfinite(grad_norm):
             self.norms.append(grad_norm)  # the norm before clipping: the run's own scale
             if self.last_threshold is not None and grad_norm > self.last_threshold:
                 self.clipped += 1
-        return True
+        return ()
 
-    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
+    def after_step(self, view: GuardView, metrics: dict[str, Any]) -> Verdicts:
         metrics["clip_threshold"] = self.last_threshold
-        return None
+        return ()
 
     def state_dict(self) -> dict[str, Any]:
         return {"norms": list(self.norms), "clipped": self.clipped}

@@ -8,21 +8,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Guard
-
-
-def scale_learning_rate(s: Any, factor: float, floor: float = 0.0) -> tuple[float, float]:
-    """Multiply every group's peak rate by `factor` for the rest of the run, never below `floor`; returns the
-    first group's (old, new) peak (the current rate is ~0 in a warm-up, the peak says what changed)."""
-    return s.lr_scheduler.lower(factor, floor)
+from .base import Guard, GuardView, Verdicts
+from .verdicts import LowerLearningRate
 
 
 class PlateauGuard(Guard):
     """Lower the rate when validation loss stops improving: `patience` evaluations without a new best
     (by a relative margin of 1e-3) multiply it by `factor`, down to `min_lr`.
 
-    Validation loss comes from the validation guard (diagnostics), which puts `val_loss` into the step's
-    metrics on the steps it measures; this guard runs after it.
+    Validation loss comes from the validation observer (validation.py), which puts `val_loss` into the step's
+    metrics on the steps it measures; this guard reads it after the observers ran.
     """
 
     name = "plateau"
@@ -33,27 +28,24 @@ class PlateauGuard(Guard):
         self.waited = 0
         self.reductions = 0
 
-    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
+    def after_measuring(self, view: GuardView, metrics: dict[str, Any]) -> Verdicts:
         val = metrics.get("val_loss")
         if val is None or not math.isfinite(val):
-            return None
-        return self.observe(s, float(val))
+            return ()
+        return self.observe(view, float(val))
 
-    def observe(self, s: Any, val: float) -> None:
+    def observe(self, view: GuardView, val: float) -> Verdicts:
         if val < self.best * (1 - 1e-3):
             self.best, self.waited = val, 0
-            return None
+            return ()
         self.waited += 1
         if self.waited < self.patience:
-            return None
+            return ()
         self.waited = 0
-        if s.optimizer.param_groups[0]["lr"] <= self.min_lr:
-            return None
-        old, new = scale_learning_rate(s, self.factor, self.min_lr)
+        if view.lr <= self.min_lr:
+            return ()
         self.reductions += 1
-        s.run.event("lr_plateau", f"Validation loss has not improved on {self.best:.4g} for {self.patience} "
-                    f"evaluations; learning rate {old:.3g} -> {new:.3g}.", step=s.state.step, old_lr=old, new_lr=new)
-        return None
+        return (LowerLearningRate(self.factor, self.min_lr, best=self.best, patience=self.patience),)
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "waited": self.waited, "reductions": self.reductions}

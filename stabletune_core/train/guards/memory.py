@@ -7,17 +7,18 @@ exactly what the failed attempt drew. After `retries` halvings within one step, 
 run saves a checkpoint and stops with advice.
 
 With several processes, an OOM on one rank reaches every rank: the step's all-reduce carries an OOM flag and
-all ranks raise together (loop.forward_backward), so this guard takes the same decision everywhere and no rank
+all ranks raise together (step.forward_backward), so this guard takes the same decision everywhere and no rank
 waits in a collective that another has left.
 """
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .base import Guard
+from .base import Guard, GuardView, Verdicts
+from .verdicts import ShrinkMicroBatch, StopOutOfMemory
 
 ADVICE = ("lower resolution or max_bucket_reso, turn on gradient_checkpointing, use mixed_precision fp16/bf16, "
           "cache_latents, or a smaller lora_rank; then resume with --resume auto")
@@ -34,46 +35,23 @@ def free_memory(device: torch.device) -> None:
 
 
 class MemGuard(Guard):
+    """Decides what an out-of-memory error in a step's forward/backward means; the loop retries the step
+    (gradients freed, random-number state put back) or stops."""
+
     name = "memory"
 
     def __init__(self, retries: int = 3) -> None:
         self.retries = retries
         self.halvings = 0  # over the whole run, for the record
 
-    def run(self, s: Any, step_fn: Callable[[], float]) -> float:
-        """`step_fn()` (forward and backward of one step), retried with half the micro-batch on CUDA OOM."""
-        from ..loop import restore_rng, rng_state
-
-        rng = rng_state(s)
-        tries = 0
-        while True:
-            try:
-                return step_fn()
-            except torch.cuda.OutOfMemoryError as exc:
-                reason = str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
-            # Out of the except block: the traceback, and the activations its frames hold, are gone.
-            s.optimizer.zero_grad(set_to_none=True)
-            free_memory(s.device)
-            restore_rng(s, rng)
-            step, micro = s.state.step + 1, s.state.micro_batch_size
-            if micro <= 1 or tries >= self.retries:
-                self.stop(s, step, micro, reason)
-            tries += 1
-            self.halvings += 1
-            s.state.micro_batch_size = max(1, micro // 2)
-            s.run.event("oom", f"Out of memory at step {step} with micro-batch {micro} ({reason}); retrying with "
-                        f"micro-batch {s.state.micro_batch_size} and twice the accumulation, so the effective batch "
-                        "stays the same.", step=step, old_micro_batch=micro,
-                        new_micro_batch=s.state.micro_batch_size, paths=list(s.batch_paths), console=True)
-
-    def stop(self, s: Any, step: int, micro: int, reason: str) -> None:
-        from ..loop import save
-
-        message = (f"Out of memory at step {step} even with micro-batch {micro} ({reason}). To fit: {ADVICE}.")
-        s.run.event("oom_stop", message, step=step)
-        save(s, "out of memory")
-        s.run.status("failed", step=s.state.step, error=message)
-        raise OutOfMemoryStop(message)
+    def on_out_of_memory(self, view: GuardView, reason: str, tries: int) -> Verdicts:
+        """`tries`: retries this step already had."""
+        step, micro = view.step + 1, view.micro_batch_size
+        if micro <= 1 or tries >= self.retries:
+            message = (f"Out of memory at step {step} even with micro-batch {micro} ({reason}). To fit: {ADVICE}.")
+            return (StopOutOfMemory(step, message),)
+        self.halvings += 1
+        return (ShrinkMicroBatch(step, micro, max(1, micro // 2), reason),)
 
     def state_dict(self) -> dict[str, Any]:
         return {"halvings": self.halvings}

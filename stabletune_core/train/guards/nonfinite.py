@@ -11,14 +11,14 @@ rollback; the precision guard watches those.
 """
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
 import torch
 
-from .base import Guard
-from .lr import scale_learning_rate
+from ...config import TrainConfig
+from .base import Guard, GuardView, Verdicts
+from .verdicts import RollBack, SkipStep, TakeSnapshot, Verdict
 
 
 class NonFiniteGuard(Guard):
@@ -29,59 +29,35 @@ class NonFiniteGuard(Guard):
         self.bad_steps: list[int] = []
         self.skipped = 0
         self.rollbacks = 0
-        self.snapshot: dict[str, Any] | None = None  # memory only; a resumed run starts from its checkpoint
         self.good_steps = 0  # optimizer steps this process took with finite loss and gradients
         self.bad_in_a_row = 0  # non-finite steps since the last good one
 
-    def on_start(self, s: Any) -> None:
-        self.take_snapshot(s)
+    def on_start(self, view: GuardView) -> Verdicts:
+        return (TakeSnapshot(),)
 
-    def before_optimizer_step(self, s: Any, loss: float, grad_norm: float) -> bool:
+    def before_optimizer_step(self, view: GuardView, loss: float, grad_norm: float) -> Verdicts:
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.good_steps += 1
             self.bad_in_a_row = 0
-            return True
-        step = s.state.step + 1
+            return ()
+        step = view.step + 1
         self.skipped += 1
-        if s.amp.loss_scale is not None:
-            s.amp.skip()  # the skipped optimizer step would have done it: lower the loss scale
-            if math.isfinite(loss):
-                s.run.event("fp16_overflow", f"Skipped step {step}: fp16 gradients overflowed; loss scale is now "
-                            f"{s.amp.loss_scale:g}.", step=step)
-                return False
+        if view.scaler_active and math.isfinite(loss):
+            return (SkipStep(loss, grad_norm, overflow=True),)  # the scaler lowers its scale; the precision guard watches those
         self.bad_in_a_row += 1
-        what = "loss" if not math.isfinite(loss) else "gradients"
-        tensors = nonfinite_gradients(s)
-        detail = f" in {len(tensors)} gradient tensors, e.g. {', '.join(tensors[:3])}" if tensors else ""
-        s.run.event("nonfinite", f"Skipped step {step}: non-finite {what} (loss {loss}, grad norm {grad_norm})"
-                    f"{detail}.", step=step, what=what, tensors=tensors[:20], paths=list(s.batch_paths))
+        verdicts: list[Verdict] = [SkipStep(loss, grad_norm, what="loss" if not math.isfinite(loss) else "gradients")]
         self.bad_steps = [b for b in self.bad_steps if b > step - self.window] + [step]
         if len(self.bad_steps) >= self.max_bad:
-            self.rollback(s, step)
+            self.rollbacks += 1
+            verdicts.append(RollBack(step, tuple(self.bad_steps), self.window, self.lr_factor, self.min_lr))
             self.bad_steps = []
-        return False
+        return verdicts
 
-    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
-        step = s.state.step
+    def after_step(self, view: GuardView, metrics: dict[str, Any]) -> Verdicts:
+        step = view.step
         if step % self.window == 0 and not any(b > step - self.window for b in self.bad_steps):
-            self.take_snapshot(s)
-        return None
-
-    # ---- snapshots and rollback ----------------------------------------------------------------------
-    def take_snapshot(self, s: Any) -> None:
-        with torch.no_grad():
-            if not all(bool(torch.isfinite(p).all()) for p in s.params):
-                return
-            self.snapshot = {"step": s.state.step, "params": [p.detach().clone() for p in s.params],
-                             "optimizer": copy.deepcopy(s.optimizer.state_dict())}
-
-    def rollback(self, s: Any, step: int) -> None:
-        source = self.restore(s)
-        old, new = scale_learning_rate(s, self.lr_factor, self.min_lr)  # peaks: the current rate is ~0 in warm-up
-        self.rollbacks += 1
-        s.run.event("rollback", f"{len(self.bad_steps)} non-finite steps within {self.window} steps (last at step "
-                    f"{step}): {source}; learning rate {old:.3g} -> {new:.3g}.", step=step, old_lr=old, new_lr=new,
-                    bad_steps=list(self.bad_steps), console=True)
+            return (TakeSnapshot(),)
+        return ()
 
     # ---- a run that cannot be saved by rollbacks ---------------------------------------------------------
     def hopeless(self, steps: int, *, end: bool = False) -> bool:
@@ -91,9 +67,7 @@ class NonFiniteGuard(Guard):
             return steps > 0 and self.good_steps == 0 and self.bad_in_a_row > 0
         return self.bad_in_a_row >= max(4 * self.max_bad, 8)
 
-    def hopeless_sentence(self, s: Any, steps: int) -> str:
-        config = s.config
-        lr = s.optimizer.param_groups[0]["lr"]
+    def hopeless_sentence(self, config: TrainConfig, lr: float, steps: int) -> str:
         what = (f"all {steps} training steps" if self.good_steps == 0 else
                 f"the last {self.bad_in_a_row} training steps (after {self.rollbacks} rollbacks)")
         precision = " or train in bf16 or without mixed precision instead of fp16" if \
@@ -104,23 +78,6 @@ class NonFiniteGuard(Guard):
                 f"(set {config.learning_rate:g}, now {lr:.3g}) or lora_alpha (now {config.effective_lora_alpha:g} "
                 f"with rank {config.lora_rank}){precision}.")
 
-    def restore(self, s: Any) -> str:
-        if self.snapshot is not None:
-            with torch.no_grad():
-                for p, saved in zip(s.params, self.snapshot["params"]):
-                    p.copy_(saved)
-            s.optimizer.load_state_dict(copy.deepcopy(self.snapshot["optimizer"]))
-            return f"rolled the LoRA and optimizer back to step {self.snapshot['step']} (in memory)"
-        from ..checkpoint import latest_good_checkpoint
-        from ..loop import restore_adapter
-
-        checkpoint = latest_good_checkpoint(s.run.paths.checkpoints)
-        if checkpoint is None:
-            return "no good state to roll back to (no snapshot, no checkpoint), kept the current weights"
-        restore_adapter(s, checkpoint.adapter)
-        s.optimizer.load_state_dict(checkpoint.state["optimizer"])
-        return f"rolled the LoRA and optimizer back to checkpoint {checkpoint.path.name}"
-
     def state_dict(self) -> dict[str, Any]:
         return {"skipped": self.skipped, "rollbacks": self.rollbacks, "bad_steps": list(self.bad_steps)}
 
@@ -128,13 +85,3 @@ class NonFiniteGuard(Guard):
         self.skipped = int(state.get("skipped", 0))
         self.rollbacks = int(state.get("rollbacks", 0))
         self.bad_steps = [int(b) for b in state.get("bad_steps", [])]
-
-
-def nonfinite_gradients(s: Any) -> list[str]:
-    """Names of the trained tensors whose gradient holds NaN or Inf (only computed on a bad step)."""
-    names = []
-    for prefix, module in s.trained.items():
-        for name, p in module.named_parameters():
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                names.append(f"{prefix}.{name}")
-    return names

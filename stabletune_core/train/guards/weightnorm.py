@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from ...lora.layers import iter_lora_layers
-from .base import Guard
+from .base import Guard, GuardView, Verdicts
+from .verdicts import ScaleWeights
 
 
 def lora_pairs(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -35,20 +36,21 @@ class WeightNormGuard(Guard):
         self.max_norm = max_norm
         self.groups: list[tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = []
 
-    def on_start(self, s: Any) -> None:
+    def on_start(self, view: GuardView) -> Verdicts:
         """Group the LoRA pairs by shape, so each step is a few batched matmuls instead of one per module."""
         by_shape: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
-        for module in s.trained.values():
-            for down, up, scaling in lora_pairs(s.accelerator.unwrap_model(module)):
+        for module in view.adapters.values():
+            for down, up, scaling in lora_pairs(module):
                 by_shape.setdefault((down.shape, up.shape, down.device), []).append((down, up, scaling))
         self.groups = [([d for d, _, _ in pairs], [u for _, u, _ in pairs],
                         torch.tensor([abs(c) for _, _, c in pairs], device=pairs[0][0].device))
                        for pairs in by_shape.values()]
+        return ()
 
     @torch.no_grad()
-    def after_step(self, s: Any, metrics: dict[str, Any]) -> str | None:
+    def after_step(self, view: GuardView, metrics: dict[str, Any]) -> Verdicts:
         if not self.groups:
-            return None
+            return ()
         norms = []
         for downs, ups, scalings in self.groups:
             d = torch.stack([t.reshape(t.shape[0], -1) for t in downs]).float()  # (n, r, in)
@@ -58,13 +60,15 @@ class WeightNormGuard(Guard):
         flat = torch.cat(norms)
         factors = (self.max_norm / flat.clamp(min=1e-12)).clamp(max=1.0).sqrt()
         scaled = int((factors < 1.0).sum())
-        if scaled:
-            offset = 0
-            for (downs, ups, _), group in zip(self.groups, norms):
-                f = factors[offset:offset + len(downs)].tolist()
-                offset += len(downs)
-                torch._foreach_mul_(downs, f)
-                torch._foreach_mul_(ups, f)
         metrics["keys_scaled"] = scaled
         metrics["max_weight_norm"] = float(flat.max())
-        return None
+        if not scaled:
+            return ()
+        tensors, per_tensor = [], []
+        offset = 0
+        for downs, ups, _ in self.groups:  # both factors of a pair get sqrt(max_norm / norm)
+            f = factors[offset:offset + len(downs)].tolist()
+            offset += len(downs)
+            tensors += [downs, ups]
+            per_tensor += [f, f]
+        return (ScaleWeights(tuple(tensors), tuple(per_tensor)),)

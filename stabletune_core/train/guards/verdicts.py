@@ -1,0 +1,152 @@
+"""What a guard can ask the loop to do. A guard looks and returns verdicts; the loop carries them out
+(`loop.carry_out`), because only the loop owns the weights, the optimizer, the step counter and the run folder.
+
+Each verdict is a small frozen record of a decision and the facts behind it, so the loop can act on it and say
+in events.jsonl why the run did what it did.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of events.jsonl (and of the console when `console`)."""
+
+    kind: str
+    message: str
+    console: bool = False
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Verdict:
+    """Base of every decision a guard hands to the loop."""
+
+
+@dataclass(frozen=True)
+class Report(Verdict):
+    """Nothing to change; write this event."""
+
+    event: Event
+
+
+@dataclass(frozen=True)
+class SkipStep(Verdict):
+    """Do not apply this step's update. `overflow`: fp16 gradients overflowed with a finite loss (the scaler's
+    business, not a fault); otherwise `what` ("loss" or "gradients") was non-finite."""
+
+    loss: float
+    grad_norm: float
+    overflow: bool = False
+    what: str = "loss"
+
+
+@dataclass(frozen=True)
+class TakeSnapshot(Verdict):
+    """Keep an in-memory copy of the adapter weights and optimizer state to roll back to."""
+
+
+@dataclass(frozen=True)
+class RollBack(Verdict):
+    """Put the adapter and optimizer back to the last snapshot (else the newest good checkpoint) and lower the
+    learning rate by `lr_factor`, never below `min_lr`."""
+
+    step: int
+    bad_steps: tuple[int, ...]
+    window: int
+    lr_factor: float
+    min_lr: float
+
+
+@dataclass(frozen=True)
+class ShrinkMicroBatch(Verdict):
+    """Out of memory: retry the same step with micro-batch `new` (the effective batch stays)."""
+
+    step: int
+    old: int
+    new: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class StopOutOfMemory(Verdict):
+    """Out of memory even at the smallest micro-batch: save a checkpoint and fail with `message`."""
+
+    step: int
+    message: str
+
+
+@dataclass(frozen=True)
+class LowerLearningRate(Verdict):
+    """Multiply every group's rate by `factor`, never below `floor`."""
+
+    factor: float
+    floor: float
+    best: float  # the validation loss that has not been beaten
+    patience: int
+
+
+@dataclass(frozen=True)
+class SwitchPrecision(Verdict):
+    """Run the rest of the training in `precision` ('bf16' or 'no'); `event` says why."""
+
+    precision: str
+    event: Event
+
+
+@dataclass(frozen=True)
+class ScaleWeights(Verdict):
+    """Multiply each tensor of `tensors` in place by its factor (max-norm regularisation of the LoRA update)."""
+
+    tensors: tuple[list[torch.Tensor], ...]
+    factors: tuple[list[float], ...]
+
+
+@dataclass(frozen=True)
+class SaveBest(Verdict):
+    """Save a checkpoint now, keep it from pruning as the best, and tell the guard where it went
+    (`remember_best`)."""
+
+    reason: str = "best validation loss"
+
+
+@dataclass(frozen=True)
+class ProtectCheckpoint(Verdict):
+    """The best checkpoint (from a resumed guard state): pruning must keep it."""
+
+    path: Path | None
+
+
+@dataclass(frozen=True)
+class ExportBest(Verdict):
+    """Export the adapter of the best checkpoint as <output_name>_best next to the last one."""
+
+
+@dataclass(frozen=True)
+class StopEarly(Verdict):
+    """Export the best adapter, then end the run as stopped."""
+
+    step: int
+    value: float
+    factor: float
+    window: int
+    threshold: float
+    triggers: int
+    best_step: int
+    best_value: float
+
+    def event(self, best_lora: Path | None, best_checkpoint: Path | None) -> Event:
+        return Event("early_stop",
+                     f"Stopped early at step {self.step}: validation loss {self.value:.5f} was above "
+                     f"{self.factor} x the upper quartile of its best {self.window} evaluations "
+                     f"({self.threshold:.5f}) {self.triggers} times since its best "
+                     f"{self.best_value:.5f} at step {self.best_step}. The best LoRA is "
+                     f"{best_lora.name if best_lora else 'not exported'}; the last one is exported too.",
+                     console=True,
+                     fields=dict(step=self.step, best_step=self.best_step, best_val_loss=self.best_value,
+                                 best_lora=str(best_lora) if best_lora else None,
+                                 best_checkpoint=str(best_checkpoint) if best_checkpoint else None))

@@ -1,0 +1,348 @@
+"""The shape of the engine's training package (DESIGN.md, "Guards decide, the loop acts"), checked from the source.
+
+- Nothing imports the loop but the entry point that runs it (cli.py); the loop imports its parts.
+- No import cycle among the modules of stabletune_core/train, lazy (function-level) imports included.
+- Guards look at a read-only view and return verdicts; the loop carries them out. Observers return observations.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+CORE = Path(__file__).resolve().parent.parent / "stabletune_core"
+TRAIN = CORE / "train"
+LOOP = "stabletune_core.train.loop"
+#: The entry points that run the loop; everything else is a part the loop uses.
+LOOP_IMPORTERS = {"stabletune_core.cli"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(CORE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def type_checking_nodes(tree: ast.AST) -> set[int]:
+    """Ids of nodes inside `if TYPE_CHECKING:` blocks: annotations only, never imported at run time."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                inside.update(id(n) for n in ast.walk(child))
+    return inside
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every stabletune_core module `path` imports, at the top or inside a function, with the packages whose
+    __init__ runs on the way (importing a.b.c runs a.b first)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = type_checking_nodes(tree)
+    here = module_name(path)
+    package = here if is_package(path) else here.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            for alias in node.names:  # `from . import step` imports the module step
+                candidate = f"{target}.{alias.name}"
+                if (CORE.parent / Path(*candidate.split("."))).with_suffix(".py").exists() or \
+                        (CORE.parent / Path(*candidate.split(".")) / "__init__.py").exists():
+                    found.add(candidate)
+    with_parents = set()
+    for name in found:
+        if not name.startswith("stabletune_core"):
+            continue
+        parts = name.split(".")
+        with_parents.update(".".join(parts[:i]) for i in range(2, len(parts) + 1))
+    ancestors = {".".join(here.split(".")[:i]) for i in range(1, here.count(".") + 2)}  # already running
+    return with_parents - ancestors
+
+
+def engine_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in CORE.rglob("*.py")}
+
+
+def test_nothing_imports_the_loop_but_the_entry_point():
+    importers = {name for name, path in engine_modules().items() if LOOP in imports_of(path)}
+    assert importers == LOOP_IMPORTERS
+
+
+def test_no_import_cycle_in_the_train_package():
+    train = {name: path for name, path in engine_modules().items() if name.startswith("stabletune_core.train")}
+    graph = {name: {m for m in imports_of(path) if m in train} for name, path in train.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+GUARD_MODULES = sorted((TRAIN / "guards").glob("*.py")) + [TRAIN / "early_stopping.py"]
+
+
+@pytest.mark.parametrize("path", GUARD_MODULES, ids=lambda p: p.name)
+def test_guards_never_save_export_or_move_the_step_counter(path: Path):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    imported = imports_of(path)
+    for forbidden in ("loop", "state", "export", "checkpoint", "step", "setup"):
+        assert f"stabletune_core.train.{forbidden}" not in imported, f"{path.name} imports train/{forbidden}.py"
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            text = ast.unparse(target)
+            assert not text.endswith(("state.step", "micro_batch_size", "best_checkpoint")) or \
+                text.startswith("self."), f"{path.name}:{node.lineno} assigns {text}"
+
+
+# ---- guards return verdicts ------------------------------------------------------------------------------
+def view(**values):
+    """A GuardView with the numbers of a small run; keyword arguments override."""
+    defaults = dict(step=3, max_steps=10, lr=1e-3, micro_batch_size=4, mixed_precision="no", scaler_active=False,
+                    loss_scale=None, adapters={})
+    return SimpleNamespace(**{**defaults, **values})
+
+
+def verdict_types(verdicts) -> list[str]:
+    from stabletune_core.train.guards.verdicts import Verdict
+
+    verdicts = list(verdicts)
+    assert all(isinstance(v, Verdict) for v in verdicts), verdicts
+    return [type(v).__name__ for v in verdicts]
+
+
+def test_nonfinite_guard_decides_skip_snapshot_and_rollback():
+    from stabletune_core.train.guards import NonFiniteGuard
+
+    guard = NonFiniteGuard(window=4, max_bad=2, lr_factor=0.5, min_lr=1e-6)
+    assert verdict_types(guard.on_start(view())) == ["TakeSnapshot"]
+    assert verdict_types(guard.before_optimizer_step(view(), 0.5, 1.0)) == []
+    assert verdict_types(guard.before_optimizer_step(view(), math.nan, math.nan)) == ["SkipStep"]
+    rollback = guard.before_optimizer_step(view(step=4), 0.5, math.inf)
+    assert verdict_types(rollback) == ["SkipStep", "RollBack"]
+    assert rollback[1].bad_steps == (4, 5) and rollback[1].lr_factor == 0.5 and rollback[0].what == "gradients"
+    overflow = guard.before_optimizer_step(view(scaler_active=True), 0.5, math.inf)
+    assert verdict_types(overflow) == ["SkipStep"] and overflow[0].overflow
+    assert verdict_types(guard.after_step(view(step=8), {})) == ["TakeSnapshot"]  # a clean window
+    assert verdict_types(guard.after_step(view(step=7), {})) == []
+
+
+def test_memory_guard_decides_shrink_then_stop():
+    from stabletune_core.train.guards import MemGuard
+
+    guard = MemGuard(retries=2)
+    shrink = guard.on_out_of_memory(view(micro_batch_size=4), "CUDA out of memory", tries=0)
+    assert verdict_types(shrink) == ["ShrinkMicroBatch"] and (shrink[0].old, shrink[0].new, shrink[0].step) == (4, 2, 4)
+    assert verdict_types(guard.on_out_of_memory(view(micro_batch_size=1), "oom", tries=0)) == ["StopOutOfMemory"]
+    stop = guard.on_out_of_memory(view(micro_batch_size=2), "oom", tries=2)
+    assert verdict_types(stop) == ["StopOutOfMemory"] and "even with micro-batch 2" in stop[0].message
+
+
+def test_precision_guard_decides_the_switch():
+    from stabletune_core.train.guards import PrecisionGuard
+
+    guard = PrecisionGuard(max_skips=2)
+    fp16 = view(scaler_active=True, loss_scale=1024.0, mixed_precision="fp16")
+    for _ in range(2):
+        assert verdict_types(guard.before_optimizer_step(fp16, 0.5, math.inf)) == []
+    switch = guard.after_step(fp16, metrics := {})
+    assert verdict_types(switch) == ["SwitchPrecision"] and metrics["loss_scale"] == 1024.0
+    assert switch[0].precision in ("bf16", "no") and switch[0].event.kind == "precision"
+    resumed = PrecisionGuard(max_skips=2)
+    resumed.load_state_dict(guard.state_dict())
+    assert verdict_types(resumed.on_start(fp16)) == ["SwitchPrecision"]  # a resumed run switches again
+    assert verdict_types(PrecisionGuard().after_step(view(), {})) == []  # no scaler, nothing to watch
+
+
+def test_plateau_guard_decides_a_lower_rate():
+    from stabletune_core.train.guards import PlateauGuard
+
+    guard = PlateauGuard(patience=2, factor=0.5, min_lr=1e-4)
+    decided = [verdict_types(guard.after_measuring(view(), {"val_loss": v})) for v in (1.0, 1.1, 1.2)]
+    assert decided == [[], [], ["LowerLearningRate"]]
+    assert verdict_types(guard.after_measuring(view(lr=1e-4), {"val_loss": 2.0})) == []
+    assert verdict_types(guard.after_measuring(view(lr=1e-4), {"val_loss": 2.0})) == []  # at min_lr already
+
+
+def test_early_stopping_guard_decides_save_best_trigger_stop_and_export(tmp_path):
+    from stabletune_core.config import TrainConfig
+    from stabletune_core.train.early_stopping import EarlyStoppingGuard
+
+    config = TrainConfig.model_construct(early_stopping_window=2, early_stopping_factor=1.1,
+                                         early_stopping_patience=2, early_stopping_min_steps=0)
+    guard = EarlyStoppingGuard(config)
+    assert verdict_types(guard.on_start(view())) == ["ProtectCheckpoint"]
+    seen = []
+    for step, value in enumerate([1.0, 0.9, 1.5, 1.6], start=1):
+        verdicts = guard.after_measuring(view(step=step), {"val_loss": value})
+        seen.append(verdict_types(verdicts))
+        if "SaveBest" in seen[-1]:
+            guard.remember_best(tmp_path / f"step_{step:06d}")  # as the loop does once it saved
+    assert seen == [["SaveBest"], ["SaveBest"], ["Report"], ["Report", "StopEarly"]]
+    assert guard.best_checkpoint == str(tmp_path / "step_000002") and guard.best_step == 2
+    at_the_end = guard.after_measuring(view(step=10, max_steps=10), {})
+    assert verdict_types(at_the_end) == ["ExportBest"]
+
+
+def test_clip_and_weight_norm_guards_leave_the_weights_to_the_loop():
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from stabletune_core.train.guards import ClipGuard, WeightNormGuard
+
+    clip = ClipGuard("fixed", max_norm=1.0)
+    clip.threshold()
+    assert verdict_types(clip.before_optimizer_step(view(), 0.5, 3.0)) == []
+    assert verdict_types(clip.after_step(view(), metrics := {})) == [] and metrics["clip_threshold"] == 1.0
+
+    model = torch.nn.Sequential()
+    model.add_module("proj", torch.nn.Linear(8, 8))
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=["proj"], init_lora_weights=False),
+                            model, adapter_name="default")
+    guard = WeightNormGuard(max_norm=1e-3)
+    assert verdict_types(guard.on_start(view(adapters={"unet": model}))) == []
+    before = [p.detach().clone() for n, p in model.named_parameters() if "lora_" in n]
+    verdicts = guard.after_step(view(), {})
+    assert verdict_types(verdicts) == ["ScaleWeights"]
+    assert all(torch.equal(a, p) for a, (n, p) in zip(before, ((n, p) for n, p in model.named_parameters()
+                                                                 if "lora_" in n)))  # decided, not done
+
+
+def test_guard_hooks_take_a_view_never_the_session():
+    """Every hook of every guard takes `view: GuardView` (a few read-only numbers), not the session."""
+    from stabletune_core.train import guards
+    from stabletune_core.train.early_stopping import EarlyStoppingGuard
+
+    classes = [guards.ClipGuard, guards.MemGuard, guards.NonFiniteGuard, guards.PrecisionGuard, guards.PlateauGuard,
+               guards.WeightNormGuard, EarlyStoppingGuard]
+    for cls in classes:
+        for name in ("on_start", "before_optimizer_step", "after_step", "after_measuring", "on_out_of_memory"):
+            method = getattr(cls, name, None)
+            if method is None:
+                continue
+            params = list(inspect.signature(method).parameters.values())
+            assert params[1].name == "view" and params[1].annotation == "GuardView", f"{cls.__name__}.{name}"
+            assert inspect.signature(method).return_annotation == "Verdicts", f"{cls.__name__}.{name}"
+        for name, member in inspect.getmembers(cls, inspect.isfunction):
+            assert "s" not in inspect.signature(member).parameters, f"{cls.__name__}.{name} takes the session"
+
+
+def test_observers_are_not_guards():
+    from stabletune_core.config import TrainConfig
+    from stabletune_core.train.diagnostics import make_observers
+    from stabletune_core.train.guards import Guard
+    from stabletune_core.train.observers import Observer
+
+    config = TrainConfig.model_construct(validation_loss_every=5, perceptual_lambda=0.1, diagnostics_every=5,
+                                         activation_stats_every=5, collapse_threshold=0.05, validation_timesteps=4,
+                                         validation_count=4)
+    observers = make_observers(config)
+    assert [o.name for o in observers] == ["validation_loss", "perceptual", "spectra", "activations"]
+    assert all(isinstance(o, Observer) and not isinstance(o, Guard) for o in observers)
+
+
+# ---- issue 14.2: the session is typed, not an untyped bag ----------------------------------------------------
+def test_no_engine_function_takes_the_session_as_any():
+    """Parts that get the session say so in their signature (`s: Session`); guards get a GuardView instead."""
+    offenders = []
+    for path in TRAIN.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in node.args.args + node.args.kwonlyargs:
+                    if arg.arg in ("s", "view") and (arg.annotation is None or ast.unparse(arg.annotation) == "Any"):
+                        offenders.append(f"{path.name}:{node.lineno} {node.name}({arg.arg})")
+    assert not offenders, offenders
+
+
+# ---- issue 14.4: one UNet-forward-and-loss ---------------------------------------------------------------------
+def calls_to(path: Path, name: str) -> list[int]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and
+            ast.unparse(node.func).split(".")[-1] == name]
+
+
+def test_the_unet_is_called_in_one_place_and_the_loss_computed_in_one_helper():
+    """Training, validation loss, the early-stopping/knob fixed-batch loss and the diagnostics probe all go
+    through forward.predict (and predict_and_loss): what validation measures is what training optimises."""
+    unet_calls = {}
+    for path in TRAIN.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and (ast.unparse(node.func) == "unet" or
+                                               ast.unparse(node.func).endswith(('["unet"]', ".unet"))):
+                unet_calls.setdefault(path.name, []).append(node.lineno)
+    assert set(unet_calls) == {"forward.py"}, unet_calls
+    loss_users = {path.name for path in TRAIN.rglob("*.py") if calls_to(path, "diffusion_loss")}
+    assert loss_users == {"forward.py"}, loss_users
+    for user in ("step.py", "validation.py"):
+        assert calls_to(TRAIN / user, "predict_and_loss"), user
+    assert calls_to(TRAIN / "diagnostics.py", "predict")
+
+
+# ---- issue 14.5: fault injection out of the hot path's shape -------------------------------------------------
+def test_fault_injection_is_hooks_installed_at_setup_not_branches_in_the_step_or_the_checkpoint_writer():
+    users = {}
+    for path in TRAIN.rglob("*.py"):
+        if path.name == "faults.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found = [ast.unparse(node) for node in ast.walk(tree)
+                 if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "faults"]
+        if found:
+            users[path.name] = found
+    assert users == {"setup.py": ["faults.arm"]}, users
+
+
+def test_faults_reach_a_run_through_its_hooks(tiny_config, tmp_path):
+    """nan_loss through a UNet forward hook, nan_grad through a gradient hook, and the checkpoint writer's
+    halfway callback: the same faults as before, with the loop unaware of them."""
+    from stabletune_core.runs.reader import RunReader
+    from stabletune_core.train import faults
+    from stabletune_core.train.loop import setup, train
+
+    faults.install("nan_loss@2,nan_grad@3,disk_full@save:3")
+    try:
+        config = tiny_config(max_train_steps=4, save_steps=3, output_dir=str(tmp_path / "run"))
+        s = setup(config)
+        assert s.checkpoint_halfway is faults.during_checkpoint_write
+        train(config, session=s)
+    finally:
+        faults.install(None)
+    events = RunReader(tmp_path / "run").events()
+    skipped = [(e["step"], e["what"]) for e in events if e["kind"] == "nonfinite"]
+    assert skipped == [(2, "loss"), (3, "gradients")]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_failed"] == [3]
+    assert all(torch.isfinite(p).all() for p in s.params)
+    clean = setup(tiny_config(max_train_steps=1, output_dir=str(tmp_path / "clean")))
+    assert clean.checkpoint_halfway.__name__ == "nothing"  # no faults listed: nothing installed
+    unet = clean.accelerator.unwrap_model(clean.trained["unet"])
+    assert not unet._forward_hooks and not unet._forward_pre_hooks

@@ -71,11 +71,15 @@ def _remove(path: Path) -> None:
 
 
 @contextmanager
-def atomic_path(path: Path | str, *, folder: bool = False) -> Iterator[Path]:
+def atomic_path(path: Path | str, *, folder: bool = False, durable: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside `path` to write to (a file, or with `folder=True` an empty folder); when
     the block ends without an exception, it replaces `path`. On an exception the temporary is removed and
     `path` is untouched. A folder target must be missing or empty (the rename refuses a full one). The parent folder must exist:
-    a run folder deleted under a live run is not silently made again."""
+    a run folder deleted under a live run is not silently made again.
+
+    `durable=False` skips the fsync before the rename: readers still see the old file or the new one, never a
+    half-written one, but a power cut may lose the new content. For a heartbeat rewritten every step (status.json
+    while training), where an fsync costs more than the rest of the step's bookkeeping together."""
     path = Path(path)
     prefix, suffix = f".{path.name}.", ".tmp"
     if folder:
@@ -86,23 +90,21 @@ def atomic_path(path: Path | str, *, folder: bool = False) -> Iterator[Path]:
         tmp = Path(name)
     try:
         yield tmp
-        if folder:
-            _fsync_tree(tmp)
-        else:
-            fsync_file(tmp)
+        if durable:
+            _fsync_tree(tmp) if folder else fsync_file(tmp)
         user_permissions(tmp)
-        replace(tmp, path)
+        replace(tmp, path) if durable else os.replace(tmp, path)
     except BaseException:
         _remove(tmp)
         raise
 
 
-def write_bytes_atomic(path: Path | str, data: bytes) -> None:
-    """Replace `path` with `data`."""
-    with atomic_path(path) as tmp:
+def write_bytes_atomic(path: Path | str, data: bytes, *, durable: bool = True) -> None:
+    """Replace `path` with `data` (see `atomic_path` for `durable`)."""
+    with atomic_path(path, durable=durable) as tmp:
         tmp.write_bytes(data)
 
 
-def write_text_atomic(path: Path | str, text: str) -> None:
+def write_text_atomic(path: Path | str, text: str, *, durable: bool = True) -> None:
     """Replace `path` with `text` (UTF-8, newlines written as given on every platform)."""
-    write_bytes_atomic(path, text.encode("utf-8"))
+    write_bytes_atomic(path, text.encode("utf-8"), durable=durable)

@@ -6,6 +6,7 @@ import ast
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,40 @@ def test_record_outcome_drops_an_old_error_of_its_own_run(tmp_path: Path):
     assert written["state"] == "stopped" and "error" not in written and written["step"] == 3
     assert record_outcome(writer.paths.root, "failed", "The trainer died.")
     assert _written(writer)["error"] == "The trainer died."
+
+
+# ---- the heartbeat: atomic, not durable (issue 14.6, bench (b)) ----------------------------------------------
+def test_the_training_heartbeat_skips_fsync_and_the_final_state_does_not(tmp_path: Path, monkeypatch):
+    """status.json is rewritten every few steps: an fsync of the file and its folder cost a small run's step
+    more than all its guards (bench/RESULTS.md). Readers still see a whole file; the state a run ends in is
+    written durably."""
+    from stabletune_core.runs.reader import RunReader
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    writer = RunWriter(tmp_path)
+    for step in range(1, 4):
+        writer.status("training", step=step)
+        assert RunReader(tmp_path).status()["step"] == step
+    assert synced == []
+    writer.status("finished", step=3)
+    assert len(synced) == 2  # the file, then the folder's entry
+    assert RunReader(tmp_path).status()["state"] == "finished"
+
+
+def test_the_loop_writes_the_heartbeat_at_most_twice_a_second_and_always_at_the_end(tiny_config, monkeypatch):
+    from stabletune_core.train import loop
+
+    written = []
+    real_status = RunWriter.status
+    monkeypatch.setattr(RunWriter, "status", lambda self, state, **f: (written.append((time.perf_counter(), state,
+                                                                                        f.get("step"))),
+                                                                       real_status(self, state, **f)))
+    config = tiny_config(max_train_steps=12, logging_steps=1)
+    loop.train(config)
+    beats = [(t, step) for t, state, step in written if state == "training" and step]
+    assert beats[-1][1] == 12  # the last step is always told
+    gaps = [b[0] - a[0] for a, b in zip(beats, beats[1:-1])]
+    assert all(gap >= loop.HEARTBEAT_SECONDS * 0.99 for gap in gaps), gaps
+    assert len(beats) < 12  # fewer writes than steps on this fast model

@@ -31,8 +31,8 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    write_text_atomic(path, json.dumps(_clean(data), indent=1))
+def write_json_atomic(path: Path, data: dict[str, Any], *, durable: bool = True) -> None:
+    write_text_atomic(path, json.dumps(_clean(data), indent=1), durable=durable)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

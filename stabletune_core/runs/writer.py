@@ -14,6 +14,9 @@ from .layout import RunPaths
 
 #: What status.json says about a failure; it belongs to the state it was written with.
 FAILURE_FIELDS = ("error", "reported_state")
+#: States a run ends in: written durably (fsync). The heartbeat of a live run is rewritten every step and only
+#: needs to be atomic; a reader already treats a stale or unreadable one as a run that died.
+FINAL_STATES = ("finished", "stopped", "failed")
 
 
 def next_status(previous: dict[str, Any], state: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -50,7 +53,7 @@ class RunWriter:
         self._status = next_status(self._status, state, fields)
         self._status.update(pid=os.getpid(), host=socket.gethostname(), updated_at=time.time(),
                             started_at=self._started)
-        write_json_atomic(self.paths.status, self._status)
+        write_json_atomic(self.paths.status, self._status, durable=state in FINAL_STATES)
 
     def metric(self, step: int, **values: Any) -> None:
         if self.enabled:

@@ -9,6 +9,7 @@ Observers (observers.py) measure; everything the world should know goes to the r
 from __future__ import annotations
 
 import copy
+import math
 import signal
 import time
 from pathlib import Path
@@ -36,6 +37,11 @@ from .state import last_good_sentence, restore_adapter, restore_rng, resume, rng
 from .checkpoint import latest_good_checkpoint
 
 
+#: status.json while training is rewritten at most this often: the UI polls it about once a second, and a
+#: fast step would otherwise spend more on the heartbeat than on all the guards together (bench/RESULTS.md).
+HEARTBEAT_SECONDS = 0.5
+
+
 # ---- the loop ------------------------------------------------------------------------------------------
 def train(config: TrainConfig, *, session: Session | None = None) -> Path | None:
     """Train a LoRA as `config` says and return the exported file (None on non-main processes).
@@ -56,6 +62,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     progress = tqdm(total=s.max_steps, initial=state.step, desc="training", unit="step",
                     disable=not s.accelerator.is_main_process)
     last_time, sec_per_step = time.perf_counter(), None
+    last_heartbeat = -math.inf
     stop_reason = "finished"
     first_step = state.step
     for module in s.trained.values():
@@ -92,8 +99,10 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                 run.metric(state.step, **logged)
                 if s.tensorboard:
                     s.tensorboard.log_metrics(state.step, logged)
+            if now - last_heartbeat >= HEARTBEAT_SECONDS or state.step == s.max_steps:
                 run.status("training", step=state.step, max_steps=s.max_steps, epoch=state.epoch,
                            sec_per_step=sec_per_step, eta_seconds=sec_per_step * (s.max_steps - state.step), loss=loss)
+                last_heartbeat = now
             progress.update(1)
             progress.set_postfix(loss=f"{loss:.4f}")
             nonfinite = s.guard("nonfinite")
@@ -272,9 +281,21 @@ def skip_step(s: Session, verdict: SkipStep) -> None:
 def take_snapshot(s: Session) -> Snapshot | None:
     """A copy of the adapter and optimizer state to roll back to; None when the weights are not all finite."""
     with torch.no_grad():
-        if not all(bool(torch.isfinite(p).all()) for p in s.params):
+        if not torch.isfinite(torch.nn.utils.get_total_norm(s.params)):  # one check, not one sync per tensor
             return None
-        return Snapshot(s.state.step, [p.detach().clone() for p in s.params], copy.deepcopy(s.optimizer.state_dict()))
+        return Snapshot(s.state.step, [p.detach().clone() for p in s.params], cloned(s.optimizer.state_dict()))
+
+
+def cloned(tree: Any) -> Any:
+    """A deep copy of an optimizer state dict that clones its tensors: copy.deepcopy does the same at several
+    times the cost (it was a millisecond per step of a small run, snapshots every 20 steps)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {key: cloned(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(cloned(value) for value in tree)
+    return copy.copy(tree)
 
 
 def roll_back(s: Session, verdict: RollBack) -> None:
@@ -283,7 +304,7 @@ def roll_back(s: Session, verdict: RollBack) -> None:
         with torch.no_grad():
             for p, saved in zip(s.params, s.snapshot.params):
                 p.copy_(saved)
-        s.optimizer.load_state_dict(copy.deepcopy(s.snapshot.optimizer))
+        s.optimizer.load_state_dict(cloned(s.snapshot.optimizer))  # the snapshot stays for a later rollback
         source = f"rolled the LoRA and optimizer back to step {s.snapshot.step} (in memory)"
     elif (checkpoint := latest_good_checkpoint(s.run.paths.checkpoints)) is not None:
         restore_adapter(s, checkpoint.adapter)

@@ -7,8 +7,11 @@ import torch
 MB = 2**20
 
 
+_THIS_PROCESS = psutil.Process()
+
+
 def memory_stats(device: torch.device) -> dict[str, float]:
-    stats = {"ram_mb": psutil.Process().memory_info().rss / MB}
+    stats = {"ram_mb": _THIS_PROCESS.memory_info().rss / MB}
     if device.type == "cuda":
         stats.update(vram_allocated_mb=torch.cuda.memory_allocated(device) / MB,
                      vram_reserved_mb=torch.cuda.memory_reserved(device) / MB,

@@ -302,11 +302,11 @@ import errno, sys
 from stabletune_core.runs import writer
 real = writer.write_json_atomic
 full_now = []
-def full(path, data):
+def full(path, data, **options):
     if full_now or (data.get("state") == "training" and data.get("step", 0) >= 2):
         full_now.append(path)
         raise OSError(errno.ENOSPC, "No space left on device")
-    return real(path, data)
+    return real(path, data, **options)
 writer.write_json_atomic = full
 from stabletune_core.cli import main
 sys.exit(main(["train", *sys.argv[1:]]))

@@ -144,7 +144,6 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     return path
 
 
-
 # ---- one step -----------------------------------------------------------------------------------------
 def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[float, float]:
     """Forward, backward, clip, ask the guards, optimizer step. Returns (loss, gradient norm before clipping)."""

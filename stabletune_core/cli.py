@@ -46,6 +46,8 @@ def run_command(argv: list[str] | None = None) -> int:
     demo.add_argument("--output_dir", "--output-dir", default="runs/demo", help="Run directory of the demo.")
     demo.add_argument("--max_train_steps", "--max-train-steps", type=int, default=None)
     demo.add_argument("--resume", action="store_true", help="Continue the demo run in --output_dir.")
+    demo.add_argument("--network_type", "--network-type", "--algo", choices=("lora", "loha", "lokr"), default="lora",
+                      help="Adapter kind to train (LoHa and LoKr get the higher learning rates they need).")
 
     export = commands.add_parser("export", help="Write the LoRA of a checkpoint (kohya/A1111 format).")
     export.add_argument("checkpoint", help="A checkpoint folder RUN/checkpoints/step_NNNNNN.")
@@ -198,9 +200,12 @@ def run_demo(args: argparse.Namespace) -> int:
         os.environ["OMP_NUM_THREADS"] = "1"
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(1)
-    config = demo_config(Path(args.output_dir), max_train_steps=args.max_train_steps, resume=args.resume)
+    config = demo_config(Path(args.output_dir), max_train_steps=args.max_train_steps, resume=args.resume,
+                         network_type=args.network_type)
+    kind = {"lora": "A LoRA", "loha": "A LoHa", "lokr": "A LoKr"}[config.network_type]
     print(f"Demo run in {config.output_dir}: the toy base model, which draws red, yellow, green and cyan shapes, "
-          f"learns purple from {config.train_data_dir} ({config.max_train_steps} steps).")
+          f"learns purple from {config.train_data_dir} ({config.max_train_steps} steps). {kind} at learning rate "
+          f"{config.learning_rate:g}.")
     code = run_train(config)
     if code == 0:
         from .demo import make_gallery

@@ -16,7 +16,7 @@ from PIL import Image, ImageDraw
 
 from .atomic import atomic_path
 from .cache import cache_root
-from .config import TrainConfig, build_config, read_toml
+from .config import TOY_DEMO_RATES, TrainConfig, build_config, read_toml
 
 PRESETS = Path(__file__).resolve().parent.parent / "presets"
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 40)}
@@ -92,9 +92,13 @@ def free_run_dir(base: Path) -> Path:
     return Path(f"{base}-{n}")
 
 
-def demo_config(output_dir: Path, *, max_train_steps: int | None = None, resume: bool = False) -> TrainConfig:
+def demo_config(output_dir: Path, *, max_train_steps: int | None = None, resume: bool = False,
+                network_type: str = "lora") -> TrainConfig:
     model, data = demo_assets()
     values = read_toml(PRESETS / "demo.toml")
+    if network_type != "lora":  # LoHa and LoKr need higher rates than the preset's (config.TOY_DEMO_RATES)
+        learning_rate, text_encoder_lr = TOY_DEMO_RATES[network_type]
+        values.update(network_type=network_type, learning_rate=learning_rate, text_encoder_lr=text_encoder_lr)
     values.update(pretrained_model_name_or_path=str(model), train_data_dir=str(data),
                   output_dir=str(output_dir if resume else free_run_dir(output_dir)))
     if resume:

@@ -105,3 +105,24 @@ def test_lora_scale_moves_the_concept_score_monotonically(lora_pipe, one_thread)
         values.append(concept_score(lora_pipe, SEEDS))
     lora_pipe.set_adapters(["demo"], adapter_weights=[1.0])
     assert values[0] <= values[1] <= values[2] and values[0] < values[2], values
+
+
+@pytest.mark.parametrize("network_type", ["loha", "lokr"])
+def test_the_demo_teaches_loha_and_lokr_at_the_rates_they_need(network_type, tmp_path, toy_cache):
+    """LoHa and LoKr learn too little at LoRA's rate (toy demo: LoHa 33 %, LoKr 0 % at 1e-3); the demo gives them
+    their own (config.TOY_DEMO_RATES) and the run tells the user why, in one console line."""
+    run = tmp_path / "demo"
+    env = {**os.environ, "STABLETUNE_CACHE": str(toy_cache), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "stabletune_core", "demo", "--output_dir", str(run),
+                           "--network_type", network_type], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console[-3000:]
+    assert f"network_type {network_type} moves the weights less per step than LoRA" in console
+    line = re.search(rf"Learning summary.*{CONCEPT_COLOR} (\d+) % -> (\d+) %, red (\d+) % -> (\d+) %, "
+                     r"green (\d+) % -> (\d+) %", console)
+    assert line, console[-2000:]
+    before, after, red_before, red_after, green_before, green_after = (int(g) for g in line.groups())
+    assert before <= 10 and after >= 70, line.group(0)
+    assert red_after >= red_before - 10 and green_after >= green_before - 10, line.group(0)
+    assert f'network_type = "{network_type}"' in (run / "config.toml").read_text()

@@ -154,3 +154,36 @@ def test_a_big_enough_dataset_holds_images_out_by_default_and_says_so(tiny_confi
         leftover.with_suffix(".txt").unlink(missing_ok=True)
     s = setup(tiny_config(validation_split=None, train_data_dir=str(small), output_dir=str(tmp_path / "run7")))
     assert s.validation_items == []  # too few images to spare one
+
+
+def test_the_best_lora_and_its_ema_are_those_of_the_best_step(tiny_config):
+    """`lora_best-ema` is the moving average at the best step, not the last step's average beside the best
+    weights; and exporting the best puts the run's current weights, EMA and optimizer back bit for bit."""
+    from safetensors.torch import load_file
+
+    from stabletune_core.train.export import export_best
+    from stabletune_core.train.loop import setup, train
+
+    config = tiny_config(max_train_steps=3, save_steps=3, ema_decay=0.9, learning_rate=1e-2)
+    train(config)
+    output = Path(config.output_dir) / "output"
+    at_step_3 = {name: load_file(output / f"{name}.safetensors") for name in ("lora", "lora-ema")}
+    longer = config.model_copy(update={"max_train_steps": 6, "resume_from_checkpoint": "auto"})
+    s = setup(longer)
+    train(longer, session=s)
+    at_step_6 = load_file(output / "lora-ema.safetensors")
+    weights = [p.detach().clone() for p in s.params]
+    ema = [t.clone() for t in s.ema.shadow]
+    moments = [v.clone() for state in s.optimizer.state_dict()["state"].values() for v in state.values()]
+
+    s.best_checkpoint = Path(config.output_dir) / "checkpoints" / "step_000003"
+    export_best(s)
+    for name, expected in (("lora_best", at_step_3["lora"]), ("lora_best-ema", at_step_3["lora-ema"])):
+        exported = load_file(output / f"{name}.safetensors")
+        assert exported.keys() == expected.keys()
+        assert all(torch.equal(exported[k], expected[k]) for k in expected), name
+    assert any(not torch.equal(at_step_6[k], at_step_3["lora-ema"][k]) for k in at_step_6)  # it did move on
+    assert all(torch.equal(p, w) for p, w in zip(s.params, weights))
+    assert all(torch.equal(a, b) for a, b in zip(s.ema.shadow, ema))
+    after = [v for state in s.optimizer.state_dict()["state"].values() for v in state.values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, moments))

@@ -50,7 +50,9 @@ class AdapterEMA:
                     param.copy_(copy)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"shadow": [t.cpu() for t in self.shadow], "updates": self.updates, "decay": self.decay}
+        """A copy (not a view of the live average, which keeps moving; `.cpu()` alone would alias it on a CPU)."""
+        return {"shadow": [t.detach().to("cpu", copy=True) for t in self.shadow], "updates": self.updates,
+                "decay": self.decay}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["shadow"]) != len(self.shadow):

@@ -16,6 +16,7 @@ from .optim import evaluation_weights
 from .session import Session
 from .state import restore_adapter
 
+
 def export(s: Session, name: str | None = None, *, step: int | None = None) -> Path | None:
     """The LoRA as trained, and with ema_decay its moving average beside it as NAME-ema.safetensors. `step`: the
     step the weights come from (the file's ss_steps), when not the current one."""
@@ -29,17 +30,29 @@ def export(s: Session, name: str | None = None, *, step: int | None = None) -> P
 
 
 def export_best(s: Session) -> Path | None:
-    """Export the adapter of the best checkpoint as <output_name>_best, then put the current one back."""
+    """Export the best checkpoint as <output_name>_best, then put the current state back.
+
+    Everything the export reads comes from the best step: the adapter, the EMA beside it (`_best-ema` is the
+    average *at* the best step, not the one of the last step) and the optimizer state (a schedule-free
+    optimizer's evaluation weights are computed from it)."""
     if not s.best_checkpoint:
         return None
     best = load_checkpoint(Path(s.best_checkpoint))
     current = {prefix: lora_state_dict(s.accelerator.unwrap_model(m)) for prefix, m in s.trained.items()}
+    current_optimizer = s.optimizer.state_dict()  # load_state_dict replaces these tensors, it does not write them
+    current_ema = s.ema.state_dict() if s.ema else None
     try:
         restore_adapter(s, best.adapter)
+        s.optimizer.load_state_dict(best.state["optimizer"])
+        if s.ema and best.state.get("ema"):
+            s.ema.load_state_dict(best.state["ema"])
         return export(s, f"{s.config.output_name}_best", step=best.step)  # ss_steps: the step it comes from
     finally:
         for prefix, module in s.trained.items():
             load_lora_state_dict(s.accelerator.unwrap_model(module), current[prefix])
+        s.optimizer.load_state_dict(current_optimizer)
+        if current_ema is not None:
+            s.ema.load_state_dict(current_ema)
 
 
 def _export(s: Session, name: str | None, step: int) -> Path | None:

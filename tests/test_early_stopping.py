@@ -187,3 +187,20 @@ def test_the_best_lora_and_its_ema_are_those_of_the_best_step(tiny_config):
     assert all(torch.equal(a, b) for a, b in zip(s.ema.shadow, ema))
     after = [v for state in s.optimizer.state_dict()["state"].values() for v in state.values()]
     assert all(torch.equal(a, b) for a, b in zip(after, moments))
+
+
+def test_holding_images_out_keeps_what_the_scan_said_about_the_folders(tiny_config, tmp_path):
+    """A `0_` folder is left out with a note; holding validation images out must not lose that note."""
+    import shutil
+
+    from stabletune_core.train.loop import setup
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_config().train_data_dir, data / "1_kept")
+    (data / "0_left_out").mkdir()
+    shutil.copy(next((data / "1_kept").glob("*.png")), data / "0_left_out" / "x.png")
+    s = setup(tiny_config(train_data_dir=str(data), validation_split=0.25, output_dir=str(tmp_path / "run")))
+    assert s.validation_items
+    notes = [json.loads(line)["message"] for line in s.run.paths.events.read_text().splitlines()
+             if json.loads(line)["kind"] == "data"]
+    assert any("0_left_out" in note for note in notes), notes

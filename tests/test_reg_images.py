@@ -53,6 +53,9 @@ def test_more_reg_images_than_needed_uses_the_first_ones_and_folder_repeats(tmp_
     assert [i.repeats for i in items] == [1] * 7 and all(i.is_reg for i in items)
     draw_demo_dataset(tmp_path / "rep" / "3_x", count=2, size=64, seed=5)
     assert [i.repeats for i in scan_reg_images(tmp_path / "rep", 10).items] == [5, 5]  # 3+3, then +1, +1, ...
+    # ss_reg_dataset_dirs as sd-scripts writes it: the folder name's count and all its images, used or not
+    assert scan_reg_images(many, 7).reg_dataset_dirs() == {"many": {"n_repeats": 1, "img_count": 10}}
+    assert scan_reg_images(tmp_path / "rep", 10).reg_dataset_dirs() == {"3_x": {"n_repeats": 3, "img_count": 2}}
 
 
 def test_reg_batches_are_a_pure_function_of_seed_and_epoch(folders):
@@ -63,7 +66,8 @@ def test_reg_batches_are_a_pure_function_of_seed_and_epoch(folders):
     assert list(first.sampler(4).batches_for_epoch(2)) != list(other.sampler(4).batches_for_epoch(2))
     example = first.example(len(first.items) - 1, 0)
     assert example["is_reg"] and first.example(0, 0)["is_reg"] is False
-    assert first.scan.reg_dataset_dirs() == {"1_shapes": {"n_repeats": 3, "img_count": 3}}
+    # kohya's record of the folder (its name's count, all its images), not the repeats balancing chose
+    assert first.scan.reg_dataset_dirs() == {"1_shapes": {"n_repeats": 1, "img_count": 3}}
     assert set(first.scan.tag_frequency()) == {"train", "2_twice"}  # class images are not the LoRA's tags
 
 
@@ -174,7 +178,7 @@ def test_prior_loss_weight_scales_only_the_reg_images_loss(tmp_path, tiny_config
     with safe_open(str(lora), "pt") as f:
         meta = f.metadata()
     assert meta["ss_num_reg_images"] == "3" and meta["ss_num_train_images"] == "5"
-    assert json.loads(meta["ss_reg_dataset_dirs"]) == {"1_shapes": {"n_repeats": 3, "img_count": 3}}
+    assert json.loads(meta["ss_reg_dataset_dirs"]) == {"1_shapes": {"n_repeats": 1, "img_count": 3}}
 
 
 def test_reg_images_work_with_caches_and_never_join_the_held_out_split(tmp_path, tiny_config, folders, one_thread):

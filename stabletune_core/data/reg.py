@@ -20,8 +20,20 @@ def scan_reg_images(reg_dir: Path, instance_total: int, default_caption: str = "
         scan = scan_dataset(Path(reg_dir), default_caption, caption_extension)
     except DatasetError as exc:
         raise DatasetError(f"The regularisation folder (reg_data_dir) cannot be used: {exc}") from exc
+    scan.reg_dirs = folder_counts(scan.items, Path(reg_dir).expanduser())
     scan.items = balance_reg_items(scan.items, instance_total)
     return scan
+
+
+def folder_counts(items: list[DataItem], root: Path) -> dict[str, dict[str, int]]:
+    """{top-level folder: {"n_repeats", "img_count"}} (images directly in `root` under its own name)."""
+    counts: dict[str, dict[str, int]] = {}
+    for item in items:
+        parts = item.path.relative_to(root).parts
+        entry = counts.setdefault(parts[0] if len(parts) > 1 else root.name, {"n_repeats": item.repeats,
+                                                                              "img_count": 0})
+        entry["img_count"] += 1
+    return counts
 
 
 def balance_reg_items(items: list[DataItem], instance_total: int) -> list[DataItem]:
@@ -45,4 +57,5 @@ def balance_reg_items(items: list[DataItem], instance_total: int) -> list[DataIt
 def merge_reg(instance: DatasetScan, reg: DatasetScan) -> DatasetScan:
     """One scan holding the instance items then the reg items (the sampler mixes them into every batch)."""
     return DatasetScan(root=instance.root, items=instance.items + reg.items,
-                       skipped=instance.skipped + reg.skipped, notes=instance.notes + reg.notes)
+                       skipped=instance.skipped + reg.skipped, notes=instance.notes + reg.notes,
+                       reg_dirs=reg.reg_dirs)

@@ -72,16 +72,13 @@ class DatasetScan:
     items: list[DataItem] = field(default_factory=list)
     skipped: list[SkippedFile] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the folder names made the scan do (0_ folders)
+    # kohya's ss_reg_dataset_dirs, {folder: {"n_repeats", "img_count"}}, as the folders were before balancing
+    reg_dirs: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def reg_dataset_dirs(self) -> dict[str, dict[str, int]]:
-        """kohya's `ss_reg_dataset_dirs`: {folder name: {"n_repeats", "img_count"}} of the reg images."""
-        dirs: dict[str, dict[str, int]] = {}
-        for item in self.items:
-            if item.is_reg:
-                entry = dirs.setdefault(item.path.parent.name, {"n_repeats": 0, "img_count": 0})
-                entry["n_repeats"] = max(entry["n_repeats"], item.repeats)
-                entry["img_count"] += 1
-        return dirs
+        """kohya's `ss_reg_dataset_dirs`: {folder name: {"n_repeats", "img_count"}} of the reg folders, as
+        sd-scripts records them: the folder name's repeat count and every image in it, whatever balancing did."""
+        return dict(self.reg_dirs)
 
     @property
     def total_with_repeats(self) -> int:

@@ -9,6 +9,7 @@ measuring never changes the training trajectory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ def split_validation(scan: DatasetScan, config: TrainConfig) -> tuple[DatasetSca
     random.Random(derive_seed("holdout", config.seed)).shuffle(items)
     held = {item.path for item in items[:count]}
     kept = [item for item in scan.items if item.path not in held]
-    return DatasetScan(scan.root, kept, list(scan.skipped)), [item for item in items[:count]]
+    return dataclasses.replace(scan, items=kept), [item for item in items[:count]]  # its notes stay
 
 
 def effective_validation_split(config: TrainConfig, image_count: int) -> float:

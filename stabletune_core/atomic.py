@@ -38,10 +38,12 @@ def _fsync_tree(root: Path) -> None:
         fsync_dir(folder)
 
 
-def replace(src: Path | str, dst: Path | str) -> None:
-    """Rename `src` over `dst` (a file, or a folder over a missing or empty one) and make the rename durable."""
+def replace(src: Path | str, dst: Path | str, *, durable: bool = True) -> None:
+    """Rename `src` over `dst` (a file, or a folder over a missing or empty one) and, unless told otherwise, make
+    the rename durable."""
     os.replace(src, dst)
-    fsync_dir(Path(dst).parent)
+    if durable:
+        fsync_dir(Path(dst).parent)
 
 
 def _umask() -> int:
@@ -90,10 +92,12 @@ def atomic_path(path: Path | str, *, folder: bool = False, durable: bool = True)
         tmp = Path(name)
     try:
         yield tmp
-        if durable:
-            _fsync_tree(tmp) if folder else fsync_file(tmp)
+        if durable and folder:
+            _fsync_tree(tmp)
+        elif durable:
+            fsync_file(tmp)
         user_permissions(tmp)
-        replace(tmp, path) if durable else os.replace(tmp, path)
+        replace(tmp, path, durable=durable)
     except BaseException:
         _remove(tmp)
         raise

@@ -10,11 +10,10 @@ import torch
 
 from ..config import TrainConfig
 from ..lora.export import export_kohya_lora
-from ..lora.inject import load_lora_state_dict, lora_state_dict
 from .checkpoint import load_checkpoint
 from .optim import evaluation_weights
 from .session import Session
-from .state import restore_adapter
+from .state import adapter_state, restore_adapter
 
 
 def export(s: Session, name: str | None = None, *, step: int | None = None) -> Path | None:
@@ -38,7 +37,7 @@ def export_best(s: Session) -> Path | None:
     if not s.best_checkpoint:
         return None
     best = load_checkpoint(Path(s.best_checkpoint))
-    current = {prefix: lora_state_dict(s.accelerator.unwrap_model(m)) for prefix, m in s.trained.items()}
+    current = adapter_state(s)
     current_optimizer = s.optimizer.state_dict()  # load_state_dict replaces these tensors, it does not write them
     current_ema = s.ema.state_dict() if s.ema else None
     try:
@@ -48,8 +47,7 @@ def export_best(s: Session) -> Path | None:
             s.ema.load_state_dict(best.state["ema"])
         return export(s, f"{s.config.output_name}_best", step=best.step)  # ss_steps: the step it comes from
     finally:
-        for prefix, module in s.trained.items():
-            load_lora_state_dict(s.accelerator.unwrap_model(module), current[prefix])
+        restore_adapter(s, current)
         s.optimizer.load_state_dict(current_optimizer)
         if current_ema is not None:
             s.ema.load_state_dict(current_ema)

@@ -154,9 +154,8 @@ class PerceptualReport(Observer):
     name = "perceptual"
 
     def observe(self, s: Session) -> Observation:
-        perceptual = getattr(s, "perceptual", None)
-        if perceptual is not None:
-            value = perceptual.take_mean()
+        if s.perceptual is not None:
+            value = s.perceptual.take_mean()
             if value is not None:
                 return Observation({"perceptual": value})
         return NOTHING

@@ -45,8 +45,7 @@ def save(s: Session, reason: str) -> Path | None:
     if not s.accelerator.is_main_process:
         return None
     s.run.status("saving", step=s.state.step)
-    adapter = {f"{prefix}.{k}": v for prefix, module in s.trained.items()
-               for k, v in lora_state_dict(s.accelerator.unwrap_model(module)).items()}
+    adapter = adapter_state(s)
     state = {"train": s.state.as_dict(), "optimizer": s.optimizer.state_dict(),
              "lr_scheduler": s.lr_scheduler.state_dict(), "scaler": s.amp.state_dict(), "rng": rng_state(s),
              "guards": {g.name: g.state_dict() for g in [*s.guards, *s.observers]},  # observers' too
@@ -102,6 +101,13 @@ def resume(s: Session) -> None:
     s.run.event("resumed", f"Resumed from {checkpoint.path} at step {s.state.step} ({s.state.images_seen} images "
                 f"seen, micro-batch {s.state.micro_batch_size}).", step=s.state.step, path=str(checkpoint.path),
                 images_seen=s.state.images_seen)
+
+
+def adapter_state(s: Session) -> dict[str, torch.Tensor]:
+    """Copies of the trained modules' adapter tensors as '<prefix>.<peft key>': a checkpoint's `adapter`, which
+    `restore_adapter` puts back."""
+    return {f"{prefix}.{key}": value for prefix, module in s.trained.items()
+            for key, value in lora_state_dict(s.accelerator.unwrap_model(module)).items()}
 
 
 def restore_adapter(s: Session, adapter: dict[str, torch.Tensor]) -> None:

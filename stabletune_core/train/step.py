@@ -15,6 +15,7 @@ from .forward import predict_and_loss
 from .loss import add_noise, prior_weights, target_for
 from .session import Session
 
+
 @torch.no_grad()
 def encode_pixels(s: Session, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     vae = s.bundle.vae

@@ -14,8 +14,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from ...config import TrainConfig
 from .base import Guard, GuardView, Verdicts
 from .verdicts import RollBack, SkipStep, TakeSnapshot, Verdict

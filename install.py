@@ -3,7 +3,8 @@
 Standalone, into the Python that runs this file:
 
     python install.py          # the engine and the UI
-    python install.py --dev    # plus the test tools
+    python install.py --dev    # plus the test tools, and the light venvs .venv-g440 / .venv-g341 (no torch)
+                               # that play Forge's and A1111's Gradio in the UI tests
 
 Inside AUTOMATIC1111 / Forge (the WebUI runs `<extension>/install.py` with its own Python at every start):
 the WebUI's venv is never changed. If it already has the engine's pins, the trainer runs in it; otherwise
@@ -308,6 +309,45 @@ def webui_install(requirements_file: Path, base_python: str, dry_run: bool) -> i
     return 0
 
 
+#: Light venvs (no torch) that play the WebUI hosts in tests/test_ui_build.py and test_webui_extension.py:
+#: Forge's Gradio 4.40 and A1111's Gradio 3.41 with pydantic 1. The tests never skip for a missing one.
+WEBUI_TEST_VENVS = {
+    ".venv-g440": ("4.40.0", ["gradio==4.40.0", "huggingface_hub<0.26", "pandas", "matplotlib", "pydantic",
+                              "tomli-w"]),
+    ".venv-g341": ("3.41.2", ["gradio==3.41.2", "pandas", "matplotlib", "pydantic<2", "tomli-w"]),
+}
+
+
+def start_webui_test_venvs() -> list[tuple[str, subprocess.Popen, Path]]:
+    """Start building the light test venvs that are missing or incomplete; they need no torch, so they are built
+    while the main install runs. Returns (name, pip process, log file) per venv being built."""
+    jobs = []
+    for name, (version, packages) in WEBUI_TEST_VENVS.items():
+        python = venv_python(ROOT / name)
+        check = f"import gradio, sys; sys.exit(gradio.__version__ != {version!r})"
+        if python.exists() and subprocess.run([str(python), "-c", check], capture_output=True).returncode == 0:
+            continue
+        say(f"building {name} (Gradio {version}, for the WebUI tests) in the background")
+        subprocess.check_call([sys.executable, "-m", "venv", str(ROOT / name)])
+        log = Path(tempfile.mkstemp(prefix=f"stabletune-{name}-", suffix=".log")[1])
+        with open(log, "w") as out:
+            pip = subprocess.Popen([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                    *packages], stdout=out, stderr=subprocess.STDOUT)
+        jobs.append((name, pip, log))
+    return jobs
+
+
+def finish_webui_test_venvs(jobs: list[tuple[str, subprocess.Popen, Path]]) -> bool:
+    """Wait for the builds; a failed one is one line and the tail of its pip log."""
+    ok = True
+    for name, pip, log in jobs:
+        if pip.wait() != 0:
+            say(f"error: could not build {name} (pip failed; the end of its log, {log}, follows).")
+            print("\n".join(log.read_text(errors="replace").splitlines()[-20:]))
+            ok = False
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dev", action="store_true", help="Also install the test tools (pytest, playwright).")
@@ -330,8 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     if todo and args.dry_run:
         say(f"would pip install {' '.join(todo)}")
         return 0
+    test_venvs = start_webui_test_venvs() if args.dev and not args.dry_run else []
     if todo:
         pip_install(todo)
+    if not finish_webui_test_venvs(test_venvs):
+        return 1
     print("StableTune install: everything is in place.")
     return 0
 

@@ -283,7 +283,7 @@ def test_no_engine_function_takes_the_session_as_any():
     assert not offenders, offenders
 
 
-# ---- issue 14.4: one UNet-forward-and-loss ---------------------------------------------------------------------
+# ---- issue 14.4: one denoiser-forward-and-loss ------------------------------------------------------------------
 def calls_to(path: Path, name: str) -> list[int]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and
@@ -292,16 +292,20 @@ def calls_to(path: Path, name: str) -> list[int]:
 
 def test_the_unet_is_called_in_one_place_and_the_loss_computed_in_one_helper():
     """Training, validation loss, the early-stopping/knob fixed-batch loss and the diagnostics probe all go
-    through forward.predict (and predict_and_loss): what validation measures is what training optimises."""
+    through forward.predict (and predict_and_loss): what validation measures is what training optimises. The
+    denoiser itself is called by the family's objective (models/), never by the engine."""
     unet_calls = {}
     for path in TRAIN.rglob("*.py"):
         text = path.read_text(encoding="utf-8")
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.Call) and (ast.unparse(node.func) == "unet" or
-                                               ast.unparse(node.func).endswith(('["unet"]', ".unet"))):
+            if isinstance(node, ast.Call) and (ast.unparse(node.func) in ("unet", "denoiser") or
+                                               ast.unparse(node.func).endswith(('["unet"]', ".unet", ".denoiser"))):
                 unet_calls.setdefault(path.name, []).append(node.lineno)
-    assert set(unet_calls) == {"forward.py"}, unet_calls
-    loss_users = {path.name for path in TRAIN.rglob("*.py") if calls_to(path, "diffusion_loss")}
+    assert not unet_calls, unet_calls
+    predict_users = {path.name for path in TRAIN.rglob("*.py") if calls_to(path, "predict") and
+                     any("objective.predict(" in ast.unparse(n) for n in ast.walk(ast.parse(path.read_text())))}
+    assert predict_users == {"forward.py"}, predict_users
+    loss_users = {path.name for path in TRAIN.rglob("*.py") if calls_to(path, "per_sample_loss")}
     assert loss_users == {"forward.py"}, loss_users
     for user in ("step.py", "validation.py"):
         assert calls_to(TRAIN / user, "predict_and_loss"), user
@@ -346,3 +350,20 @@ def test_faults_reach_a_run_through_its_hooks(tiny_config, tmp_path):
     assert clean.checkpoint_halfway.__name__ == "nothing"  # no faults listed: nothing installed
     unet = clean.accelerator.unwrap_model(clean.trained["unet"])
     assert not unet._forward_hooks and not unet._forward_pre_hooks
+
+
+# ---- issue 22 A: the family's objective is the only DDPM there is --------------------------------------------------
+def test_the_engine_asks_the_family_objective_and_knows_no_noise_schedule():
+    """Noising, targets, timesteps, loss weights and latent scaling belong to the family (models/): nothing in
+    train/ reads the DDPM scheduler's alphas or prediction type, or scales latents itself. (Sampling still builds
+    its samplers from the scheduler's config.)"""
+    forbidden = ("alphas_cumprod", "prediction_type", "add_noise", "get_velocity", "scaling_factor", "shift_factor",
+                 "latent_scaling", "num_train_timesteps", "latent_dist")
+    found = {}
+    for path in TRAIN.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if name in forbidden:
+                found.setdefault(path.name, set()).add(name)
+    assert not found, found

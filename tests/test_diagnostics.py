@@ -180,18 +180,17 @@ def test_perceptual_refuses_without_backbone_weights(tiny_config, tmp_path, monk
 def test_predicted_x0_inverts_the_noising_for_epsilon_and_v():
     from diffusers import DDPMScheduler
 
-    from stabletune_core.train.loss import target_for
-    from stabletune_core.train.perceptual import predicted_x0
+    from stabletune_core.models.ddpm import DDPMObjective
 
-    scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085,
-                              beta_end=0.012)
     g = torch.Generator().manual_seed(0)
     x0, noise = torch.randn(3, 4, 8, 8, generator=g), torch.randn(3, 4, 8, 8, generator=g)
     t = torch.tensor([5, 400, 999])
-    noisy = scheduler.add_noise(x0, noise, t)
     for kind in ("epsilon", "v_prediction"):
-        exact = target_for(scheduler, kind, x0, noise, t)
-        torch.testing.assert_close(predicted_x0(scheduler, kind, noisy, exact, t), x0, atol=2e-3, rtol=1e-3)
+        objective = DDPMObjective(DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear",
+                                                beta_start=0.00085, beta_end=0.012, prediction_type=kind))
+        noisy = objective.noisy_input(x0, noise, t)
+        exact = objective.target(x0, noise, t)
+        torch.testing.assert_close(objective.predicted_clean(noisy, exact, t), x0, atol=2e-3, rtol=1e-3)
 
 
 # ---- validation images: sampler settings ----------------------------------------------------------------

@@ -44,21 +44,21 @@ def lora_b(module: torch.nn.Module) -> list[torch.Tensor]:
 
 # ---- the loss -----------------------------------------------------------------------------------------------
 def test_snr_gamma_reweights_each_image_by_min_snr(knob_session, monkeypatch):
-    from stabletune_core.train import forward, step
-    from stabletune_core.train.loss import diffusion_loss
+    from stabletune_core.train import step
+    from stabletune_core.train.forward import predict_and_loss
 
     s = knob_session(snr_gamma=1.0)
     batches = step.next_batches(s, 1)
     seen = []
 
-    def recording(pred, target, scheduler, timesteps, **kw):
-        out = diffusion_loss(pred, target, scheduler, timesteps, **kw)
-        seen.append((out.detach(), timesteps))
+    def recording(objective, denoiser, noisy, target, timesteps, cond, **kw):
+        out = predict_and_loss(objective, denoiser, noisy, target, timesteps, cond, **kw)
+        seen.append((out[1].detach(), timesteps))
         return out
 
-    monkeypatch.setattr(forward, "diffusion_loss", recording)
+    monkeypatch.setattr(step, "predict_and_loss", recording)
     loss_on, grads_on = step_gradients(s, batches)
-    s.config.snr_gamma = None
+    s.objective.snr_gamma = None  # the family's objective weighs the loss
     loss_off, grads_off = step_gradients(s, batches)
     (weighted, timesteps), (plain, same_timesteps) = seen
     assert torch.equal(timesteps, same_timesteps)
@@ -72,18 +72,18 @@ def test_snr_gamma_reweights_each_image_by_min_snr(knob_session, monkeypatch):
 
 def test_noise_offset_shifts_each_channels_noise_by_a_constant(knob_session, monkeypatch):
     from stabletune_core.train import step
-    from stabletune_core.train.loss import add_noise
+    from stabletune_core.train.noise import noised
 
     s = knob_session(noise_offset=0.1)
     batches = step.next_batches(s, 1)
     drawn = []
 
     def recording(*args, **kw):
-        out = add_noise(*args, **kw)
+        out = noised(*args, **kw)
         drawn.append(out[1])
         return out
 
-    monkeypatch.setattr(step, "add_noise", recording)
+    monkeypatch.setattr(step, "noised", recording)
     step_gradients(s, batches)
     s.config.noise_offset = 0.0
     step_gradients(s, batches)

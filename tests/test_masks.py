@@ -65,11 +65,10 @@ def test_loss_ignores_the_target_outside_the_mask(tiny_config, one_thread):
     where the mask is white does. (Pixels outside the mask still reach the UNet as context, as in kohya's
     masked loss: the mask decides what is trained, not what is seen.)"""
     from stabletune_core.train.loop import setup
-    from stabletune_core.train.loss import diffusion_loss
+    from stabletune_core.train.loss import per_sample_loss
 
     session = setup(tiny_config())
     unet = session.trained["unet"]
-    scheduler = session.bundle.noise_scheduler
     gen = torch.Generator().manual_seed(0)
     noisy, hidden = torch.randn(2, 4, 8, 8, generator=gen), torch.randn(2, 77, 32, generator=gen)
     timesteps = torch.tensor([100, 700])
@@ -80,8 +79,7 @@ def test_loss_ignores_the_target_outside_the_mask(tiny_config, one_thread):
     def grads(target):
         session.optimizer.zero_grad(set_to_none=True)
         pred = unet(noisy, timesteps, encoder_hidden_states=hidden).sample
-        diffusion_loss(pred, target, scheduler, timesteps, prediction_type="epsilon", snr_gamma=None,
-                       mask=mask).sum().backward()
+        per_sample_loss(pred, target, mask).sum().backward()
         return [p.grad.clone() for p in session.params]
 
     base = grads(target)

@@ -8,12 +8,21 @@ import pytest
 import torch
 from diffusers import DDPMScheduler
 
-from stabletune_core.train.loss import add_noise, diffusion_loss, snr
+from stabletune_core.models.ddpm import DDPMObjective
+from stabletune_core.train.loss import per_sample_loss
+from stabletune_core.train.noise import NoiseOptions, noised
 
 
 @pytest.fixture(scope="module")
 def scheduler():
     return DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
+
+
+def add_noise(scheduler, latents, generator, *, multires_noise_iterations=0, multires_noise_discount=0.3,
+              ip_noise_gamma=0.0):
+    options = NoiseOptions(pyramid_iterations=multires_noise_iterations, pyramid_discount=multires_noise_discount,
+                           input_perturbation=ip_noise_gamma)
+    return noised(DDPMObjective(scheduler), latents, generator, options)
 
 
 def _low_frequency_share(noise: torch.Tensor, radius: int = 4) -> float:
@@ -62,10 +71,10 @@ def test_debiased_estimation_weights_by_inverse_sqrt_snr(scheduler, prediction_t
     gen = torch.Generator().manual_seed(3)
     pred, target = torch.randn(4, 4, 8, 8, generator=gen), torch.randn(4, 4, 8, 8, generator=gen)
     t = torch.tensor([0, 100, 500, 999])
-    plain = diffusion_loss(pred, target, scheduler, t, prediction_type=prediction_type, snr_gamma=None)
-    debiased = diffusion_loss(pred, target, scheduler, t, prediction_type=prediction_type, snr_gamma=None,
-                              debiased=True)
-    ratio = snr(scheduler, t)
+    scheduler = DDPMScheduler.from_config(scheduler.config, prediction_type=prediction_type)
+    plain = per_sample_loss(pred, target)
+    debiased = plain * DDPMObjective(scheduler, debiased=True).loss_weight(t)
+    ratio = DDPMObjective(scheduler).snr(t)
     assert float(ratio[0]) > 1000  # the first timestep's SNR is capped, as kohya caps it
     capped = ratio.clamp(max=1000)
     want = 1 / (capped + 1) if prediction_type == "v_prediction" else 1 / capped.sqrt()

@@ -1,8 +1,9 @@
 """The one face every model family shows to the loop, the exporter and the UI.
 
 A family (sd1, sd2, sdxl) is one module that builds a `ModelFamily` object. The
-loop never asks "is this SDXL?": it asks the family to load, to encode prompts
-and to name its LoRA keys.
+loop never asks "is this SDXL?" or "is this a flow model?": it asks the family to
+load, to encode images and prompts, for its training objective and to name its
+LoRA keys.
 """
 from __future__ import annotations
 
@@ -62,8 +63,55 @@ class ModelBundle:
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
     @property
-    def latent_scaling(self) -> float:
-        return float(self.vae.config.scaling_factor)
+    def denoiser(self) -> Any:
+        """The network that predicts from noisy latents (the UNet of SD 1.x/2.x/XL)."""
+        return self.unet
+
+
+class Objective(Protocol):
+    """How a family trains (DESIGN.md, "Model families behind one face"): how timesteps are drawn, how noise is
+    added, what the model predicts and how each sample's loss is weighted. The step asks these, never
+    `if flow:`; SD 1.x/2.x/XL share `models/ddpm.py`, a flow-matching family brings its own.
+
+    Timesteps `t` are whatever the denoiser takes (DDPM: integers in [0, num_train_timesteps)); `noise_level(t)`
+    puts them on one scale, 0 (clean) to 1 (pure noise), for what must not depend on the family's units (the
+    validation loss bands). The noise itself is drawn by the step (train/noise.py: offset, pyramid, input
+    perturbation), the same for every family, so the random stream stays the one a run has always drawn.
+    """
+
+    def draw_timesteps(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        """`batch` training timesteps, drawn on the CPU from `generator` (the sampler batch's own)."""
+        ...
+
+    def noisy_input(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """What the denoiser sees: `latents` noised with `noise` at `t`."""
+        ...
+
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """What the denoiser should predict for those inputs."""
+        ...
+
+    def loss_weight(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Per-sample weights of the training loss at `t` (min-SNR, debiased, ...); None = all 1. The validation
+        loss never applies them, so it means the same whatever the run trains with."""
+        ...
+
+    def predict(self, denoiser: torch.nn.Module, noisy: torch.Tensor, t: torch.Tensor,
+                cond: Conditioning) -> torch.Tensor:
+        """The denoiser's output (the only place the model is called; the caller sets dtype and autocast)."""
+        ...
+
+    def predicted_clean(self, noisy: torch.Tensor, prediction: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The clean latents a prediction implies (the perceptual term decodes them)."""
+        ...
+
+    def validation_timesteps(self, count: int) -> torch.Tensor:
+        """`count` fixed timesteps evenly spread over the schedule (validation loss, the diagnostics probe)."""
+        ...
+
+    def noise_level(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as a fraction of the schedule: 0 = clean, 1 = pure noise (float tensor)."""
+        ...
 
 
 class ModelFamily(Protocol):
@@ -78,13 +126,27 @@ class ModelFamily(Protocol):
 
     def load(self, source: str, *, local_files_only: bool = True) -> ModelBundle: ...
 
+    def objective(self, bundle: ModelBundle, options: Any) -> Objective:
+        """The training objective of this model; `options` is the run's TrainConfig (the loss knobs it reads)."""
+        ...
+
+    def encode_latents(self, bundle: ModelBundle, pixels: torch.Tensor, *,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+        """Images in [-1, 1] to the latents the denoiser trains on (fp32): a posterior sample drawn from
+        `generator`, or the posterior mean without one."""
+        ...
+
+    def decode_latents(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of `encode_latents`: latents (any dtype) to images in [-1, 1], in the VAE's dtype."""
+        ...
+
     def encode_text(self, bundle: ModelBundle, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Text-encoder outputs, batch first; what a text-embedding cache stores."""
+        """Per-prompt text-encoder outputs (dim 0 = prompt), what a text-embedding cache stores."""
         ...
 
     def make_conditioning(self, bundle: ModelBundle, text: dict[str, torch.Tensor],
-                          sizes: list[dict[str, tuple[int, int]]]) -> Conditioning:
-        """UNet conditioning from text outputs plus per-image sizes (SDXL's time ids; SD1/2 ignore them).
+                          sizes: list[dict[str, tuple[int, int]]] | None = None) -> Conditioning:
+        """Denoiser conditioning from text outputs plus per-image sizes (SDXL's time ids; SD1/2 ignore them).
         sizes: one {"original_size": (h, w), "crop_top_left": (top, left), "target_size": (h, w)} per row."""
         ...
 
@@ -92,22 +154,37 @@ class ModelFamily(Protocol):
         self, bundle: ModelBundle, prompts: list[str], *, sizes: list[dict[str, tuple[int, int]]] | None = None
     ) -> Conditioning: ...
 
-    def make_pipeline(self, bundle: ModelBundle, scheduler: Any) -> Any:
+    def make_pipeline(self, bundle: ModelBundle, scheduler: Any = None) -> Any:
         """A diffusers inference pipeline sharing the bundle's modules (for validation images)."""
         ...
 
     def metadata(self, bundle: ModelBundle) -> dict[str, str]: ...
 
-    # What the loop uses: text encoding split from conditioning so the text can be cached.
-    def encode_text(self, bundle: ModelBundle, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Per-prompt tensors (dim 0 = prompt) that make_conditioning turns into a Conditioning."""
-        ...
 
-    def make_conditioning(self, bundle: ModelBundle, text: dict[str, torch.Tensor], sizes: Any = None) -> Conditioning: ...
+def normalize_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """VAE latents to the scale the denoiser trains on, from the VAE's own config: (z - mean) x scaling / std when
+    it gives per-channel statistics, else (z - shift) x scaling (SD 1.x/2.x/XL: shift 0). fp32."""
+    mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+    scaling = float(vae.config.scaling_factor)
+    if mean is not None and std is not None:
+        mean = torch.tensor(mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        std = torch.tensor(std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        return ((latents - mean) * scaling / std).float()
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    return ((latents - shift) * scaling).float()
 
-    def make_pipeline(self, bundle: ModelBundle, scheduler: Any = None) -> Any:
-        """A diffusers pipeline over the bundle's modules, for validation images."""
-        ...
+
+def denormalize_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """The inverse of `normalize_latents`, computed in fp32 and returned in the VAE's dtype (what it decodes)."""
+    latents = latents.float()
+    mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+    scaling = float(vae.config.scaling_factor)
+    if mean is not None and std is not None:
+        mean = torch.tensor(mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        std = torch.tensor(std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        return (latents * std / scaling + mean).to(vae.dtype)
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    return (latents / scaling + shift).to(vae.dtype)
 
 
 class ModelLoadError(Exception):

@@ -13,6 +13,10 @@ def family_name(config: TrainConfig) -> str:
 
 
 def load_model(config: TrainConfig) -> ModelBundle:
+    """The model as the config asks, its prediction type overridden when `prediction_type` is set."""
     family = get_family(family_name(config))
-    return family.load(config.pretrained_model_name_or_path, local_files_only=config.local_files_only,
-                       config_dir=config.model_config_dir)
+    bundle = family.load(config.pretrained_model_name_or_path, local_files_only=config.local_files_only,
+                         config_dir=config.model_config_dir)
+    if config.prediction_type:
+        bundle.noise_scheduler.register_to_config(prediction_type=config.prediction_type)
+    return bundle

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .base import Conditioning, ModelBundle, ModelLoadError
+from .base import Conditioning, ModelBundle, ModelLoadError, denormalize_latents, normalize_latents
+
+if TYPE_CHECKING:
+    from .ddpm import DDPMObjective
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 SD15_CONFIG_DIR = CONFIGS_DIR / "sd15"
@@ -149,6 +152,27 @@ class SD1:
     def single_file_config_dir(self, path: Path) -> Path:
         """The shipped config tree that describes a single-file checkpoint of this family."""
         return self.default_config_dir
+
+    # ------------------------------------------------------------- objective
+    def objective(self, bundle: ModelBundle, options: Any) -> "DDPMObjective":
+        """Epsilon or v-prediction on the model's DDPM schedule (models/ddpm.py), weighted as `options` (the
+        TrainConfig) asks: snr_gamma, debiased_estimation_loss."""
+        from .ddpm import DDPMObjective
+
+        return DDPMObjective(bundle.noise_scheduler, snr_gamma=options.snr_gamma,
+                             debiased=options.debiased_estimation_loss)
+
+    # --------------------------------------------------------------- latents
+    def encode_latents(self, bundle: ModelBundle, pixels: torch.Tensor, *,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+        """The VAE's posterior sample (from `generator`), or its mean without one, scaled as the UNet trains."""
+        vae = bundle.vae
+        posterior = vae.encode(pixels.to(vae.device, dtype=vae.dtype)).latent_dist
+        latents = posterior.sample(generator=generator) if generator is not None else posterior.mean
+        return normalize_latents(vae, latents)
+
+    def decode_latents(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
+        return bundle.vae.decode(denormalize_latents(bundle.vae, latents)).sample
 
     # ---------------------------------------------------------------- encode
     def tokenize(self, bundle: ModelBundle, prompts: list[str]) -> torch.Tensor:

@@ -107,8 +107,7 @@ class ActivationMonitor(Observer):
 
             start = time.perf_counter()
             items, _ = validation_items(s)
-            t = s.bundle.noise_scheduler.config.num_train_timesteps // 2
-            self.probe = build_fixed_set(s, items[:1], torch.tensor([t]), purpose="probe")
+            self.probe = build_fixed_set(s, items[:1], s.objective.validation_timesteps(1), purpose="probe")
             self.seconds += time.perf_counter() - start
         return self.probe
 
@@ -128,7 +127,7 @@ class ActivationMonitor(Observer):
     def measure(self, s: Session) -> list[dict[str, Any]]:
         from .validation import eval_mode, fixed_conditioning
 
-        probe, scheduler = self.probe_set(s), s.bundle.noise_scheduler  # built before any hook is in place
+        probe = self.probe_set(s)  # built before any hook is in place
         if not probe:
             return []
         layers = [(name, layer.module, layer.up_module, layer.scaling)
@@ -145,9 +144,9 @@ class ActivationMonitor(Observer):
             handles += [lora_b.register_forward_hook(on_delta), layer.register_forward_hook(on_full)]
         try:
             with eval_mode(s):
-                noisy = scheduler.add_noise(probe.latents[0], probe.noise[0], probe.timesteps)
+                noisy = s.objective.noisy_input(probe.latents[0], probe.noise[0], probe.timesteps)
                 cond = fixed_conditioning(s, probe, [0])
-                predict(s.trained["unet"], noisy, probe.timesteps, cond, dtype=s.weight_dtype,
+                predict(s.objective, s.trained["unet"], noisy, probe.timesteps, cond, dtype=s.weight_dtype,
                         autocast=s.amp.autocast)
         finally:
             for handle in handles:

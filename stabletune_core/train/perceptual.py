@@ -57,22 +57,6 @@ def perceptual_problems(config: TrainConfig) -> list[str]:
             "random backbone, which is NOT the perceptual metric)."]
 
 
-def predicted_x0(scheduler: Any, prediction_type: str, noisy: torch.Tensor, pred: torch.Tensor,
-                 timesteps: torch.Tensor) -> torch.Tensor:
-    """The clean latents the model's prediction implies, from the scheduler's alphas."""
-    alphas = scheduler.alphas_cumprod.to(noisy.device)[timesteps].float()
-    a = alphas.sqrt().view(-1, 1, 1, 1)
-    b = (1 - alphas).sqrt().view(-1, 1, 1, 1)
-    noisy, pred = noisy.float(), pred.float()
-    if prediction_type == "epsilon":
-        return (noisy - b * pred) / a
-    if prediction_type == "v_prediction":
-        return a * noisy - b * pred
-    if prediction_type == "sample":
-        return pred
-    raise ValueError(f"Unknown prediction type {prediction_type!r}.")
-
-
 class Perceptual:
     """The LPIPS network and the per-step term the loop adds to the loss."""
 
@@ -114,13 +98,10 @@ class Perceptual:
         `pred`, `noisy` and `timesteps` are the micro-batch's. The loop divides by the step's chosen count."""
         local = [i - rows.start for i in chosen]
         bundle = s.bundle
-        x0 = predicted_x0(bundle.noise_scheduler, bundle.prediction_type, noisy[local], pred[local],
-                          timesteps[local])
-        vae = bundle.vae
-        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        x0 = s.objective.predicted_clean(noisy[local], pred[local], timesteps[local])
         # Outside autocast: the VAE is kept in fp32 in fp16 runs exactly so that this decode does not overflow.
         with torch.autocast(x0.device.type, enabled=False):
-            decoded = vae.decode((x0 / bundle.latent_scaling + shift).to(vae.dtype)).sample.float()
+            decoded = bundle.family.decode_latents(bundle, x0).float()
             target = self.training_pixels(s, batch, rows, local).to(decoded.device)
             expected = tuple(d * bundle.vae_scale_factor for d in x0.shape[-2:])
             if tuple(target.shape[-2:]) != expected:  # never assume the VAE scale: ask the bundle

@@ -25,32 +25,14 @@ def sample_seeds(config: TrainConfig) -> list[int]:
 
 
 @torch.no_grad()
-def decode_latents(bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
-    """Latents from the pipeline (in the UNet's dtype) to images in [-1, 1], in the VAE's own dtype.
-
-    Under fp16 the UNet and text encoders run in fp16 while the VAE stays fp32 (fp16 VAEs overflow), so the
-    pipeline's own decode would feed fp16 latents to fp32 weights; decoding here works for every precision.
-    """
-    vae = bundle.vae
-    latents = latents.to(vae.dtype)
-    mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
-    if mean is not None and std is not None:
-        mean = torch.tensor(mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
-        std = torch.tensor(std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
-        latents = latents * std / bundle.latent_scaling + mean
-    else:
-        shift = getattr(vae.config, "shift_factor", None) or 0.0
-        latents = latents / bundle.latent_scaling + shift
-    return vae.decode(latents, return_dict=False)[0]
-
-
-@torch.no_grad()
 def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Path, device: torch.device,
                            *, resolution: int | None = None,
                            autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> list[Path]:
     """Render every validation prompt with every fixed seed into `folder` as p<prompt>_s<seed>.png.
 
-    The pipeline stops at the latents and `decode_latents` makes the images, so fp16, bf16 and fp32 all work.
+    The pipeline stops at the latents and the family decodes them (in the VAE's own dtype: under fp16 the UNet and
+    text encoders run in fp16 while the VAE stays fp32, so the pipeline's own decode would feed fp16 latents to
+    fp32 weights), so fp16, bf16 and fp32 all work.
     `autocast` is the training's mixed precision (train/amp.py): the pipeline's denoising runs in it, as the
     training forward does; the decode stays outside, in the VAE's own dtype (an fp16 VAE decode overflows).
     """
@@ -90,7 +72,7 @@ def _render(pipe, bundle: ModelBundle, prompts: list[str], config: TrainConfig, 
                                num_inference_steps=config.validation_inference_steps,
                                guidance_scale=config.validation_guidance_scale, generator=generator,
                                output_type="latent", **extra).images
-            pixels = decode_latents(bundle, latents)  # in the VAE's own dtype: fp16 latents meet an fp32 VAE
+            pixels = bundle.family.decode_latents(bundle, latents)
             image = pipe.image_processor.postprocess(pixels.float(), output_type="pil")[0]
             path = folder / f"p{p:02d}_s{seed}.png"
             image.save(path)

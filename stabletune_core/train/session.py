@@ -11,7 +11,7 @@ from accelerate import Accelerator
 from ..config import TrainConfig
 from ..data.dataset import BatchFeed, BucketBatchSampler, DatasetView, EmbeddingCache, LatentCache
 from ..data.scan import DataItem
-from ..models.base import ModelBundle
+from ..models.base import ModelBundle, Objective
 from ..runs.writer import RunWriter
 from .amp import MixedPrecision
 from .checkpoint import Checkpoint, nothing
@@ -55,6 +55,7 @@ class Session:
     accelerator: Accelerator
     run: RunWriter
     bundle: ModelBundle
+    objective: Objective  # the family's: timesteps, noising, target, loss weights, the denoiser call
     data: DatasetView
     sampler: BucketBatchSampler
     optimizer: torch.optim.Optimizer

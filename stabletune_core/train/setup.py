@@ -195,8 +195,6 @@ def setup(config: TrainConfig) -> Session:
 
     run.status("loading", step=0)
     bundle = load_model(config)
-    if config.prediction_type:
-        bundle.noise_scheduler.register_to_config(prediction_type=config.prediction_type)
     add_lora(bundle, config)
     weight_dtype = weight_dtype_for(config)
     device = accelerator.device
@@ -244,7 +242,8 @@ def setup(config: TrainConfig) -> Session:
     trained = dict(zip(trained, prepared[:-1]))
     optimizer = prepared[-1]
 
-    session = Session(config=config, accelerator=accelerator, run=run, bundle=bundle, data=data, sampler=sampler,
+    session = Session(config=config, accelerator=accelerator, run=run, bundle=bundle,
+                      objective=bundle.family.objective(bundle, config), data=data, sampler=sampler,
                       optimizer=optimizer, lr_scheduler=lr_scheduler,
                       params=[p for g in groups for p in g["params"]], trained=trained,
                       state=TrainState(micro_batch_size=config.train_batch_size), max_steps=max_steps,

@@ -12,16 +12,14 @@ from ..data.dataset import BatchFeed, derive_seed
 from ..data.masks import batch_loss_mask
 from ..models.base import Conditioning
 from .forward import predict_and_loss
-from .loss import add_noise, prior_weights, target_for
+from .loss import prior_weights
+from .noise import NoiseOptions, noised
 from .session import Session
 
 
 @torch.no_grad()
-def encode_pixels(s: Session, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    vae = s.bundle.vae
-    latents = vae.encode(pixels.to(s.device, dtype=vae.dtype)).latent_dist.sample(generator=generator)
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    return ((latents - shift) * s.bundle.latent_scaling).float()
+def encode_pixels(s: Session, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return s.bundle.family.encode_latents(s.bundle, pixels, generator=generator)
 
 
 def encode_text(s: Session, captions: list[str], *, grad: bool) -> dict[str, torch.Tensor]:
@@ -72,12 +70,9 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
             latents = latents_for(s, batch)
             # masked loss: None when masks are off or no image of the batch has one
             batch["latent_mask"] = batch_loss_mask(batch, latents.shape[-2:]) if s.config.masked_loss else None
-            noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, noise_generator(s, batch),
-                                                noise_offset=s.config.noise_offset,
-                                                multires_noise_iterations=s.config.multires_noise_iterations,
-                                                multires_noise_discount=s.config.multires_noise_discount,
-                                                ip_noise_gamma=s.config.ip_noise_gamma)
-            target = target_for(s.bundle.noise_scheduler, s.bundle.prediction_type, latents, noise, timesteps)
+            noisy, noise, timesteps = noised(s.objective, latents, noise_generator(s, batch),
+                                             NoiseOptions.from_config(s.config))
+            target = s.objective.target(latents, noise, timesteps)
             # The LPIPS rows are chosen per sampler batch, so micro-batching cannot change who gets the term.
             chosen = s.perceptual.chosen_rows(s.state.step, timesteps) if s.perceptual else []
             perceptual_count += len(chosen)
@@ -100,12 +95,9 @@ def forward_backward(s: Session, batches: list[dict[str, Any]]) -> float:
             for batch, rows, noisy, target, timesteps, chosen in work:
                 cond = conditioning_for(s, batch, rows)
                 mask = batch["latent_mask"]
-                pred, per_sample = predict_and_loss(unet, noisy[rows], target[rows], timesteps[rows], cond,
-                                                    scheduler=s.bundle.noise_scheduler,
-                                                    prediction_type=s.bundle.prediction_type, dtype=s.weight_dtype,
-                                                    autocast=s.amp.autocast, snr_gamma=s.config.snr_gamma,
-                                                    debiased=s.config.debiased_estimation_loss,
-                                                    mask=None if mask is None else mask[rows])
+                pred, per_sample = predict_and_loss(s.objective, unet, noisy[rows], target[rows], timesteps[rows],
+                                                    cond, dtype=s.weight_dtype, autocast=s.amp.autocast,
+                                                    weighted=True, mask=None if mask is None else mask[rows])
                 is_reg = batch["is_reg"][rows]
                 s.loss_parts.add(per_sample, is_reg)
                 loss = (per_sample * prior_weights(is_reg, s.config.prior_loss_weight, per_sample.device)).sum()

@@ -23,7 +23,7 @@ from ..data.dataset import DatasetView, derive_seed
 from ..data.scan import DataItem, DatasetScan
 from .guards.verdicts import Event
 from .forward import predict_and_loss
-from .loss import add_noise, target_for
+from .noise import noised
 from .observers import NOTHING, Observation, Observer
 from .placement import on_device
 from .session import Session
@@ -84,11 +84,6 @@ class FixedSet:
         return len(self.latents)
 
 
-def fixed_timesteps(num_train_timesteps: int, count: int) -> torch.Tensor:
-    """`count` timesteps evenly spread over the schedule, centred in their bins (no 0, no T-1 extremes)."""
-    return torch.tensor([int((k + 0.5) * num_train_timesteps / count) for k in range(count)], dtype=torch.long)
-
-
 @torch.no_grad()
 def build_fixed_set(s: Session, items: list[DataItem], timesteps: torch.Tensor, *, purpose: str = "val") -> FixedSet:
     """Encode `items` once (center crop, no flip, the caption as written) with fixed noise per image.
@@ -100,15 +95,12 @@ def build_fixed_set(s: Session, items: list[DataItem], timesteps: torch.Tensor, 
                        enable_bucket=config.enable_bucket, bucket_step=config.bucket_step,
                        min_bucket_size=config.min_bucket_reso, max_bucket_size=config.max_bucket_reso,
                        random_crop=False, flip_prob=0.0, seed=config.seed)
-    vae = s.bundle.vae
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
     out = FixedSet(timesteps=timesteps.to(s.device))
     examples = [view.example(i, 0) for i in range(len(items))]
-    with on_device([vae], s.device):
-        encoded = [vae.encode(e["pixel_values"][None].to(s.device, dtype=vae.dtype)).latent_dist.mean
-                   for e in examples]
+    with on_device([s.bundle.vae], s.device):
+        encoded = [s.bundle.family.encode_latents(s.bundle, e["pixel_values"][None]) for e in examples]
     for i, (item, example) in enumerate(zip(items, examples)):
-        latents = ((encoded[i] - shift) * s.bundle.latent_scaling).float()
+        latents = encoded[i]
         generator = torch.Generator().manual_seed(derive_seed(purpose, config.seed, Path(item.path).name) % 2**63)
         noise = torch.randn((len(timesteps), *latents.shape[1:]), generator=generator)
         out.latents.append(latents)
@@ -174,7 +166,6 @@ def fixed_set_loss(s: Session, fixed: FixedSet) -> float:
     Rows (image x timestep) of the same latent size go through the UNet together, in chunks of twice the
     training micro-batch (no gradients, so that fits wherever training fits).
     """
-    scheduler = s.bundle.noise_scheduler
     k = len(fixed.timesteps)
     by_shape: dict[tuple[int, ...], list[int]] = {}
     for i, latents in enumerate(fixed.latents):
@@ -189,24 +180,23 @@ def fixed_set_loss(s: Session, fixed: FixedSet) -> float:
             cond = fixed_conditioning(s, fixed, indices)
             cond = cond.index(torch.arange(len(indices), device=s.device).repeat_interleave(k))
             for rows in (slice(a, a + chunk) for a in range(0, len(timesteps), chunk)):
-                loss = _loss_of(s, scheduler, clean[rows], noise[rows], timesteps[rows], cond.index(rows))
+                loss = _loss_of(s, clean[rows], noise[rows], timesteps[rows], cond.index(rows))
                 total += float(loss.sum())
                 count += loss.numel()
     return total / max(count, 1)
 
 
-def _loss_of(s: Session, scheduler: Any, clean: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+def _loss_of(s: Session, clean: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
              cond: Any) -> torch.Tensor:
-    noisy = scheduler.add_noise(clean, noise, timesteps)
-    target = target_for(scheduler, s.bundle.prediction_type, clean, noise, timesteps)
+    noisy = s.objective.noisy_input(clean, noise, timesteps)
+    target = s.objective.target(clean, noise, timesteps)
     return _plain_loss(s, noisy, target, timesteps, cond)
 
 
 def _plain_loss(s: Session, noisy: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor,
                 cond: Any) -> torch.Tensor:
     """Per-sample loss without SNR weighting: the same number whatever loss options the run trains with."""
-    _, loss = predict_and_loss(s.trained["unet"], noisy, target, timesteps, cond, scheduler=s.bundle.noise_scheduler,
-                               prediction_type=s.bundle.prediction_type, dtype=s.weight_dtype,
+    _, loss = predict_and_loss(s.objective, s.trained["unet"], noisy, target, timesteps, cond, dtype=s.weight_dtype,
                                autocast=s.amp.autocast)
     return loss
 
@@ -219,8 +209,8 @@ def fixed_batch_loss(s: Session, batch: dict[str, Any], *, seed: int = 1234) -> 
     with eval_mode(s):
         latents = latents_for(s, batch)
         generator = torch.Generator().manual_seed(seed)
-        noisy, noise, timesteps = add_noise(s.bundle.noise_scheduler, latents, generator)
-        target = target_for(s.bundle.noise_scheduler, s.bundle.prediction_type, latents, noise, timesteps)
+        noisy, noise, timesteps = noised(s.objective, latents, generator)
+        target = s.objective.target(latents, noise, timesteps)
         cond = conditioning_for(s, batch, slice(0, latents.shape[0]))
         return float(_plain_loss(s, noisy, target, timesteps, cond).mean())
 
@@ -248,8 +238,7 @@ class ValidationLoss(Observer):
 
         start = time.perf_counter()
         items, self.held_out = validation_items(s)
-        timesteps = fixed_timesteps(s.bundle.noise_scheduler.config.num_train_timesteps,
-                                    s.config.validation_timesteps)
+        timesteps = s.objective.validation_timesteps(s.config.validation_timesteps)
         self.fixed = build_fixed_set(s, items, timesteps)
         self.seconds += time.perf_counter() - start
         return self.fixed

@@ -69,8 +69,9 @@ def child(variant: str, model: str, data: str, steps: int, out: Path) -> None:
     start = time.perf_counter()
     s = setup.setup(config)
     if variant == "before":  # built before step 1, as before
-        s.guard("validation_loss").fixed_set(s)
-        s.guard("activations").probe_set(s)
+        observers = {o.name: o for o in s.observers}
+        observers["validation_loss"].fixed_set()
+        observers["activations"].probe_set()
     for module in s.trained.values():
         module.train()
     torch.cuda.synchronize()
@@ -78,7 +79,7 @@ def child(variant: str, model: str, data: str, steps: int, out: Path) -> None:
     torch.cuda.reset_peak_memory_stats()
     first_step = None
     for _ in range(steps):
-        loop.training_step(s, step.next_batches(s, 1))
+        loop.training_step(s, step.next_batches(s.feed, s.state, 1))
         s.state.step += 1
         torch.cuda.synchronize()
         first_step = first_step or time.perf_counter() - start

@@ -14,6 +14,7 @@ Target: median ratio <= 1.03.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -75,16 +76,18 @@ def main() -> None:
             if hasattr(guard, hook):
                 setattr(guard, hook, timed(getattr(guard, hook)))
 
+    variants = {True: dataclasses.replace(s, guards=tuple(guards_on)), False: dataclasses.replace(s, guards=())}
+
     def step(on: bool) -> float:
-        batches = next_batches(s, 1)
-        s.batch_paths = [str(p) for b in batches for p in b["path"]]
-        s.guards = guards_on if on else []
+        s = variants[on]  # the same model, optimizer and state; only the guards differ
+        batches = next_batches(s.feed, s.state, 1)
+        s.state.batch_paths = [str(p) for b in batches for p in b["path"]]
         if s.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         loss, grad_norm = training_step(s, batches)
         s.state.step += 1
-        metrics = dict(loss=loss, grad_norm=grad_norm)
+        metrics = dict(loss=loss.mean, grad_norm=grad_norm)
         for guard in s.guards:
             carry_out(s, guard, guard.after_step(SessionView(s), metrics))
             carry_out(s, guard, guard.after_measuring(SessionView(s), metrics))

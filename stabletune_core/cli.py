@@ -144,17 +144,12 @@ def run_train(config: TrainConfig) -> int:
 def _quit_now(config: TrainConfig, signum: int) -> None:
     """The second Ctrl-C / SIGTERM: record where the run is, then the process exits at once."""
     from .runs.writer import record_outcome
+    from .train.signals import signal_name
 
     record_outcome(config.output_dir, "stopped", f"Stopped at once by a second {signal_name(signum)} without "
                    "saving; continue from the last checkpoint with --resume auto.")
     print(f"error: stopped at once by a second {signal_name(signum)}; nothing was saved after the last "
           "checkpoint.", file=sys.stderr, flush=True)
-
-
-def signal_name(signum: int) -> str:
-    import signal
-
-    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
 def _exit_accelerate_quietly(code: int) -> None:
@@ -182,12 +177,13 @@ def run_preflight(config: TrainConfig) -> int:
     """Preflight in a throw-away run directory, so the real one is never touched."""
     import tempfile
 
-    from .train.preflight import describe, preflight
+    from .train.loop import run_preflight as measure
+    from .train.preflight import describe
     from .train.setup import setup
 
     with tempfile.TemporaryDirectory(prefix="stabletune-preflight-") as folder:
         session = setup(config.model_copy(update={"output_dir": folder, "resume_from_checkpoint": None}))
-        print(describe(preflight(session)))
+        print(describe(measure(session)))
     return 0
 
 
@@ -222,9 +218,8 @@ def run_export(checkpoint: Path, name: str | None) -> int:
     import shutil
     import tempfile
 
-    from .train.export import export
+    from .train.loop import export, resume
     from .train.setup import setup
-    from .train.state import resume
 
     checkpoint = checkpoint.resolve()
     run_dir = checkpoint.parent.parent

@@ -49,7 +49,7 @@ def test_the_accelerator_runs_without_mixed_precision_and_our_object_owns_it(tin
     from stabletune_core.train.loop import setup
 
     s = setup(tiny_config(mixed_precision="fp16", max_train_steps=1))
-    assert s.accelerator.mixed_precision == "no" and s.accelerator.scaler is None  # accelerate wraps nothing
+    assert s.ranks.accelerator.mixed_precision == "no" and s.ranks.accelerator.scaler is None  # accelerate wraps nothing
     assert s.amp.precision == "fp16" and s.amp.loss_scale == 2.0**16
     with s.amp.autocast():
         assert torch.get_autocast_dtype(s.device.type) == torch.float16
@@ -122,7 +122,7 @@ def test_fp16_that_keeps_overflowing_falls_back_and_a_resumed_run_continues_exac
     (switch,) = [e for e in events_of(run_dir, "precision") if e.get("precision")]
     assert switch["precision"] == target and switch["step"] == 4
     assert [e["step"] for e in events_of(run_dir, "fp16_overflow")] == [2, 3, 4]
-    assert s.amp.precision == target and s.amp.scaler is None and s.weight_dtype == dtype
+    assert s.amp.precision == target and s.amp.scaler is None and s.amp.weight_dtype == dtype
     assert {p.dtype for n, p in s.bundle.unet.named_parameters() if "lora_" not in n} == {dtype}
     assert {p.dtype for p in s.params} == {torch.float32}
     metrics = RunReader(run_dir).metrics()

@@ -309,7 +309,7 @@ def test_the_unet_is_called_in_one_place_and_the_loss_computed_in_one_helper():
     assert loss_users == {"forward.py"}, loss_users
     for user in ("step.py", "validation.py"):
         assert calls_to(TRAIN / user, "predict_and_loss"), user
-    assert calls_to(TRAIN / "diagnostics.py", "predict")
+    assert calls_to(TRAIN / "validation.py", "predict")  # the diagnostics probe (Evaluator.probe_forward)
 
 
 # ---- issue 14.5: fault injection out of the hot path's shape -------------------------------------------------
@@ -348,7 +348,7 @@ def test_faults_reach_a_run_through_its_hooks(tiny_config, tmp_path):
     assert all(torch.isfinite(p).all() for p in s.params)
     clean = setup(tiny_config(max_train_steps=1, output_dir=str(tmp_path / "clean")))
     assert clean.checkpoint_halfway.__name__ == "nothing"  # no faults listed: nothing installed
-    unet = clean.accelerator.unwrap_model(clean.trained["unet"])
+    unet = clean.ranks.unwrap(clean.trained["unet"])
     assert not unet._forward_hooks and not unet._forward_pre_hooks
 
 

@@ -102,7 +102,8 @@ def test_validation_set_and_probe_are_built_when_first_needed(tiny_config, tmp_p
     assert counter.images == 8  # the latent cache, and nothing else
     train(config, session=s)
     assert counter.images == 8  # nothing encoded for a validation that never comes
-    assert s.guard("validation_loss").fixed is None and s.guard("activations").probe is None
+    observers = {o.name: o for o in s.observers}
+    assert observers["validation_loss"].fixed is None and observers["activations"].probe is None
     assert not events(tmp_path / "never", "validation")
 
     config = tiny_config(output_dir=str(tmp_path / "later"), max_train_steps=4, validation_loss_every=3,
@@ -111,7 +112,8 @@ def test_validation_set_and_probe_are_built_when_first_needed(tiny_config, tmp_p
     train(config, session=s)
     built = events(tmp_path / "later", "validation")
     assert [e["step"] for e in built] == [3]  # at its first measurement, not at start-up
-    assert len(s.guard("validation_loss").fixed) == 2 and len(s.guard("activations").probe) == 1
+    observers = {o.name: o for o in s.observers}
+    assert len(observers["validation_loss"].fixed) == 2 and len(observers["activations"].probe) == 1
     lines = (tmp_path / "later" / "diagnostics" / "activations.jsonl").read_text().splitlines()
     assert {json.loads(line)["step"] for line in lines} == {2, 4}
 

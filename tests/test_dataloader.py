@@ -71,7 +71,7 @@ def test_images_are_decoded_in_the_worker_processes(tiny_config, one_thread) -> 
     from stabletune_core.train.step import next_batches
 
     s = setup(tiny_config(dataloader_num_workers=2, train_batch_size=2, validation_loss_every=0))
-    batches = next_batches(s, 4)
+    batches = next_batches(s.feed, s.state, 4)
     assert s.feed.loader.num_workers == 2 and s.feed.loader.persistent_workers
     pids = {pid for b in batches for pid in b["decoded_in"]}
     assert os.getpid() not in pids and len(pids) == 2  # batches alternate between the two workers
@@ -80,7 +80,7 @@ def test_images_are_decoded_in_the_worker_processes(tiny_config, one_thread) -> 
 
     s0 = setup(tiny_config(dataloader_num_workers=0, train_batch_size=2, validation_loss_every=0,
                            output_dir=str(Path(s.config.output_dir).parent / "inline")))
-    inline = next_batches(s0, 4)
+    inline = next_batches(s0.feed, s0.state, 4)
     assert {pid for b in inline for pid in b["decoded_in"]} == {os.getpid()}
     for a, b in zip(batches, inline):
         assert a["index"] == b["index"] and a["position"] == b["position"] and a["caption"] == b["caption"]

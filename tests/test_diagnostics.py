@@ -2,6 +2,7 @@
 validation sampler settings."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -53,7 +54,7 @@ def _set_adapters(session, collapsed: set[str] | None = None, seed: int = 0) -> 
     """Random healthy adapters; modules whose name contains one of `collapsed` get a rank-1 update (plus a
     whisper of noise, so the second singular value is tiny but not zero)."""
     g = torch.Generator().manual_seed(seed)
-    unet = session.accelerator.unwrap_model(session.trained["unet"])
+    unet = session.ranks.unwrap(session.trained["unet"])
     for name, layer in unet.named_modules():
         if not isinstance(getattr(layer, "lora_A", None), torch.nn.ModuleDict):
             continue
@@ -73,20 +74,22 @@ def test_rank_collapse_warns_naming_the_first_block_and_a_healthy_adapter_does_n
     from stabletune_core.runs.reader import RunReader
     from stabletune_core.train.diagnostics import SpectralMonitor
     from stabletune_core.train.loop import setup
+    from stabletune_core.train.session import SessionView
 
     config = tiny_config(diagnostics_every=1, activation_stats_every=0, validation_loss_every=0)
     s = setup(config)
     run = Path(config.output_dir)
     monitor = SpectralMonitor(config)
+    view = SessionView(s)
 
     _set_adapters(s)  # healthy
     s.state.step = 1
-    assert monitor.observe(s).events == ()
+    assert monitor.observe(view).events == ()
 
     # The mid block and every up block collapse (7 of the 10 attention blocks); the down blocks stay healthy.
     _set_adapters(s, collapsed={"mid_block", "up_blocks"})
     s.state.step = 2
-    found, events = monitor.check(s)
+    found, events = monitor.check(view)
     for event in events:  # as the loop records them
         s.run.event(event.kind, event.message, console=event.console, **event.fields)
     collapse = detect_collapse(found, config.collapse_threshold)
@@ -95,7 +98,7 @@ def test_rank_collapse_warns_naming_the_first_block_and_a_healthy_adapter_does_n
     assert len(warnings) == 1 and warnings[0]["block"] == "unet.mid_block" and warnings[0]["step"] == 2
     assert "unet.mid_block" in warnings[0]["message"]
     s.state.step = 3
-    assert monitor.check(s)[1] == ()  # still collapsed: no second warning
+    assert monitor.check(view)[1] == ()  # still collapsed: no second warning
 
     lines = [json.loads(line) for line in (run / "diagnostics" / "spectra.jsonl").read_text().splitlines()]
     modules = {r["module"] for r in lines}
@@ -114,27 +117,30 @@ def test_rank_collapse_warns_naming_the_first_block_and_a_healthy_adapter_does_n
 def test_activation_stats_on_the_fixed_probe(tiny_config):
     from stabletune_core.train.diagnostics import ActivationMonitor
     from stabletune_core.train.loop import setup
+    from stabletune_core.train.session import SessionView
 
     config = tiny_config(activation_stats_every=1, diagnostics_every=0, validation_loss_every=0)
     s = setup(config)
-    monitor = ActivationMonitor(config)
-    at_init = monitor.measure(s)  # B starts at zero: the LoRA path outputs exact zeros
+    view = SessionView(s)
+    monitor = ActivationMonitor(config, s.evaluator)
+    at_init = monitor.measure(view)  # B starts at zero: the LoRA path outputs exact zeros
     assert at_init and all(r["zero_fraction"] == 1.0 and r["relative_rms"] == 0.0 for r in at_init)
     _set_adapters(s)
     s.state.step = 1
-    monitor.observe(s)
+    monitor.observe(view)
     lines = [json.loads(line) for line in (Path(config.output_dir) / "diagnostics" / "activations.jsonl")
              .read_text().splitlines()]
     assert {r["module"] for r in lines} == {r["module"] for r in at_init}
     assert all(r["zero_fraction"] == 0.0 and r["var"] > 0 and r["relative_rms"] > 0 for r in lines)
-    again = monitor.measure(s)  # a fixed probe: the same numbers each time
+    again = monitor.measure(view)  # a fixed probe: the same numbers each time
     assert [r["var"] for r in again] == [r["var"] for r in lines]
 
 
 # ---- the LPIPS term -------------------------------------------------------------------------------------
 def test_perceptual_term_changes_gradients_when_on_and_is_absent_at_lambda_zero(tiny_config):
     from stabletune_core.train.setup import setup
-    from stabletune_core.train.step import forward_backward, next_batches
+    from stabletune_core.train.loop import forward_backward
+    from stabletune_core.train.step import next_batches
 
     config = tiny_config(perceptual_lambda=1.0, perceptual_random_backbone=True, perceptual_timestep_max=1000,
                          perceptual_batch=2, validation_loss_every=0, diagnostics_every=0, activation_stats_every=0)
@@ -142,26 +148,22 @@ def test_perceptual_term_changes_gradients_when_on_and_is_absent_at_lambda_zero(
     events = _events(Path(config.output_dir))
     said = [e for e in events if e["kind"] == "perceptual"]
     assert len(said) == 1 and "NOT the LPIPS perceptual metric" in said[0]["message"] and not said[0]["real_lpips"]
-    batches = next_batches(s, 1)
+    batches = next_batches(s.feed, s.state, 1)
     decodes = []
     original_decode = s.bundle.vae.decode
     s.bundle.vae.decode = lambda *a, **k: decodes.append(1) or original_decode(*a, **k)
-    start = s.generator.get_state()
 
-    def grads() -> tuple[float, list[torch.Tensor]]:
+    def grads(s) -> tuple[float, list[torch.Tensor]]:
         s.optimizer.zero_grad(set_to_none=True)
-        s.generator.set_state(start)
-        loss = forward_backward(s, batches)
+        loss = forward_backward(s, batches).mean  # the batch's own generator: the same noise each time
         return loss, [p.grad.clone() for p in s.params]
 
-    loss_on, with_term = grads()
+    loss_on, with_term = grads(s)
     assert len(decodes) == 1 and s.perceptual.take_mean() > 0
-    perceptual, s.perceptual = s.perceptual, None  # what setup builds at perceptual_lambda = 0
-    loss_off, without = grads()
+    loss_off, without = grads(dataclasses.replace(s, perceptual=None))  # what setup builds at perceptual_lambda = 0
     assert len(decodes) == 1, "the VAE decoded with the term off"
     assert loss_on == pytest.approx(loss_off)  # the reported loss stays the diffusion loss
     assert any(not torch.allclose(a, b) for a, b in zip(with_term, without))
-    s.perceptual = perceptual
 
     off = tiny_config(output_dir=str(Path(config.output_dir).parent / "off"), validation_loss_every=0)
     s_off = setup(off)

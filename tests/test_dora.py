@@ -74,9 +74,9 @@ def test_exported_dora_file_reproduces_the_trained_model_by_the_webui_rule(tiny_
                          activation_stats_every=2, lora_dropout=0.1)
     session = setup(config)
     at_start = {name: layer.magnitude.detach().clone()
-                for name, layer in run_lora_layers(session.trained, session.accelerator.unwrap_model)}
+                for name, layer in run_lora_layers(session.trained, session.ranks.unwrap)}
     lora = train(config, session=session)
-    walked = dict(run_lora_layers(session.trained, session.accelerator.unwrap_model))
+    walked = dict(run_lora_layers(session.trained, session.ranks.unwrap))
     assert all(layer.dora_on_input for layer in walked.values())
     assert any(not torch.equal(walked[name].magnitude, at_start[name]) for name in walked)  # the magnitudes learned
 

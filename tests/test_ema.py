@@ -54,8 +54,8 @@ def test_ema_is_exported_beside_the_lora_and_resumes_exactly(tiny_config, one_th
     assert ups and all(averaged[k].abs().sum() > 0 for k in ups)  # it moved away from the zero init ...
     assert any(not torch.allclose(plain[k], averaged[k]) for k in ups)  # ... and is not the last weights
     with session.ema.swapped_in():  # the file holds exactly the session's average
-        unet = session.accelerator.unwrap_model(session.trained["unet"])
-        encoders = [session.accelerator.unwrap_model(session.trained[k]) for k in session.trained if k != "unet"]
+        unet = session.ranks.unwrap(session.trained["unet"])
+        encoders = [session.ranks.unwrap(session.trained[k]) for k in session.trained if k != "unet"]
         again = export_kohya_lora(tmp_path / "again.safetensors", unet, encoders, session.bundle.family,
                                   rank=straight.lora_rank, alpha=straight.effective_lora_alpha, metadata={},
                                   dtype=torch.float32)

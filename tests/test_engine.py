@@ -103,9 +103,9 @@ def test_loss_on_a_fixed_batch_falls(tiny_config):
     config = tiny_config(max_train_steps=30, learning_rate=2e-3, lr_scheduler="constant")
     session = setup(config)
     batch = collate([session.data.example(i, 0) for i in range(4)])
-    before = fixed_batch_loss(session, batch)
+    before = fixed_batch_loss(session.evaluator, batch)
     train(config, session=session)
-    after = fixed_batch_loss(session, batch)
+    after = fixed_batch_loss(session.evaluator, batch)
     assert after < 0.9 * before, (before, after)
 
 
@@ -157,7 +157,7 @@ def test_exported_lora_loads_in_diffusers_and_reproduces_the_trained_model(train
     from diffusers import StableDiffusionPipeline
 
     config, session, lora_path = trained_run
-    trained_unet = session.accelerator.unwrap_model(session.trained["unet"]).eval()
+    trained_unet = session.ranks.unwrap(session.trained["unet"]).eval()
     sample, t, hidden = _unet_inputs(trained_unet)
     with torch.no_grad():
         expected = trained_unet(sample, t, encoder_hidden_states=hidden).sample
@@ -172,7 +172,7 @@ def test_exported_lora_loads_in_diffusers_and_reproduces_the_trained_model(train
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
     ids = pipe.tokenizer(["a red circle"], padding="max_length", max_length=77, return_tensors="pt").input_ids
-    trained_te = session.accelerator.unwrap_model(session.trained["te0"]).eval()
+    trained_te = session.ranks.unwrap(session.trained["te0"]).eval()
     with torch.no_grad():
         torch.testing.assert_close(pipe.text_encoder(ids)[0], trained_te(ids)[0], atol=1e-5, rtol=1e-4)
 

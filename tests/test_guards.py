@@ -86,10 +86,12 @@ def small_session(tmp_path: Path, lr: float = 1e-2) -> SimpleNamespace:
     scheduler = LearningRateSchedule(optimizer, lambda o: get_scheduler("constant", optimizer=o))
     module = torch.nn.Module()
     module.lora_A = param
+    from stabletune_core.train.session import TrainState
+
     return SimpleNamespace(params=[param], optimizer=optimizer, lr_scheduler=scheduler, run=RunWriter(tmp_path),
-                           state=SimpleNamespace(step=0, micro_batch_size=4), max_steps=100,
-                           amp=MixedPrecision("no", "cpu"),
-                           trained={"unet": module}, batch_paths=["a.png"], snapshot=None)
+                           state=TrainState(micro_batch_size=4, batch_paths=["a.png"]), max_steps=100,
+                           amp=MixedPrecision("no", "cpu"), ranks=SimpleNamespace(unwrap=lambda m: m),
+                           trained={"unet": module})
 
 
 def decide(s, guard, verdicts) -> list:
@@ -176,7 +178,7 @@ def test_weight_norm_scaling_and_block_wise_rates_on_a_real_run(tiny_config):
     s = setup(config)
     groups = s.optimizer.param_groups
     assert [g["lr"] for g in groups] == pytest.approx([1e-2, 5e-3])  # full-rate group first
-    unet = s.accelerator.unwrap_model(s.trained["unet"])
+    unet = s.ranks.unwrap(s.trained["unet"])
     frozen = {n: p.detach().clone() for n, p in unet.named_parameters() if "lora_" in n and n.startswith("down_")}
     assert frozen and not any(p.requires_grad for n, p in unet.named_parameters() if n in frozen)
     train(config, session=s)
@@ -252,15 +254,14 @@ def test_preflight_command_reports_memory_and_leaves_the_run_dir_alone(tiny_conf
 
 
 def test_preflight_in_a_run_changes_nothing_in_the_trajectory(tiny_config, tmp_path):
-    from stabletune_core.train.loop import setup
-    from stabletune_core.train.preflight import preflight
+    from stabletune_core.train.loop import run_preflight, setup
 
     s = setup(tiny_config())
-    before = (s.generator.get_state(), torch.get_rng_state(), s.state.micro_batch_size)
-    report = preflight(s)
+    before = (torch.get_rng_state(), s.state.micro_batch_size)
+    report = run_preflight(s)
     assert report["peak_rss_mb"] > 0 and report["largest_bucket"]
-    assert torch.equal(s.generator.get_state(), before[0]) and torch.equal(torch.get_rng_state(), before[1])
-    assert s.state.micro_batch_size == before[2] and all(p.grad is None for p in s.params)
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert s.state.micro_batch_size == before[1] and all(p.grad is None for p in s.params)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------
@@ -369,8 +370,7 @@ def test_fp16_divergence_falls_back_and_finishes_finite(tiny_config, tmp_path, i
 
 @cuda
 def test_preflight_finds_the_largest_micro_batch_on_gpu(tiny_config):
-    from stabletune_core.train.loop import setup
-    from stabletune_core.train.preflight import preflight
+    from stabletune_core.train.loop import run_preflight, setup
 
-    report = preflight(setup(tiny_config()))
+    report = run_preflight(setup(tiny_config()))
     assert report["largest_micro_batch"] >= 1 and report["step_peak_mb"] > 0 and report["sampling_peak_mb"] > 0

@@ -6,6 +6,7 @@ batch's place in the data order, so the same batch gets the same noise both time
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -27,10 +28,10 @@ def knob_session(tiny_config, one_thread):
 
 
 def step_gradients(s, batches) -> tuple[float, list[torch.Tensor]]:
-    from stabletune_core.train.step import forward_backward
+    from stabletune_core.train.loop import forward_backward
 
     s.optimizer.zero_grad(set_to_none=True)
-    loss = forward_backward(s, batches)
+    loss = forward_backward(s, batches).mean
     return loss, [p.grad.clone() for p in s.params]
 
 
@@ -48,7 +49,7 @@ def test_snr_gamma_reweights_each_image_by_min_snr(knob_session, monkeypatch):
     from stabletune_core.train.forward import predict_and_loss
 
     s = knob_session(snr_gamma=1.0)
-    batches = step.next_batches(s, 1)
+    batches = step.next_batches(s.feed, s.state, 1)
     seen = []
 
     def recording(objective, denoiser, noisy, target, timesteps, cond, **kw):
@@ -75,7 +76,7 @@ def test_noise_offset_shifts_each_channels_noise_by_a_constant(knob_session, mon
     from stabletune_core.train.noise import noised
 
     s = knob_session(noise_offset=0.1)
-    batches = step.next_batches(s, 1)
+    batches = step.next_batches(s.feed, s.state, 1)
     drawn = []
 
     def recording(*args, **kw):
@@ -156,7 +157,7 @@ def test_text_encoder_lr_is_the_text_encoder_groups_rate(knob_session):
     te_params = {id(p) for p in s.bundle.text_encoders[0].parameters()}
     (te_group,) = [g for g in s.optimizer.param_groups if id(g["params"][0]) in te_params]
     assert te_group["lr"] == 3e-4
-    training_step(s, next_batches(s, 1))
+    training_step(s, next_batches(s.feed, s.state, 1))
     te_max = max(float(b.abs().max()) for b in lora_b(s.bundle.text_encoders[0]))
     unet_max = max(float(b.abs().max()) for b in lora_b(s.bundle.unet))
     assert te_max == pytest.approx(3e-4, rel=1e-3) and unet_max == pytest.approx(1e-3, rel=1e-3)
@@ -164,11 +165,10 @@ def test_text_encoder_lr_is_the_text_encoder_groups_rate(knob_session):
 
 def test_cached_text_embeddings_allow_caption_dropout_and_cache_the_empty_caption(knob_session):
     from stabletune_core.train.loop import train
-    from stabletune_core.train.step import encode_text
 
     s = knob_session(cache_text_embeddings=True, caption_dropout_rate=0.5, max_train_steps=2)
-    empty = s.text_cache.get("")
-    direct = encode_text(s, [""], grad=False)["encoder_hidden_states"][0]
+    empty = s.inputs.text_cache.get("")
+    direct = s.inputs.encode_text([""], grad=False)["encoder_hidden_states"][0]
     assert torch.allclose(empty["encoder_hidden_states"], direct, atol=1e-5)
     train(s.config, session=s)
     assert len(metrics(s.config.output_dir)) == 2
@@ -186,7 +186,7 @@ def test_gradient_checkpointing_is_on_in_the_unet_and_gives_the_same_gradients(k
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
             inner = module._gradient_checkpointing_func
             module._gradient_checkpointing_func = lambda *a, _inner=inner, **k: recomputed.append(1) or _inner(*a, **k)
-    batches = next_batches(s, 1)
+    batches = next_batches(s.feed, s.state, 1)
     loss_ckpt, with_ckpt = step_gradients(s, batches)
     assert recomputed, "no block ran through gradient checkpointing"
     unet.disable_gradient_checkpointing()
@@ -239,8 +239,8 @@ def test_cache_latents_to_disk_writes_the_latents_training_reads(knob_session, t
     on_disk = [load_file(f) for f in files]
     latents = [t for tensors in on_disk for t in tensors.values() if t.dim() == 3]
     assert len(latents) == 8  # one file per image of the shapes dataset
-    batch = next_batches(s, 1)[0]
-    from_cache = s.latent_cache.get_batch(batch["index"])
+    batch = next_batches(s.feed, s.state, 1)[0]
+    from_cache = s.inputs.latent_cache.get_batch(batch["index"])
     for row in from_cache:
         assert any(torch.equal(row, latent) for latent in latents)
 
@@ -256,7 +256,7 @@ def test_export_diffusers_format_writes_a_folder_diffusers_loads_and_replaces_it
     folder = Path(s.config.output_dir) / "output" / "lora_diffusers"
     pipe = StableDiffusionPipeline.from_pretrained(str(tiny_model), safety_checker=None)
     pipe.load_lora_weights(str(folder))
-    trained = s.accelerator.unwrap_model(s.trained["unet"])
+    trained = s.ranks.unwrap(s.trained["unet"])
     loaded = dict(pipe.unet.named_parameters())
     pairs = [(loaded[n.replace(".default.", ".default_0.")], p) for n, p in trained.named_parameters()
              if "lora_B" in n]
@@ -285,7 +285,7 @@ def test_perceptual_term_does_not_depend_on_the_micro_batch_and_decodes_in_fp32(
 
     s = knob_session(perceptual_lambda=1.0, perceptual_random_backbone=True, perceptual_timestep_max=1000,
                      perceptual_batch=2, train_batch_size=4)
-    batches = next_batches(s, 1)
+    batches = next_batches(s.feed, s.state, 1)
     decoded = []
     s.bundle.vae.decoder.conv_out.register_forward_hook(lambda m, a, out: decoded.append(out.dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -302,9 +302,7 @@ def test_perceptual_term_does_not_depend_on_the_micro_batch_and_decodes_in_fp32(
     _, grads_1 = step_gradients(s, batches)
     assert lpips_4 == pytest.approx(lpips_2, rel=1e-5) and loss_4 == pytest.approx(loss_2, rel=1e-6)
     flat = lambda grads: torch.cat([g.flatten() for g in grads])  # noqa: E731
-    perceptual, s.perceptual = s.perceptual, None
-    _, without = step_gradients(s, batches)
-    s.perceptual = perceptual
+    _, without = step_gradients(dataclasses.replace(s, perceptual=None), batches)
     term = (flat(grads_4) - flat(without)).norm()  # what the LPIPS term adds to the gradient
     assert term > 1e-2 * flat(without).norm()  # it is really there
     for other in (grads_2, grads_1):  # and the same whatever the micro-batch, up to float summation order

@@ -41,12 +41,12 @@ def test_export_spectra_weight_norms_and_activation_stats_see_the_same_layers(ti
                                                                      "conv2"],
                          activation_stats_every=1, diagnostics_every=0, validation_loss_every=0)
     s = setup(config)
-    walked = dict(run_lora_layers(s.trained, s.accelerator.unwrap_model))
+    walked = dict(run_lora_layers(s.trained, s.ranks.unwrap))
     assert any(name.startswith("unet.") for name in walked) and any(name.startswith("te0.") for name in walked)
     assert any(layer.down.dim() == 4 for layer in walked.values())  # conv LoRA layers are walked too
 
     # Spectra
-    assert {sp.module for sp in all_spectra(s)} == set(walked)
+    assert {sp.module for sp in all_spectra(SessionView(s).adapters)} == set(walked)
     # The weight-norm guard holds exactly the walked factors
     guard = WeightNormGuard(max_norm=1.0)
     guard.on_start(SessionView(s))
@@ -59,8 +59,8 @@ def test_export_spectra_weight_norms_and_activation_stats_see_the_same_layers(ti
     assert sorted(float(t.sum()) for t in downs) == pytest.approx(sorted(float(layer.down.detach().sum())
                                                                          for layer in walked.values()))
     # Activation statistics: the probe encodes its prompt and runs the UNet, so it reaches every layer
-    monitor = ActivationMonitor(config)
-    assert {r["module"] for r in monitor.measure(s)} == set(walked)
+    monitor = ActivationMonitor(config, s.evaluator)
+    assert {r["module"] for r in monitor.measure(SessionView(s))} == set(walked)
 
 
 def test_only_the_walker_reads_peft_lora_internals():

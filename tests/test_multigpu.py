@@ -98,11 +98,11 @@ from stabletune_core.train import loop
 
 original_export = loop.export
 
-def export(s, name=None):
+def export(s, name=None, **kw):
     adapters = {f"{prefix}.{key}": value.detach().cpu().contiguous() for prefix, module in s.trained.items()
-                for key, value in lora_state_dict(s.accelerator.unwrap_model(module)).items()}
+                for key, value in lora_state_dict(s.ranks.unwrap(module)).items()}
     save_file(adapters, os.path.join(os.environ["TEST_ADAPTER_DIR"], f"rank{rank}.safetensors"))
-    return original_export(s, name)
+    return original_export(s, name, **kw)
 
 loop.export = export
 sys.argv = ["stabletune_core", *sys.argv[1:]]
@@ -186,12 +186,11 @@ def test_noise_does_not_depend_on_the_process_count(tiny_config):
     """The per-batch noise generator is keyed by the batch's global place, not by how many batches this
     process drew before; a rank that skips batches draws what one process would have drawn."""
     from stabletune_core.train.setup import setup
-    from stabletune_core.train.step import noise_generator
 
     session = setup(tiny_config(max_train_steps=1))
-    a = torch.randn(3, generator=noise_generator(session, {"position": (1, 5)}))
-    b = torch.randn(3, generator=noise_generator(session, {"position": (1, 5)}))
-    c = torch.randn(3, generator=noise_generator(session, {"position": (1, 6)}))
+    a = torch.randn(3, generator=session.inputs.generator({"position": (1, 5)}))
+    b = torch.randn(3, generator=session.inputs.generator({"position": (1, 5)}))
+    c = torch.randn(3, generator=session.inputs.generator({"position": (1, 6)}))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 

@@ -30,9 +30,9 @@ def test_trains_and_resumes_exactly(optimizer, tiny_config, one_thread, tmp_path
     assert type(session.optimizer.optimizer).__name__ == {"lion": "Lion", "adafactor": "Adafactor",
                                                            "adamw_schedulefree": "AdamWScheduleFree"}[optimizer]
     batch = collate([session.data.example(i, 0) for i in range(4)])
-    before = fixed_batch_loss(session, batch)
+    before = fixed_batch_loss(session.evaluator, batch)
     train(straight, session=session)
-    after = fixed_batch_loss(session, batch)
+    after = fixed_batch_loss(session.evaluator, batch)
     assert after < 0.95 * before, (before, after)
 
     resumed = tiny_config(output_dir=str(tmp_path / "resumed"), **common,

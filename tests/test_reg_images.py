@@ -193,5 +193,5 @@ def test_reg_images_work_with_caches_and_never_join_the_held_out_split(tmp_path,
     reg_rows = [i for i, item in enumerate(session.data.items) if item.is_reg]
     assert len(reg_rows) == 3
     for i in reg_rows:  # the latent cache covers the class images, and their captions are cached too
-        assert session.latent_cache.get(i).ndim == 3
-        session.text_cache.get(session.data.items[i].caption)
+        assert session.inputs.latent_cache.get(i).ndim == 3
+        session.inputs.text_cache.get(session.data.items[i].caption)

@@ -186,7 +186,7 @@ def test_cached_latents_and_text_train(tiny_sdxl, tiny_config):
     metrics = [json.loads(line) for line in session.run.paths.metrics.read_text().splitlines()]
     assert len(metrics) == 2 and all(m["loss"] == m["loss"] for m in metrics)
     caption = session.data.example(0, 0, with_pixels=False)["caption"]
-    stored = session.text_cache.get_batch([caption])
+    stored = session.inputs.text_cache.get_batch([caption])
     assert set(stored) == {"prompt_embeds", "pooled_prompt_embeds"} and stored["pooled_prompt_embeds"].shape == (1, 48)
 
 

@@ -59,8 +59,8 @@ def trained_and_merged_outputs(session, tensors: dict[str, torch.Tensor], model_
                | merge_into(fresh.text_encoders[0], tensors, te_name, rule))
     assert applied == modules, modules - applied
 
-    trained_unet = session.accelerator.unwrap_model(session.trained["unet"]).eval()
-    trained_te = session.accelerator.unwrap_model(session.trained["te0"]).eval()
+    trained_unet = session.ranks.unwrap(session.trained["unet"]).eval()
+    trained_te = session.ranks.unwrap(session.trained["te0"]).eval()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, fresh.text_encoders[0].config.vocab_size, (2, 77), generator=generator)
     latents = torch.randn(2, fresh.unet.config.in_channels, 8, 8, generator=generator)

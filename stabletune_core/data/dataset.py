@@ -403,12 +403,13 @@ class BatchFeed:
     """A torch DataLoader over the view, from a data position on: workers decode and prefetch the next
     batches while the training process runs the current step.
 
-    `position` is the data position after the last batch taken. `next(feed)` returns the next collated batch;
-    `restart(position)` starts the order again elsewhere (after a resume), keeping the worker processes.
+    `position` is the data position after the last batch taken. `take(position, count)` returns the next `count`
+    collated batches from `position` on; the DataLoader's iterator starts at the first call (after a resume has
+    restored the data position) and starts again, keeping the worker processes, when asked for another position.
     """
 
-    def __init__(self, view: DatasetView, sampler: BucketBatchSampler, start: Position, *, with_pixels: bool,
-                 num_workers: int = 0, world: int = 1, rank: int = 0, pin_memory: bool = False,
+    def __init__(self, view: DatasetView, sampler: BucketBatchSampler, start: Position = (0, 0), *,
+                 with_pixels: bool, num_workers: int = 0, world: int = 1, rank: int = 0, pin_memory: bool = False,
                  prefetch_factor: int = 2) -> None:
         self.batch_sampler = ShardedBatchSampler(sampler, start, world=world, rank=rank)
         workers = dict(prefetch_factor=prefetch_factor, persistent_workers=True) if num_workers > 0 else {}
@@ -419,14 +420,21 @@ class BatchFeed:
             # RNG (LoRA dropout draws from it; a resumed run makes its iterator at another step).
             generator=torch.Generator().manual_seed(0), **workers)
         self.position = tuple(start)
-        self._iterator = iter(self.loader)
+        self._iterator: Iterator[dict[str, Any]] | None = None
 
     def restart(self, start: Position) -> None:
         self.batch_sampler.start = tuple(start)
         self.position = tuple(start)
         self._iterator = iter(self.loader)  # persistent workers drop what they prefetched and start again
 
+    def take(self, position: Position, count: int) -> list[dict[str, Any]]:
+        if self._iterator is None or self.position != tuple(position):
+            self.restart(position)
+        return [next(self) for _ in range(count)]
+
     def __next__(self) -> dict[str, Any]:
+        if self._iterator is None:
+            self.restart(self.position)
         batch = next(self._iterator)
         self.position = tuple(batch["next_position"])  # a tuple whatever pin_memory's thread made of it
         return batch

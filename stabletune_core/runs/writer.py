@@ -39,7 +39,7 @@ class RunWriter:
         self.paths = RunPaths(Path(root))
         self.enabled = enabled
         self._status: dict[str, Any] = {}
-        self._started = time.time()
+        self.started_at = time.time()
         if enabled:
             for folder in (self.paths.root, self.paths.samples, self.paths.checkpoints, self.paths.output,
                            self.paths.diagnostics):
@@ -52,7 +52,7 @@ class RunWriter:
             return
         self._status = next_status(self._status, state, fields)
         self._status.update(pid=os.getpid(), host=socket.gethostname(), updated_at=time.time(),
-                            started_at=self._started)
+                            started_at=self.started_at)
         write_json_atomic(self.paths.status, self._status, durable=state in FINAL_STATES)
 
     def metric(self, step: int, **values: Any) -> None:

@@ -31,7 +31,11 @@ import torch
 from ..config import ConfigError
 
 PRECISIONS = ("no", "fp16", "bf16")
-AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """The torch dtype of a precision name as the config spells it: fp16, bf16, and fp32 or "no" (float32)."""
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
 
 
 class MixedPrecision:
@@ -51,12 +55,16 @@ class MixedPrecision:
         self._unscaled = False  # unscale_ ran since the scaler's last update (so skip() must update it)
 
     # ---- forward ---------------------------------------------------------------------------------------------
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the frozen model runs in now (it changes with a fallback); LoRA weights stay fp32."""
+        return precision_dtype(self.precision)
+
     def autocast(self) -> AbstractContextManager[Any]:
         """The context a forward of the model runs in: autocast to fp16/bf16, or nothing for fp32."""
-        dtype = AUTOCAST_DTYPES.get(self.precision)
-        if dtype is None:
+        if self.precision == "no":
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=dtype)
+        return torch.autocast(self.device_type, dtype=self.weight_dtype)
 
     # ---- backward and the optimizer step ---------------------------------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -99,6 +107,18 @@ class MixedPrecision:
         self.precision = precision
         self.scaler = None
         self._unscaled = False
+
+    def recast_frozen(self, modules: list[torch.nn.Module], trained: list[torch.nn.Parameter]) -> None:
+        """Put the frozen weights and buffers of `modules` in `weight_dtype` (after `switch_to`); the `trained`
+        LoRA weights stay fp32 and are not touched."""
+        dtype, keep = self.weight_dtype, {id(p) for p in trained}
+        for module in modules:
+            for p in module.parameters():
+                if id(p) not in keep and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+            for b in module.buffers():
+                if b.is_floating_point():
+                    b.data = b.data.to(dtype)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

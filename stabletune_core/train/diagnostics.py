@@ -17,7 +17,7 @@ most modules, naming the first module (in network order) and its block; once, un
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -25,21 +25,20 @@ from ..config import TrainConfig
 from ..lora.layers import run_lora_layers
 from ..lora.svd import Spectrum, block_of, detect_collapse, lora_factors, spectra
 from ..runs.jsonfiles import append_jsonl
-from .forward import predict
 from .guards.verdicts import Event
-from .observers import NOTHING, Observation, Observer
-from .session import Session
+from .observers import NOTHING, Observation, Observer, ObserverView
+from .validation import Evaluator, FixedSet
 
 SPECTRA_FILE = "spectra.jsonl"
 ACTIVATIONS_FILE = "activations.jsonl"
 NEAR_ZERO = 1e-3
 
 
-def all_spectra(s: Session) -> list[Spectrum]:
-    """Spectra of every adapter of the run, UNet first, in network order."""
+def all_spectra(adapters: Mapping[str, torch.nn.Module]) -> list[Spectrum]:
+    """Spectra of every adapter of the run (unwrapped modules by checkpoint prefix), UNet first, in network order."""
     factors = []
-    for prefix, module in s.trained.items():
-        factors.extend(lora_factors(s.accelerator.unwrap_model(module), prefix=f"{prefix}."))
+    for prefix, module in adapters.items():
+        factors.extend(lora_factors(module, prefix=f"{prefix}."))
     return spectra(factors)
 
 
@@ -52,20 +51,20 @@ class SpectralMonitor(Observer):
         self.collapsed = False  # a warning was given and the adapters have not recovered since
         self.seconds = 0.0
 
-    def observe(self, s: Session) -> Observation:
-        if not self.every or s.state.step % self.every:
+    def observe(self, view: ObserverView) -> Observation:
+        if not self.every or view.step % self.every:
             return NOTHING
         start = time.perf_counter()
-        _, events = self.check(s)
+        _, events = self.check(view)
         self.seconds += time.perf_counter() - start
         return Observation(events=events)
 
-    def check(self, s: Session) -> tuple[list[Spectrum], tuple[Event, ...]]:
+    def check(self, view: ObserverView) -> tuple[list[Spectrum], tuple[Event, ...]]:
         """The spectra (also appended to spectra.jsonl), and the collapse warning or recovery, if any."""
-        found = all_spectra(s)
-        step = s.state.step
-        if s.run.enabled:
-            path = s.run.paths.diagnostics / SPECTRA_FILE
+        found = all_spectra(view.adapters)
+        step = view.step
+        if view.diagnostics is not None:
+            path = view.diagnostics / SPECTRA_FILE
             for sp in found:
                 append_jsonl(path, {"step": step, **sp.as_record(), "block": block_of(sp.module)})
         collapse = detect_collapse(found, self.threshold)
@@ -95,43 +94,41 @@ class ActivationMonitor(Observer):
 
     name = "activations"
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, evaluator: Evaluator) -> None:
         self.every = config.activation_stats_every
-        self.probe = None
+        self.evaluator = evaluator
+        self.probe: FixedSet | None = None
         self.seconds = 0.0
 
-    def probe_set(self, s: Session) -> Any:
+    def probe_set(self) -> FixedSet:
         """The probe, built when first measured (not before step 1: the first measurement may be far off)."""
         if self.probe is None:
-            from .validation import build_fixed_set, validation_items
-
             start = time.perf_counter()
-            items, _ = validation_items(s)
-            self.probe = build_fixed_set(s, items[:1], s.objective.validation_timesteps(1), purpose="probe")
+            items, _ = self.evaluator.items()
+            self.probe = self.evaluator.fixed_set(items[:1], self.evaluator.objective.validation_timesteps(1),
+                                                  purpose="probe")
             self.seconds += time.perf_counter() - start
         return self.probe
 
-    def observe(self, s: Session) -> Observation:
-        if not self.every or s.state.step % self.every:
+    def observe(self, view: ObserverView) -> Observation:
+        if not self.every or view.step % self.every:
             return NOTHING
         start = time.perf_counter()
-        records = self.measure(s)
-        if s.run.enabled:
-            path = s.run.paths.diagnostics / ACTIVATIONS_FILE
+        records = self.measure(view)
+        if view.diagnostics is not None:
+            path = view.diagnostics / ACTIVATIONS_FILE
             for record in records:
-                append_jsonl(path, {"step": s.state.step, **record})
+                append_jsonl(path, {"step": view.step, **record})
         self.seconds += time.perf_counter() - start
         return NOTHING
 
     @torch.no_grad()
-    def measure(self, s: Session) -> list[dict[str, Any]]:
-        from .validation import eval_mode, fixed_conditioning
-
-        probe = self.probe_set(s)  # built before any hook is in place
+    def measure(self, view: ObserverView) -> list[dict[str, Any]]:
+        probe = self.probe_set()  # built before any hook is in place
         if not probe:
             return []
         layers = [(name, layer.module, layer.up_module, layer.scaling)
-                  for name, layer in run_lora_layers(s.trained, s.accelerator.unwrap_model)]
+                  for name, layer in run_lora_layers(view.adapters)]
         captured: dict[str, dict[str, torch.Tensor]] = {}
         handles = []
         for name, layer, lora_b, scale in layers:
@@ -143,11 +140,7 @@ class ActivationMonitor(Observer):
 
             handles += [lora_b.register_forward_hook(on_delta), layer.register_forward_hook(on_full)]
         try:
-            with eval_mode(s):
-                noisy = s.objective.noisy_input(probe.latents[0], probe.noise[0], probe.timesteps)
-                cond = fixed_conditioning(s, probe, [0])
-                predict(s.objective, s.trained["unet"], noisy, probe.timesteps, cond, dtype=s.weight_dtype,
-                        autocast=s.amp.autocast)
+            self.evaluator.probe_forward(probe)
         finally:
             for handle in handles:
                 handle.remove()
@@ -169,18 +162,19 @@ class ActivationMonitor(Observer):
         return [{"module": name, "block": block_of(name), **dict(zip(keys, row))} for name, row in zip(names, table)]
 
 
-def make_observers(config: TrainConfig) -> list[Observer]:
+def make_observers(config: TrainConfig, evaluator: Evaluator | None = None, perceptual: Any = None
+                   ) -> list[Observer]:
     """The observers a config asks for, in order: validation loss, LPIPS report, spectra, activations."""
     from .perceptual import PerceptualReport
     from .validation import ValidationLoss
 
     observers: list[Observer] = []
     if config.validation_loss_every:
-        observers.append(ValidationLoss(config))
+        observers.append(ValidationLoss(config, evaluator))
     if config.perceptual_lambda > 0:
-        observers.append(PerceptualReport())
+        observers.append(PerceptualReport(perceptual))
     if config.diagnostics_every:
         observers.append(SpectralMonitor(config))
     if config.activation_stats_every:
-        observers.append(ActivationMonitor(config))
+        observers.append(ActivationMonitor(config, evaluator))
     return observers

@@ -24,6 +24,11 @@ class AdapterEMA:
         self.shadow = [p.detach().to(self.device or p.device, dtype=torch.float32, copy=True) for p in params]
         self.updates = 0
 
+    def restart(self) -> None:
+        """Average from the current weights on (a resumed checkpoint made without an EMA)."""
+        self.shadow = [p.detach().to(self.device or p.device, dtype=torch.float32, copy=True) for p in self.params]
+        self.updates = 0
+
     def current_decay(self) -> float:
         return min(self.decay, (1 + self.updates) / (10 + self.updates))
 

@@ -22,12 +22,12 @@ import errno
 import os
 import signal
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 
-if TYPE_CHECKING:  # annotations only
-    from .session import Session
+from .checkpoint import nothing
+from .session import TrainState
 
 KINDS = ("nan_loss", "nan_grad", "oom", "disk_full@save", "torch_full@save", "kill@step", "kill@checkpoint")
 
@@ -69,23 +69,25 @@ def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def arm(s: Session) -> None:
-    """Install this process's faults into `s` (setup calls it last); nothing at all when none are listed.
+def arm(denoiser: torch.nn.Module, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+        state: TrainState) -> Callable[[int], None]:
+    """Install this process's faults on a freshly set-up run (setup calls it last) and return the checkpoint
+    writer's `halfway` callback; nothing at all (and `nothing`) when none are listed. `denoiser` is unwrapped.
 
     Only forward passes that build a graph count as the step's: validation loss, the diagnostics probe and
     sampling run without gradients between steps and must not take a fault meant for the next step.
     """
     if not ACTIVE:
-        return
-    unet = s.accelerator.unwrap_model(s.trained["unet"])
+        return nothing
+    unet = denoiser
 
     def next_step() -> int:
-        return s.state.step + 1
+        return state.step + 1
 
     def before_forward(module: torch.nn.Module, args: Any) -> None:
         if torch.is_grad_enabled() and take("oom", next_step()):
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by STABLETUNE_FAULTS at step "
-                                              f"{next_step()}, micro-batch {s.state.micro_batch_size}).")
+                                              f"{next_step()}, micro-batch {state.micro_batch_size}).")
 
     def after_forward(module: torch.nn.Module, args: Any, output: Any) -> Any:
         if not (torch.is_grad_enabled() and take("nan_loss", next_step())):
@@ -98,7 +100,7 @@ def arm(s: Session) -> None:
     unet.register_forward_pre_hook(before_forward)
     unet.register_forward_hook(after_forward)
 
-    first = next(p for p in s.params if p.requires_grad)
+    first = next(p for p in params if p.requires_grad)
 
     def poison_gradient(grad: torch.Tensor) -> torch.Tensor:
         if not take("nan_grad", next_step()):
@@ -113,8 +115,8 @@ def arm(s: Session) -> None:
         if take("kill@step", next_step()):
             kill_self()
 
-    getattr(s.optimizer, "optimizer", s.optimizer).register_step_pre_hook(before_optimizer_step)
-    s.checkpoint_halfway = during_checkpoint_write
+    getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(before_optimizer_step)
+    return during_checkpoint_write
 
 
 def during_checkpoint_write(step: int) -> None:

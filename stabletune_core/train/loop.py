@@ -1,16 +1,17 @@
 """The training loop. Read it top to bottom: set up, resume, then one optimizer step at a time.
 
-Everything that makes a run survive (non-finite losses, out-of-memory, clipping, early stopping) lives in guard
-objects (guards/) called at fixed points of the step; a guard returns verdicts and `carry_out`, below, acts on
-them, in one place, because only the loop owns the weights, the optimizer, the step counter and the run folder.
-Observers (observers.py) measure; everything the world should know goes to the run directory through
-`RunWriter`. Nothing imports this module but the entry points (cli.py).
+One step is `training_step` below with two helpers from step.py, each taking what it uses as arguments:
+`forward_backward` (the family's objective noises the batch, the denoiser predicts, the loss goes backward over
+micro-batches) and `clip_gradients`. Everything that makes a run survive (non-finite losses, out-of-memory,
+clipping, early stopping) lives in guard objects (guards/) called at fixed points of the step; a guard returns
+verdicts and `carry_out`, below, acts on them, in one place, because only the loop owns the weights, the
+optimizer, the step counter and the run folder. Observers (observers.py) measure and record; everything the
+world should know goes to the run directory through `RunWriter`. Nothing imports this module but the entry
+points (cli.py).
 """
 from __future__ import annotations
 
-import copy
 import math
-import signal
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,26 +21,31 @@ from tqdm.auto import tqdm
 
 from ..config import TrainConfig
 from . import signals, step
-from .export import export, export_best
+from .checkpoint import (CheckpointError, latest_good_checkpoint, list_checkpoints, load_checkpoint,
+                         prune_checkpoints, save_checkpoint)
+from .ema import optional_swap
+from .export import write_lora
 from .guards import Guard, OutOfMemoryStop
 from .guards.memory import free_memory
 from .guards.verdicts import (Event, ExportBest, LowerLearningRate, ProtectCheckpoint, Report, RollBack, SaveBest,
                               ScaleWeights, ShrinkMicroBatch, SkipStep, StopEarly, StopOutOfMemory, SwitchPrecision,
                               TakeSnapshot, Verdict)
 from .memory import memory_stats
+from .noise import NoiseOptions
+from .observers import Observation
 from .optim import evaluation_weights
-from .ema import optional_swap
 from .outcome import RunFailed
+from .preflight import describe, preflight
+from .rollback import restore_snapshot, take_snapshot
 from .sampling import make_validation_images
-from .session import Session, SessionView, Snapshot
+from .session import Session, SessionView
 from .setup import setup
-from .state import last_good_sentence, restore_adapter, restore_rng, resume, rng_state, save
-from .checkpoint import latest_good_checkpoint
-
+from .state import adapter_state, restore_adapter, restore_rng, restore_run_state, rng_state, run_state
 
 #: status.json while training is rewritten at most this often: the UI polls it about once a second, and a
 #: fast step would otherwise spend more on the heartbeat than on all the guards together (bench/RESULTS.md).
 HEARTBEAT_SECONDS = 0.5
+CHECKPOINT_FAILURE_LIMIT = 3  # checkpoints in a row that may fail (a full disk) before the run stops
 
 
 # ---- the loop ------------------------------------------------------------------------------------------
@@ -51,16 +57,13 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     """
     s = session or setup(config)
     resume(s)
-    run, state = s.run, s.state
+    run, state, view = s.run, s.state, SessionView(s)
     if s.config.preflight:
-        from .preflight import apply_preflight
-
         apply_preflight(s)
     if s.config.validation_prompts and state.step == 0 and not stop_signal(s):
         sample(s)
     run.status("training", step=state.step, max_steps=s.max_steps)
-    progress = tqdm(total=s.max_steps, initial=state.step, desc="training", unit="step",
-                    disable=not s.accelerator.is_main_process)
+    progress = tqdm(total=s.max_steps, initial=state.step, desc="training", unit="step", disable=not s.ranks.is_main)
     last_time, sec_per_step = time.perf_counter(), None
     last_heartbeat = -math.inf
     stop_reason = "finished"
@@ -68,44 +71,45 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     for module in s.trained.values():
         module.train()
     for guard in s.guards:
-        carry_out(s, guard, guard.on_start(SessionView(s)))
+        carry_out(s, guard, guard.on_start(view))
     try:  # the progress bar ends its line whatever happens, so a failure sentence starts on its own
         while state.step < s.max_steps:
             signum = stop_signal(s)
             if signum:
                 if signals.ACTIVE is not None:
                     signals.ACTIVE.honoured = True
-                run.event("stop", f"{signal_name(signum)} at step {state.step}; saving a checkpoint and the LoRA.",
-                          step=state.step, console=True)
+                run.event("stop", f"{signals.signal_name(signum)} at step {state.step}; saving a checkpoint and the "
+                          "LoRA.", step=state.step, console=True)
                 stop_reason = "stopped"
                 break
-            batches = step.next_batches(s, s.config.gradient_accumulation_steps)
-            s.batch_paths = [str(p) for b in batches for p in b["path"]]
+            batches = step.next_batches(s.feed, state, s.config.gradient_accumulation_steps)
+            state.batch_paths = [str(p) for b in batches for p in b["path"]]
             loss, grad_norm = training_step(s, batches)
             state.step += 1
-            state.images_seen += step.global_image_count(s, batches)
+            state.images_seen += s.ranks.total(sum(len(b["caption"]) for b in batches))
 
             now = time.perf_counter()
             sec_per_step = (now - last_time) if sec_per_step is None else 0.9 * sec_per_step + 0.1 * (now - last_time)
             last_time = now
-            metrics = dict(loss=loss, lr=s.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
+            metrics = dict(loss=loss.mean, lr=s.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
                            clip_threshold=None, epoch=state.epoch, images_seen=state.images_seen,
                            sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
             if s.config.reg_data_dir:
-                metrics.update(s.loss_parts.means())
+                metrics.update(loss.parts)
             guard_stops = after_step(s, metrics)
             if state.step % s.config.logging_steps == 0 or state.step == s.max_steps:
                 logged = {**metrics, **memory_stats(s.device)}
                 run.metric(state.step, **logged)
-                if s.tensorboard:
-                    s.tensorboard.log_metrics(state.step, logged)
+                for observer in s.observers:
+                    record(s, observer.on_metrics(view, logged))
             if now - last_heartbeat >= HEARTBEAT_SECONDS or state.step == s.max_steps:
                 run.status("training", step=state.step, max_steps=s.max_steps, epoch=state.epoch,
-                           sec_per_step=sec_per_step, eta_seconds=sec_per_step * (s.max_steps - state.step), loss=loss)
+                           sec_per_step=sec_per_step, eta_seconds=sec_per_step * (s.max_steps - state.step),
+                           loss=loss.mean)
                 last_heartbeat = now
             progress.update(1)
-            progress.set_postfix(loss=f"{loss:.4f}")
-            nonfinite = s.guard("nonfinite")
+            progress.set_postfix(loss=f"{loss.mean:.4f}")
+            nonfinite = _guard(s, "nonfinite")
             if nonfinite is not None and nonfinite.hopeless(state.step - first_step):
                 raise RunFailed(nonfinite.hopeless_sentence(s.config, current_lr(s), state.step - first_step))
             if s.config.validation_prompts and state.step % s.config.validation_steps == 0:
@@ -117,7 +121,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                 break
     finally:
         progress.close()
-    nonfinite = s.guard("nonfinite")
+    nonfinite = _guard(s, "nonfinite")
     if nonfinite is not None and state.step > first_step and nonfinite.hopeless(state.step - first_step, end=True):
         raise RunFailed(nonfinite.hopeless_sentence(s.config, current_lr(s), state.step - first_step))
     if state.step == first_step and stop_reason == "stopped":  # stopped before any step: nothing new to keep
@@ -126,32 +130,36 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                   step=state.step, console=True)
         return None
     save(s, stop_reason)
-    final_checkpoint_failed = s.checkpoint_failures > 0
+    final_checkpoint_failed = state.checkpoint_failures > 0
     path = export(s)
-    if s.tensorboard:
-        s.tensorboard.close()
+    ended = [observer.on_end(view) for observer in s.observers]
     if final_checkpoint_failed:
         written = f"the LoRA was written to {path}" if path else "the LoRA was not written"
         raise RunFailed(f"The final checkpoint at step {state.step} could not be written ({written}); "
                         f"{last_good_sentence(s)}")
-    summary = learning_summary(s.sample_scores) if s.sample_scores else None
+    summary = next((o.summary for o in ended if o.summary), None)
     run.status(stop_reason, step=state.step, max_steps=s.max_steps, eta_seconds=0, lora=str(path) if path else None,
                summary=summary)
     run.event(stop_reason, f"Run {stop_reason} at step {state.step}.", step=state.step,
               console=stop_reason == "stopped")
-    if summary:
-        run.event("learning", summary, step=state.step, console=True)
+    for observation in ended:
+        record(s, observation)
     return path
 
 
+def _guard(s: Session, name: str) -> Guard | None:
+    return next((g for g in s.guards if g.name == name), None)
+
+
 # ---- one step -----------------------------------------------------------------------------------------
-def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[float, float]:
+def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[step.StepLoss, float]:
     """Forward, backward, clip, ask the guards, optimizer step. Returns (loss, gradient norm before clipping)."""
     loss = forward_backward_fitting(s, batches)
-    grad_norm = step.clip_gradients(s)
+    clip = _guard(s, "clipping")
+    grad_norm = step.clip_gradients(s.params, s.optimizer, s.amp, clip.threshold() if clip else math.inf)
     view, skip = SessionView(s), False
     for guard in s.guards:
-        verdicts = guard.before_optimizer_step(view, loss, grad_norm)
+        verdicts = guard.before_optimizer_step(view, loss.mean, grad_norm)
         skip |= any(isinstance(v, (SkipStep, RollBack)) for v in verdicts)
         carry_out(s, guard, verdicts)
     if not skip:
@@ -163,23 +171,34 @@ def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[float, flo
     return loss, grad_norm
 
 
-def forward_backward_fitting(s: Session, batches: list[dict[str, Any]]) -> float:
-    """`step.forward_backward`; with the memory guard, an out-of-memory error frees the step's memory, puts the
+def forward_backward(s: Session, batches: list[dict[str, Any]], *, micro_batch_size: int | None = None
+                     ) -> step.StepLoss:
+    """`step.forward_backward` with this run's pieces (the micro-batch: the state's unless given)."""
+    config = s.config
+    return step.forward_backward(
+        batches, inputs=s.inputs, objective=s.objective, denoiser=s.denoiser, trained=s.trained, params=s.params,
+        amp=s.amp, ranks=s.ranks, micro_batch_size=micro_batch_size or s.state.micro_batch_size,
+        noise=NoiseOptions.from_config(config), masked_loss=config.masked_loss,
+        prior_loss_weight=config.prior_loss_weight, perceptual=s.perceptual, step=s.state.step)
+
+
+def forward_backward_fitting(s: Session, batches: list[dict[str, Any]]) -> step.StepLoss:
+    """`forward_backward`; with the memory guard, an out-of-memory error frees the step's memory, puts the
     random-number state back (the retry draws exactly what the failed attempt drew) and asks the guard."""
-    memory = s.guard("memory")
+    memory = _guard(s, "memory")
     if memory is None:
-        return step.forward_backward(s, batches)
-    rng = rng_state(s)
+        return forward_backward(s, batches)
+    rng = rng_state()
     tries = 0
     while True:
         try:
-            return step.forward_backward(s, batches)
+            return forward_backward(s, batches)
         except torch.cuda.OutOfMemoryError as exc:
             reason = str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
         # Out of the except block: the traceback, and the activations its frames hold, are gone.
         s.optimizer.zero_grad(set_to_none=True)
         free_memory(s.device)
-        restore_rng(s, rng)
+        restore_rng(rng)
         carry_out(s, memory, memory.on_out_of_memory(SessionView(s), reason, tries))
         tries += 1
 
@@ -191,13 +210,17 @@ def after_step(s: Session, metrics: dict[str, Any]) -> bool:
     for guard in s.guards:
         stop |= carry_out(s, guard, guard.after_step(view, metrics))
     for observer in s.observers:
-        observation = observer.observe(s)
-        metrics.update(observation.metrics)
-        for event in observation.events:
-            write_event(s, event)
+        metrics.update(record(s, observer.observe(view)))
     for guard in s.guards:
         stop |= carry_out(s, guard, guard.after_measuring(view, metrics))
     return stop
+
+
+def record(s: Session, observation: Observation) -> dict[str, Any]:
+    """Write an observation's events; returns its metrics."""
+    for event in observation.events:
+        write_event(s, event)
+    return observation.metrics
 
 
 def current_lr(s: Session) -> float:
@@ -207,7 +230,7 @@ def current_lr(s: Session) -> float:
 # ---- the guards' verdicts, carried out -------------------------------------------------------------------
 def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
     """Act on `guard`'s verdicts, in order. Returns True when one ends the run (early stopping)."""
-    stop = False
+    stop, state = False, s.state
     for verdict in verdicts:
         match verdict:
             case Report():
@@ -215,27 +238,28 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
             case SkipStep():
                 skip_step(s, verdict)
             case TakeSnapshot():
-                s.snapshot = take_snapshot(s) or s.snapshot
+                state.snapshot = take_snapshot(s.params, s.optimizer, state.step) or state.snapshot
             case RollBack():
                 roll_back(s, verdict)
             case ShrinkMicroBatch():
-                s.state.micro_batch_size = verdict.new
+                state.micro_batch_size = verdict.new
                 s.run.event("oom", f"Out of memory at step {verdict.step} with micro-batch {verdict.old} "
                             f"({verdict.reason}); retrying with micro-batch {verdict.new} and twice the accumulation, "
                             "so the effective batch stays the same.", step=verdict.step, old_micro_batch=verdict.old,
-                            new_micro_batch=verdict.new, paths=list(s.batch_paths), console=True)
+                            new_micro_batch=verdict.new, paths=list(state.batch_paths), console=True)
             case StopOutOfMemory():
                 s.run.event("oom_stop", verdict.message, step=verdict.step)
                 save(s, "out of memory")
-                s.run.status("failed", step=s.state.step, error=verdict.message)
+                s.run.status("failed", step=state.step, error=verdict.message)
                 raise OutOfMemoryStop(verdict.message)
             case LowerLearningRate():
                 old, new = s.lr_scheduler.lower(verdict.factor, verdict.floor)
                 s.run.event("lr_plateau", f"Validation loss has not improved on {verdict.best:.4g} for "
                             f"{verdict.patience} evaluations; learning rate {old:.3g} -> {new:.3g}.",
-                            step=s.state.step, old_lr=old, new_lr=new)
+                            step=state.step, old_lr=old, new_lr=new)
             case SwitchPrecision():
-                switch_precision(s, verdict.precision)
+                s.amp.switch_to(verdict.precision)
+                s.amp.recast_frozen([s.bundle.unet, *s.bundle.text_encoders], s.params)
                 write_event(s, verdict.event)
             case ScaleWeights():
                 with torch.no_grad():
@@ -243,15 +267,15 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
                         torch._foreach_mul_(tensors, factors)
             case SaveBest():
                 save(s, verdict.reason)  # every process: save() waits for all of them
-                s.best_checkpoint = s.run.paths.checkpoint(s.state.step)
-                guard.remember_best(s.best_checkpoint)
+                state.best_checkpoint = s.run.paths.checkpoint(state.step)
+                guard.remember_best(state.best_checkpoint)
             case ProtectCheckpoint():
-                s.best_checkpoint = verdict.path
+                state.best_checkpoint = verdict.path
             case ExportBest():
                 export_best(s)
             case StopEarly():
                 best = export_best(s)
-                write_event(s, verdict.event(best, s.best_checkpoint))
+                write_event(s, verdict.event(best, state.best_checkpoint))
                 stop = True
             case _:
                 raise TypeError(f"{guard.name} returned {verdict!r}, which the loop does not know how to carry out.")
@@ -270,43 +294,21 @@ def skip_step(s: Session, verdict: SkipStep) -> None:
         s.run.event("fp16_overflow", f"Skipped step {step_number}: fp16 gradients overflowed; loss scale is now "
                     f"{s.amp.loss_scale:g}.", step=step_number)
         return
-    tensors = nonfinite_gradients(s)
+    tensors = step.nonfinite_gradients(s.trained)
     detail = f" in {len(tensors)} gradient tensors, e.g. {', '.join(tensors[:3])}" if tensors else ""
     s.run.event("nonfinite", f"Skipped step {step_number}: non-finite {verdict.what} (loss {verdict.loss}, grad norm "
                 f"{verdict.grad_norm}){detail}.", step=step_number, what=verdict.what, tensors=tensors[:20],
-                paths=list(s.batch_paths))
-
-
-def take_snapshot(s: Session) -> Snapshot | None:
-    """A copy of the adapter and optimizer state to roll back to; None when the weights are not all finite."""
-    with torch.no_grad():
-        if not torch.isfinite(torch.nn.utils.get_total_norm(s.params)):  # one check, not one sync per tensor
-            return None
-        return Snapshot(s.state.step, [p.detach().clone() for p in s.params], cloned(s.optimizer.state_dict()))
-
-
-def cloned(tree: Any) -> Any:
-    """A deep copy of an optimizer state dict that clones its tensors: copy.deepcopy does the same at several
-    times the cost (it was a millisecond per step of a small run, snapshots every 20 steps)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {key: cloned(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(cloned(value) for value in tree)
-    return copy.copy(tree)
+                paths=list(s.state.batch_paths))
 
 
 def roll_back(s: Session, verdict: RollBack) -> None:
     """Weights and optimizer back to the last good state, and a lower learning rate."""
-    if s.snapshot is not None:
-        with torch.no_grad():
-            for p, saved in zip(s.params, s.snapshot.params):
-                p.copy_(saved)
-        s.optimizer.load_state_dict(cloned(s.snapshot.optimizer))  # the snapshot stays for a later rollback
-        source = f"rolled the LoRA and optimizer back to step {s.snapshot.step} (in memory)"
+    snapshot = s.state.snapshot
+    if snapshot is not None:
+        restore_snapshot(s.params, s.optimizer, snapshot)
+        source = f"rolled the LoRA and optimizer back to step {snapshot.step} (in memory)"
     elif (checkpoint := latest_good_checkpoint(s.run.paths.checkpoints)) is not None:
-        restore_adapter(s, checkpoint.adapter)
+        restore_adapter(s.trained, s.ranks, checkpoint.adapter)
         s.optimizer.load_state_dict(checkpoint.state["optimizer"])
         source = f"rolled the LoRA and optimizer back to checkpoint {checkpoint.path.name}"
     else:
@@ -317,74 +319,143 @@ def roll_back(s: Session, verdict: RollBack) -> None:
                 new_lr=new, bad_steps=list(verdict.bad_steps), console=True)
 
 
-def switch_precision(s: Session, precision: str) -> None:
-    """Run the rest of the training in `precision` ('bf16' or 'no'): autocast follows and the scaler goes
-    (s.amp), and the frozen model is recast. LoRA weights stay fp32 and are not touched."""
-    s.amp.switch_to(precision)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    trained = {id(p) for p in s.params}
-    for module in (s.bundle.unet, *s.bundle.text_encoders):
-        for p in module.parameters():
-            if id(p) not in trained and p.dtype != dtype:
-                p.data = p.data.to(dtype)
-        for b in module.buffers():
-            if b.is_floating_point():
-                b.data = b.data.to(dtype)
-    s.weight_dtype = dtype
+# ---- checkpoints and LoRA files -------------------------------------------------------------------------------
+def save(s: Session, reason: str) -> Path | None:
+    """Write a checkpoint. A failed one (a full disk) is one console line and the run goes on, keeping the last
+    good checkpoint; CHECKPOINT_FAILURE_LIMIT failures in a row stop the run with a sentence."""
+    s.ranks.wait()
+    if not s.ranks.is_main:
+        return None
+    state = s.state
+    s.run.status("saving", step=state.step)
+    saved = run_state(state, s.optimizer, s.lr_scheduler, s.amp, s.ema, [*s.guards, *s.observers])
+    try:
+        folder = save_checkpoint(s.run.paths.checkpoint(state.step), state.step, adapter_state(s.trained, s.ranks),
+                                 saved, halfway=s.checkpoint_halfway)
+    except CheckpointError as exc:
+        state.checkpoint_failures += 1
+        s.run.event("checkpoint_failed", str(exc), step=state.step, console=True)
+        if state.checkpoint_failures >= CHECKPOINT_FAILURE_LIMIT:
+            raise RunFailed(f"Stopped at step {state.step} because {state.checkpoint_failures} checkpoints in a row "
+                            f"could not be written ({exc.reason or exc}); {last_good_sentence(s)}") from None
+        s.run.status("training", step=state.step, max_steps=s.max_steps, error=str(exc))
+        return None
+    state.checkpoint_failures = 0
+    protect = {state.best_checkpoint} if state.best_checkpoint else set()
+    removed = prune_checkpoints(s.run.paths.checkpoints, s.config.checkpoints_total_limit, protect=protect)
+    s.run.event("checkpoint", f"Saved checkpoint at step {state.step} ({reason}).", step=state.step,
+                path=str(folder), removed=[str(p) for p in removed])
+    return folder
 
 
-def nonfinite_gradients(s: Session) -> list[str]:
-    """Names of the trained tensors whose gradient holds NaN or Inf (only computed on a bad step)."""
-    names = []
-    for prefix, module in s.trained.items():
-        for name, p in module.named_parameters():
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                names.append(f"{prefix}.{name}")
-    return names
+def last_good_sentence(s: Session) -> str:
+    """What to do after checkpoints failed, naming the last good one (lower case: it ends a sentence)."""
+    folders = list_checkpoints(s.run.paths.checkpoints)
+    if not folders:
+        return "free some space and start the run again (it has no checkpoint yet)."
+    return f"free some space and continue with --resume auto from the last good checkpoint, {folders[-1].name}."
+
+
+def resume(s: Session) -> None:
+    """Continue from the checkpoint setup found (setup read and verified it before loading the model)."""
+    checkpoint, state = s.state.resume_from, s.state
+    if checkpoint is None:
+        return
+    state.resume_from = None  # its tensors are not needed once loaded
+    restore_adapter(s.trained, s.ranks, checkpoint.adapter)
+    ema_kept = restore_run_state(checkpoint.state, state, s.optimizer, s.lr_scheduler, s.amp, s.ema,
+                                 [*s.guards, *s.observers])
+    if not ema_kept:
+        s.run.event("config", f"{checkpoint.path.name} holds no EMA weights (ema_decay was 0 then); the EMA starts "
+                    f"from the resumed weights at step {state.step}.", step=state.step, console=True)
+    s.run.event("resumed", f"Resumed from {checkpoint.path} at step {state.step} ({state.images_seen} images "
+                f"seen, micro-batch {state.micro_batch_size}).", step=state.step, path=str(checkpoint.path),
+                images_seen=state.images_seen)
+
+
+def export(s: Session, name: str | None = None, *, step: int | None = None) -> Path | None:
+    """The LoRA as trained, and with ema_decay its moving average beside it as NAME-ema.safetensors. `step`: the
+    step the weights come from (the file's ss_steps), when not the current one."""
+    name = name or s.config.output_name
+    where = dict(step=s.state.step if step is None else step, epoch=s.state.epoch, max_steps=s.max_steps,
+                 config=s.config, ranks=s.ranks, run=s.run, bundle=s.bundle, trained=s.trained, data=s.data)
+    with evaluation_weights(s.optimizer):  # schedule-free: export the averaged weights, not the training point
+        path = write_lora(name, **where)
+    if s.ema:
+        with s.ema.swapped_in():
+            write_lora(f"{name}-ema", **where)
+    return path
+
+
+def export_best(s: Session) -> Path | None:
+    """Export the best checkpoint as <output_name>_best, then put the current state back.
+
+    Everything the export reads comes from the best step: the adapter, the EMA beside it (`_best-ema` is the
+    average *at* the best step, not the one of the last step) and the optimizer state (a schedule-free
+    optimizer's evaluation weights are computed from it)."""
+    if not s.state.best_checkpoint:
+        return None
+    best = load_checkpoint(Path(s.state.best_checkpoint))
+    current = adapter_state(s.trained, s.ranks)
+    current_optimizer = s.optimizer.state_dict()  # load_state_dict replaces these tensors, it does not write them
+    current_ema = s.ema.state_dict() if s.ema else None
+    try:
+        restore_adapter(s.trained, s.ranks, best.adapter)
+        s.optimizer.load_state_dict(best.state["optimizer"])
+        if s.ema and best.state.get("ema"):
+            s.ema.load_state_dict(best.state["ema"])
+        return export(s, f"{s.config.output_name}_best", step=best.step)  # ss_steps: the step it comes from
+    finally:
+        restore_adapter(s.trained, s.ranks, current)
+        s.optimizer.load_state_dict(current_optimizer)
+        if current_ema is not None:
+            s.ema.load_state_dict(current_ema)
+
+
+# ---- before training: the preflight -----------------------------------------------------------------------------
+def run_preflight(s: Session) -> dict[str, Any]:
+    """preflight.py's measurements with this run's step and sampling."""
+    config = s.config
+    sampling = config.model_copy(update={"validation_prompt": config.validation_prompt or "preflight",
+                                         "num_validation_images": 1, "validation_inference_steps": 2})
+    return preflight(s.data, batch_size=config.train_batch_size, micro_batch_size=s.state.micro_batch_size,
+                     with_pixels=s.inputs.latent_cache is None, position=(s.state.epoch, s.state.batch_in_epoch),
+                     step=lambda batches, micro: forward_backward(s, batches, micro_batch_size=micro),
+                     optimizer=s.optimizer, device=s.device,
+                     render=lambda folder: make_validation_images(s.bundle, sampling, folder, s.device,
+                                                                  autocast=s.amp.autocast))
+
+
+def apply_preflight(s: Session) -> dict[str, Any]:
+    """Run the preflight inside a training run; on a GPU start at the largest micro-batch that fits."""
+    report = run_preflight(s)
+    largest = report.get("largest_micro_batch")
+    if largest is not None and 0 < largest < s.state.micro_batch_size:
+        report["micro_batch_size"] = s.state.micro_batch_size = largest
+    s.run.event("preflight", describe(report), step=s.state.step, **report)
+    return report
 
 
 # ---- between steps: signals, samples, the UI's commands -----------------------------------------------------
-def learning_summary(scores: dict[str, dict[str, float]]) -> str:
-    from ..toy.judge import learning_summary as colours
-
-    return f"Learning summary (validation images showing their colour, first -> last sampling): " \
-           f"{colours(scores['first'], scores['last'])}."
-
-
 def stop_signal(s: Session) -> int | None:
     """The Ctrl-C / SIGTERM the CLI caught, if any; with several processes the main one's, so every rank stops
-    at the same step (a rank that stopped alone would leave the others waiting in the next collective)."""
-    signum = signals.requested()
-    if s.accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
-        signum = broadcast_object_list([signum])[0]
-    return signum
-
-
-def signal_name(signum: int) -> str:
-    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    at the same step."""
+    return s.ranks.from_main(signals.requested())
 
 
 def sample(s: Session, *, then: str = "training") -> None:
-    if not s.accelerator.is_main_process:
+    if not s.ranks.is_main:
         return
-    s.run.status("sampling", step=s.state.step, max_steps=s.max_steps)
-    folder = s.run.paths.sample_dir(s.state.step)
+    step_now = s.state.step
+    s.run.status("sampling", step=step_now, max_steps=s.max_steps)
+    folder = s.run.paths.sample_dir(step_now)
     with evaluation_weights(s.optimizer), optional_swap(s.ema, s.config.validation_with_ema):
         paths = make_validation_images(s.bundle, s.config, folder, s.device, autocast=s.amp.autocast)
-    s.run.event("samples", f"Made {len(paths)} validation images at step {s.state.step}.", step=s.state.step)
-    if s.tensorboard:
-        s.tensorboard.log_images(s.state.step, paths)
-    if s.config.sample_judge == "toy_colors" and paths:
-        from ..toy.judge import judge_samples
-
-        scores = judge_samples(folder)
-        s.sample_scores.setdefault("first", scores)
-        s.sample_scores["last"] = scores
-        s.run.event("sample_score", "Validation images showing their prompt's colour: " + ", ".join(
-            f"{color} {value:.0%}" for color, value in scores.items()) + ".", step=s.state.step, scores=scores)
-    s.run.status(then, step=s.state.step, max_steps=s.max_steps)
+    s.run.event("samples", f"Made {len(paths)} validation images at step {step_now}.", step=step_now)
+    view = SessionView(s)
+    for observer in s.observers:
+        record(s, observer.on_samples(view, folder, paths))
+    s.run.status(then, step=step_now, max_steps=s.max_steps)
 
 
 def sample_now(s: Session, state_after: str) -> None:
@@ -428,9 +499,4 @@ def obey_control(s: Session) -> str | None:
 def take_control(s: Session) -> dict[str, Any] | None:
     """The main process reads control.json; with several processes every rank must get the same command,
     or the others would train on (or wait in a save) while the main one stops."""
-    command = s.run.take_control()
-    if s.accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
-        command = broadcast_object_list([command])[0]
-    return command
+    return s.ranks.from_main(s.run.take_control())

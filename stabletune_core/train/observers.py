@@ -1,25 +1,51 @@
 """Observers measure and record; they never decide anything (that is a guard's job, guards/).
 
-After each counted step the loop asks every observer, in order, to `observe` the session; an observer writes
-its own files under RUN/diagnostics/ and returns an `Observation`: numbers for the step's metrics (the
-validation loss, which the plateau and early-stopping guards then read) and events for events.jsonl, which the
-loop writes. An observer's `state_dict` travels in every checkpoint next to the guards'.
+An observer looks at an `ObserverView` (a few read-only numbers and handles, never the session) and returns an
+`Observation`: numbers for the step's metrics (the validation loss, which the plateau and early-stopping guards
+then read), events for events.jsonl, and at the end of a run a summary line; the loop writes them. An observer
+may write its own files under RUN/diagnostics/ (`view.diagnostics`, None on processes that write nothing).
+What an observer needs beyond the view (the evaluator of the validation loss, the LPIPS term) it gets when it is
+made (setup). Its `state_dict` travels in every checkpoint next to the guards'.
+
+The loop calls, in order: `observe` once each step is counted (after the guards' `after_step`);
+`on_metrics` with each metrics line it logs; `on_samples` after each set of validation images; `on_end` once,
+when the run ends (finished or stopped).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+import torch
 
 from .guards.verdicts import Event
 
-if TYPE_CHECKING:  # annotations only: the session module holds the observers
-    from .session import Session
+
+class ObserverView(Protocol):
+    """What an observer may look at. The loop's implementation reads the live session (session.RunView)."""
+
+    @property
+    def step(self) -> int: ...  # optimizer steps taken
+
+    @property
+    def max_steps(self) -> int: ...
+
+    @property
+    def micro_batch_size(self) -> int: ...
+
+    @property
+    def diagnostics(self) -> Path | None: ...  # RUN/diagnostics on the process that writes the run, else None
+
+    @property
+    def adapters(self) -> Mapping[str, torch.nn.Module]: ...  # the modules carrying LoRA layers, unwrapped
 
 
 @dataclass(frozen=True)
 class Observation:
     metrics: dict[str, Any] = field(default_factory=dict)
     events: tuple[Event, ...] = ()
+    summary: str | None = None  # on_end: one line for the user, also status.json's `summary`
 
 
 NOTHING = Observation()
@@ -28,7 +54,16 @@ NOTHING = Observation()
 class Observer:
     name = "observer"
 
-    def observe(self, s: Session) -> Observation:
+    def observe(self, view: ObserverView) -> Observation:
+        return NOTHING
+
+    def on_metrics(self, view: ObserverView, metrics: Mapping[str, Any]) -> Observation:
+        return NOTHING
+
+    def on_samples(self, view: ObserverView, folder: Path, paths: list[Path]) -> Observation:
+        return NOTHING
+
+    def on_end(self, view: ObserverView) -> Observation:
         return NOTHING
 
     def state_dict(self) -> dict[str, Any]:

@@ -16,18 +16,16 @@ metric. With `local_files_only` off, torchvision downloads the weights as usual.
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..config import TrainConfig
-from .observers import NOTHING, Observation, Observer
-
-if TYPE_CHECKING:  # annotations only: the session holds the regulariser
-    from .session import Session
+from ..data.dataset import DatasetView
+from ..models.base import ModelBundle, Objective
+from .observers import NOTHING, Observation, Observer, ObserverView
 
 _WEIGHTS = {"alex": "AlexNet_Weights", "vgg": "VGG16_Weights", "squeeze": "SqueezeNet1_1_Weights"}
 
@@ -58,28 +56,30 @@ def perceptual_problems(config: TrainConfig) -> list[str]:
 
 
 class Perceptual:
-    """The LPIPS network and the per-step term the loop adds to the loss."""
+    """The LPIPS network and the per-step term the step adds to the loss: the family's decode of the clean
+    latents its objective reads from the prediction, against the training image. `description` says, once,
+    what runs (setup writes it to the console and events.jsonl)."""
 
-    def __init__(self, config: TrainConfig, device: torch.device, run: Any) -> None:
+    def __init__(self, config: TrainConfig, device: torch.device, bundle: ModelBundle, objective: Objective,
+                 data: DatasetView) -> None:
         import lpips
 
         path = backbone_weights_file(config.perceptual_net)
         self.real = path.is_file() or not config.local_files_only  # torchvision downloads when allowed
         self.config = config
+        self.bundle, self.objective, self.data = bundle, objective, data
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torchvision's 'pretrained is deprecated' chatter
             # With the file in the cache torchvision loads it from there and never touches the network.
             self.net = lpips.LPIPS(net=config.perceptual_net, pnet_rand=not self.real, verbose=False)
         self.net = self.net.to(device).eval().requires_grad_(False)
         if self.real:
-            message = (f"Perceptual regulariser on: LPIPS ({config.perceptual_net}, backbone weights from {path}), "
-                       f"lambda {config.perceptual_lambda}.")
+            self.description = (f"Perceptual regulariser on: LPIPS ({config.perceptual_net}, backbone weights from "
+                                f"{path}), lambda {config.perceptual_lambda}.")
         else:
-            message = (f"LPIPS backbone weights {path.name} are not in {path.parent}, so the perceptual term uses a "
-                       f"RANDOM {config.perceptual_net} backbone (perceptual_random_backbone): it is NOT the LPIPS "
-                       "perceptual metric.")
-        run.event("perceptual", message, real_lpips=self.real)
-        print(message, file=sys.stderr)
+            self.description = (f"LPIPS backbone weights {path.name} are not in {path.parent}, so the perceptual term "
+                                f"uses a RANDOM {config.perceptual_net} backbone (perceptual_random_backbone): it is "
+                                "NOT the LPIPS perceptual metric.")
         self.total = 0.0
         self.count = 0
 
@@ -92,17 +92,17 @@ class Perceptual:
             return []
         return torch.nonzero(timesteps < config.perceptual_timestep_max).flatten()[: config.perceptual_batch].tolist()
 
-    def term(self, s: Session, batch: dict[str, Any], rows: slice, chosen: list[int], pred: torch.Tensor,
+    def term(self, batch: dict[str, Any], rows: slice, chosen: list[int], pred: torch.Tensor,
              noisy: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         """lambda x the sum of LPIPS over the `chosen` rows (indices in the sampler batch, all inside `rows`);
         `pred`, `noisy` and `timesteps` are the micro-batch's. The loop divides by the step's chosen count."""
         local = [i - rows.start for i in chosen]
-        bundle = s.bundle
-        x0 = s.objective.predicted_clean(noisy[local], pred[local], timesteps[local])
+        bundle = self.bundle
+        x0 = self.objective.predicted_clean(noisy[local], pred[local], timesteps[local])
         # Outside autocast: the VAE is kept in fp32 in fp16 runs exactly so that this decode does not overflow.
         with torch.autocast(x0.device.type, enabled=False):
             decoded = bundle.family.decode_latents(bundle, x0).float()
-            target = self.training_pixels(s, batch, rows, local).to(decoded.device)
+            target = self.training_pixels(batch, rows, local).to(decoded.device)
             expected = tuple(d * bundle.vae_scale_factor for d in x0.shape[-2:])
             if tuple(target.shape[-2:]) != expected:  # never assume the VAE scale: ask the bundle
                 target = torch.nn.functional.interpolate(target, size=expected, mode="bilinear", antialias=True)
@@ -111,14 +111,13 @@ class Perceptual:
         self.count += distance.numel()
         return self.config.perceptual_lambda * distance.sum()
 
-    @staticmethod
-    def training_pixels(s: Session, batch: dict[str, Any], rows: slice, chosen: list[int]) -> torch.Tensor:
+    def training_pixels(self, batch: dict[str, Any], rows: slice, chosen: list[int]) -> torch.Tensor:
         """The training images of the chosen rows in [-1, 1]; with cached latents, their center crop (what
         the cache encoded)."""
         if "pixel_values" in batch:
             return batch["pixel_values"][rows][chosen].float()
         indices = batch["index"][rows]
-        return torch.stack([s.data.center_pixel_values(indices[i]) for i in chosen]).float()
+        return torch.stack([self.data.center_pixel_values(indices[i]) for i in chosen]).float()
 
     def take_mean(self) -> float | None:
         """Mean LPIPS since the last call (None when the term was not computed)."""
@@ -134,9 +133,12 @@ class PerceptualReport(Observer):
 
     name = "perceptual"
 
-    def observe(self, s: Session) -> Observation:
-        if s.perceptual is not None:
-            value = s.perceptual.take_mean()
+    def __init__(self, perceptual: Perceptual | None) -> None:
+        self.perceptual = perceptual
+
+    def observe(self, view: ObserverView) -> Observation:
+        if self.perceptual is not None:
+            value = self.perceptual.take_mean()
             if value is not None:
                 return Observation({"perceptual": value})
         return NOTHING

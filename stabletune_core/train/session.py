@@ -1,15 +1,20 @@
-"""What setup builds and the loop owns: the session, its counters, and the read-only view guards get."""
+"""What setup builds and the loop owns: the session (the run's fixed wiring), its mutable `TrainState`, and the
+read-only view that guards get.
+
+The session is frozen: no part of it (model, optimizer, caches, run writer) is swapped during a run. What changes
+lives in `TrainState`, which only the loop writes. The parts of a step take the pieces they use as arguments
+(step.py, inputs.py, ...); only setup and the loop hold the whole session.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
-from accelerate import Accelerator
 
 from ..config import TrainConfig
-from ..data.dataset import BatchFeed, BucketBatchSampler, DatasetView, EmbeddingCache, LatentCache
+from ..data.dataset import BatchFeed, BucketBatchSampler, DatasetView
 from ..data.scan import DataItem
 from ..models.base import ModelBundle, Objective
 from ..runs.writer import RunWriter
@@ -17,85 +22,83 @@ from .amp import MixedPrecision
 from .checkpoint import Checkpoint, nothing
 from .ema import AdapterEMA
 from .guards.base import Guard
-from .loss import LossParts
+from .inputs import BatchInputs
 from .observers import Observer
 from .perceptual import Perceptual
+from .ranks import Ranks
+from .rollback import Snapshot
 from .schedule import LearningRateSchedule
-from .tensorboard import TensorBoardLog
+from .validation import Evaluator
+
+#: The counters a checkpoint saves (its "train" entry): with them a resumed run continues exactly.
+COUNTERS = ("step", "epoch", "batch_in_epoch", "images_seen", "micro_batch_size")
 
 
 @dataclass
 class TrainState:
-    """Counters that a checkpoint must restore for a run to continue exactly."""
+    """Everything that changes while training. Only the loop writes it."""
 
     step: int = 0  # optimizer steps taken
     epoch: int = 0
     batch_in_epoch: int = 0  # sampler batches of `epoch` already consumed
     images_seen: int = 0
     micro_batch_size: int = 0  # may shrink after an out-of-memory error; the effective batch never does
+    # ---- never saved -------------------------------------------------------------------------------------------
+    resume_from: Checkpoint | None = None  # the checkpoint setup found to resume from (read before any model loaded)
+    batch_paths: list[str] = field(default_factory=list)  # images of the current step, for the guards' events
+    best_checkpoint: Path | None = None  # the best one (early stopping); pruning always keeps it
+    snapshot: Snapshot | None = None  # the last in-memory good state (non-finite guard)
+    checkpoint_failures: int = 0  # checkpoints in a row that could not be written (a full disk)
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))
+    def counters(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in COUNTERS}
+
+    def restore_counters(self, saved: Mapping[str, int]) -> None:
+        for name in COUNTERS:
+            setattr(self, name, int(saved[name]))
 
 
-@dataclass
-class Snapshot:
-    """An in-memory copy of the adapter and optimizer state, for a rollback after non-finite steps."""
-
-    step: int
-    params: list[torch.Tensor]
-    optimizer: dict[str, Any]
-
-
-@dataclass
+@dataclass(frozen=True)
 class Session:
-    """What setup builds and every part of the step uses."""
+    """The run as setup wired it."""
 
     config: TrainConfig
-    accelerator: Accelerator
+    ranks: Ranks  # the processes: device, agreement, gradient sums, broadcasts (ranks.py)
     run: RunWriter
     bundle: ModelBundle
     objective: Objective  # the family's: timesteps, noising, target, loss weights, the denoiser call
     data: DatasetView
     sampler: BucketBatchSampler
+    feed: BatchFeed  # the DataLoader the steps draw their batches from
+    inputs: BatchInputs  # a batch's latents and conditioning (caches or encoders)
     optimizer: torch.optim.Optimizer
     lr_scheduler: LearningRateSchedule
     params: list[torch.nn.Parameter]
-    trained: dict[str, torch.nn.Module]  # modules with adapters, by checkpoint prefix
-    state: TrainState
+    trained: dict[str, torch.nn.Module]  # modules with adapters, by checkpoint prefix (accelerate-prepared)
+    amp: MixedPrecision  # autocast, the fp16 loss scaler and the frozen model's dtype (amp.py)
     max_steps: int
-    generator: torch.Generator  # noise and timesteps
-    weight_dtype: torch.dtype
-    amp: MixedPrecision  # autocast and the fp16 loss scaler (amp.py), not accelerate's
-    latent_cache: LatentCache | None = None
-    text_cache: EmbeddingCache | None = None
-    guards: list[Guard] = field(default_factory=list)
-    observers: list[Observer] = field(default_factory=list)
-    batch_paths: list[str] = field(default_factory=list)  # images of the current step, for the guards' events
-    best_checkpoint: Path | None = None  # the best one (early stopping); pruning always keeps it
-    snapshot: Snapshot | None = None  # the last in-memory good state (non-finite guard); never saved
+    state: TrainState
+    guards: tuple[Guard, ...] = ()
+    observers: tuple[Observer, ...] = ()
     validation_items: list[DataItem] = field(default_factory=list)  # images held out of training (validation_split)
     perceptual: Perceptual | None = None  # the LPIPS regulariser (perceptual.py) when perceptual_lambda > 0
-    sample_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # sample_judge: first and last
-    tensorboard: TensorBoardLog | None = None  # report_to=tensorboard: an observer of the logged metrics and samples
-    feed: BatchFeed | None = None  # the DataLoader that next_batches draws from (made at its first call)
-    resume_from: Checkpoint | None = None  # the checkpoint setup found to resume from (read before any model loaded)
-    checkpoint_failures: int = 0  # checkpoints in a row that could not be written (a full disk)
-    checkpoint_halfway: Callable[[int], None] = nothing  # test-only: the fault harness (faults.arm) sets it
     ema: AdapterEMA | None = None  # ema_decay > 0: the moving average of the adapter weights
-    loss_parts: LossParts = field(default_factory=LossParts)  # this step's instance / prior loss (reg_data_dir)
+    evaluator: Evaluator | None = None  # measures the model without changing it (validation loss, probes)
+    checkpoint_halfway: Callable[[int], None] = nothing  # test-only: the fault harness (faults.arm) sets it
 
     @property
     def device(self) -> torch.device:
-        return self.accelerator.device
+        return self.ranks.device
 
-    def guard(self, name: str) -> Guard | Observer | None:
-        """The guard or observer called `name`, if this run has one."""
-        return next((g for g in [*self.guards, *self.observers] if g.name == name), None)
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        """The trained denoiser as the step calls it (accelerate's wrapper with several processes)."""
+        return self.trained["unet"]
 
 
 class SessionView:
-    """The `GuardView` (guards/base.py) of a live session: read-only, read when asked."""
+    """The `GuardView` (guards/base.py) and `ObserverView` (observers.py) of a live session: read-only, read when
+    asked."""
 
     __slots__ = ("_s",)
 
@@ -132,4 +135,8 @@ class SessionView:
 
     @property
     def adapters(self) -> Mapping[str, torch.nn.Module]:
-        return {prefix: self._s.accelerator.unwrap_model(m) for prefix, m in self._s.trained.items()}
+        return {prefix: self._s.ranks.unwrap(m) for prefix, m in self._s.trained.items()}
+
+    @property
+    def diagnostics(self) -> Path | None:
+        return self._s.run.paths.diagnostics if self._s.run.enabled else None

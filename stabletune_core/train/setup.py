@@ -16,7 +16,7 @@ from accelerate.utils import set_seed
 
 from ..cache import cache_root
 from ..config import ConfigError, TrainConfig, check_inputs
-from ..data.dataset import DatasetView, EmbeddingCache, LatentCache, derive_seed, module_fingerprint
+from ..data.dataset import BatchFeed, DatasetView, EmbeddingCache, LatentCache, derive_seed, module_fingerprint
 from ..data.masks import masks_note
 from ..data.reg import merge_reg, scan_reg_images
 from ..data.scan import scan_dataset
@@ -33,14 +33,17 @@ from .diagnostics import make_observers
 from .early_stopping import EarlyStoppingGuard
 from .ema import AdapterEMA
 from .guards import ClipGuard, Guard, MemGuard, NonFiniteGuard, PlateauGuard, PrecisionGuard, WeightNormGuard
+from .inputs import BatchInputs
+from .observers import Observer
 from .optim import make_lr_scheduler, make_optimizer, optimizer_problems, unet_param_groups
 from .outcome import RunFailed
 from .perceptual import Perceptual, perceptual_problems
 from .placement import frozen_modules_to_offload, offload
+from .ranks import Ranks
+from .sample_judge import make_judge
 from .session import Session, TrainState
-from .step import encode_pixels, encode_text
 from .tensorboard import make_tensorboard_log
-from .validation import split_validation
+from .validation import Evaluator, split_validation
 
 
 class RunExists(ConfigError):
@@ -125,10 +128,6 @@ def find_resume_checkpoint(config: TrainConfig, report: Any) -> Checkpoint | Non
     return checkpoint
 
 
-def weight_dtype_for(config: TrainConfig) -> torch.dtype:
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
-
-
 def setup(config: TrainConfig) -> Session:
     """Check everything the user pointed at (model, resume checkpoint, then the dataset) before any model loads."""
     config, random_seed = resolve_seed(config)
@@ -138,16 +137,16 @@ def setup(config: TrainConfig) -> Session:
     prepare_run_dir(config)
     bad_checkpoints: list[str] = []
     resume_from = find_resume_checkpoint(config, bad_checkpoints.append)
-    accelerator = Accelerator(mixed_precision="no")  # mixed precision is ours (amp.py): the fallback switches it
-    amp = MixedPrecision(config.mixed_precision, accelerator.device)  # refuses a dtype the device lacks, early
+    ranks = Ranks(Accelerator(mixed_precision="no"))  # mixed precision is ours (amp.py): the fallback switches it
+    amp = MixedPrecision(config.mixed_precision, ranks.device)  # refuses a dtype the device lacks, early
     previous = RunReader(config.output_dir).status()  # read before our own heartbeat replaces it
-    run = RunWriter(config.output_dir, enabled=accelerator.is_main_process)
+    run = RunWriter(config.output_dir, enabled=ranks.is_main)
     run.status("starting", step=0)
     if previous.get("stale"):
         run.event("previous_died", f"The previous process {previous.get('pid')} died at step "
                   f"{previous.get('step', 0)} (it was {previous.get('reported_state') or previous.get('state')}; status.json went stale).",
                   step=previous.get("step"), pid=previous.get("pid"))
-    if accelerator.is_main_process:
+    if ranks.is_main:
         config.save_toml(run.paths.config)
         for leftover in remove_stale_temporaries(run.paths.checkpoints):
             run.event("checkpoint_bad", f"Removed {leftover.name}: a checkpoint whose writing was interrupted.")
@@ -159,7 +158,7 @@ def setup(config: TrainConfig) -> Session:
     if random_seed:
         run.event("seed", f"Seed -1: this run uses the random seed {config.seed} (recorded in config.toml, so "
                   "--resume and a rerun with that seed repeat it).", console=True, seed=config.seed)
-    if config.mixed_precision != "no" and accelerator.device.type == "cpu":
+    if config.mixed_precision != "no" and ranks.device.type == "cpu":
         run.event("precision", f"{config.mixed_precision} was requested but there is no GPU: the frozen model runs "
                   f"in {config.mixed_precision} on the CPU, which is slow; use mixed_precision no on a CPU.",
                   console=True)
@@ -195,13 +194,13 @@ def setup(config: TrainConfig) -> Session:
 
     run.status("loading", step=0)
     bundle = load_model(config)
+    objective = bundle.family.objective(bundle, config)
     add_lora(bundle, config)
-    weight_dtype = weight_dtype_for(config)
-    device = accelerator.device
-    bundle.vae.to(device, dtype=torch.float32 if config.mixed_precision == "fp16" else weight_dtype)
-    bundle.unet.to(device, dtype=weight_dtype)
+    device = ranks.device
+    bundle.vae.to(device, dtype=torch.float32 if config.mixed_precision == "fp16" else amp.weight_dtype)
+    bundle.unet.to(device, dtype=amp.weight_dtype)
     for encoder in bundle.text_encoders:
-        encoder.to(device, dtype=weight_dtype)
+        encoder.to(device, dtype=amp.weight_dtype)
     trained = {"unet": bundle.unet, **({f"te{i}": e for i, e in enumerate(bundle.text_encoders)}
                                        if config.train_text_encoder else {})}
     for module in trained.values():  # adapters train in fp32 whatever the base runs in
@@ -220,15 +219,16 @@ def setup(config: TrainConfig) -> Session:
     if config.train_text_encoder:
         te_params = [p for e in bundle.text_encoders for p in lora_parameters(e)]
         groups.append({"params": te_params, "lr": config.text_encoder_lr or config.learning_rate})
-    effective_batch = config.train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
-    if accelerator.num_processes > 1:
-        run.event("processes", f"Training on {accelerator.num_processes} processes ({accelerator.distributed_type}); "
-                  f"effective batch {effective_batch}.", processes=accelerator.num_processes)
+    params = [p for g in groups for p in g["params"]]
+    effective_batch = config.train_batch_size * config.gradient_accumulation_steps * ranks.count
+    if ranks.several:
+        run.event("processes", f"Training on {ranks.count} processes ({ranks.kind}); effective batch "
+                  f"{effective_batch}.", processes=ranks.count)
     if config.scale_lr:
         for g in groups:
             g["lr"] *= effective_batch
     optimizer = make_optimizer(groups, config)
-    steps_per_epoch = math.ceil(len(sampler) / (config.gradient_accumulation_steps * accelerator.num_processes))
+    steps_per_epoch = math.ceil(len(sampler) / (config.gradient_accumulation_steps * ranks.count))
     max_steps = config.max_train_steps or config.num_train_epochs * steps_per_epoch
     if config.validation_epochs:  # diffusers' flag, in epochs: the loop counts steps
         config.validation_steps = config.validation_epochs * steps_per_epoch
@@ -238,30 +238,47 @@ def setup(config: TrainConfig) -> Session:
     if config.lr_warmup_steps >= max_steps and config.lr_scheduler not in ("constant", "plateau"):
         run.event("config", f"lr_warmup_steps ({config.lr_warmup_steps}) is not shorter than the run ({max_steps} "
                   "steps): the learning rate never reaches its peak; lower lr_warmup_steps.", console=True)
-    prepared = accelerator.prepare(*trained.values(), optimizer)
-    trained = dict(zip(trained, prepared[:-1]))
-    optimizer = prepared[-1]
+    *prepared, optimizer = ranks.prepare(*trained.values(), optimizer)
+    trained = dict(zip(trained, prepared))
 
-    session = Session(config=config, accelerator=accelerator, run=run, bundle=bundle,
-                      objective=bundle.family.objective(bundle, config), data=data, sampler=sampler,
-                      optimizer=optimizer, lr_scheduler=lr_scheduler,
-                      params=[p for g in groups for p in g["params"]], trained=trained,
-                      state=TrainState(micro_batch_size=config.train_batch_size), max_steps=max_steps,
-                      generator=torch.Generator().manual_seed(config.seed), weight_dtype=weight_dtype, amp=amp,
-                      guards=make_guards(config), observers=make_observers(config), validation_items=held_out,
-                      resume_from=resume_from)
-    if config.ema_decay > 0:
-        session.ema = AdapterEMA(session.params, config.ema_decay, on_cpu=config.ema_on_cpu)
+    inputs = BatchInputs(bundle, amp, device, seed=config.seed, train_text_encoder=config.train_text_encoder)
+    build_caches(config, inputs, data, run, ranks)
+    feed = BatchFeed(data, sampler, with_pixels=inputs.latent_cache is None,
+                     num_workers=config.dataloader_num_workers, world=ranks.count, rank=ranks.index,
+                     pin_memory=device.type == "cuda")
+    perceptual = None
     if config.perceptual_lambda > 0:
-        session.perceptual = Perceptual(config, device, run)
-    if accelerator.is_main_process:  # report_to: observers fed by the loop, never deciding anything
-        session.tensorboard, note = make_tensorboard_log(config, run.paths.root)
-        if note:
-            run.event("config", note)
-            print(f"note: {note}", file=sys.stderr)
-    build_caches(session)
-    faults.arm(session)  # test-only hooks (STABLETUNE_FAULTS); installs nothing in a real run
-    return session
+        perceptual = Perceptual(config, device, bundle, objective, data)
+        run.event("perceptual", perceptual.description, real_lpips=perceptual.real)
+        print(perceptual.description, file=sys.stderr)
+    evaluator = Evaluator(config, bundle, objective, trained, amp, device, data, held_out, inputs)
+    observers = make_observers(config, evaluator, perceptual) + run_observers(config, run, ranks)
+    state = TrainState(micro_batch_size=config.train_batch_size, resume_from=resume_from)
+    ema = AdapterEMA(params, config.ema_decay, on_cpu=config.ema_on_cpu) if config.ema_decay > 0 else None
+    # test-only hooks (STABLETUNE_FAULTS); installs nothing in a real run
+    halfway = faults.arm(ranks.unwrap(trained["unet"]), params, optimizer, state)
+    return Session(config=config, ranks=ranks, run=run, bundle=bundle, objective=objective, data=data,
+                   sampler=sampler, feed=feed, inputs=inputs, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                   params=params, trained=trained, amp=amp, max_steps=max_steps, state=state,
+                   guards=tuple(make_guards(config)), observers=tuple(observers), validation_items=held_out,
+                   perceptual=perceptual, ema=ema, evaluator=evaluator, checkpoint_halfway=halfway)
+
+
+def run_observers(config: TrainConfig, run: RunWriter, ranks: Ranks) -> list[Observer]:
+    """The observers of the process that writes the run: TensorBoard (report_to) and the sample judge."""
+    if not ranks.is_main:
+        return []
+    observers: list[Observer] = []
+    log, note = make_tensorboard_log(config, run.paths.root)
+    if note:
+        run.event("config", note)
+        print(f"note: {note}", file=sys.stderr)
+    if log is not None:
+        observers.append(log)
+    judge = make_judge(config.sample_judge)
+    if judge is not None:
+        observers.append(judge)
+    return observers
 
 
 def enable_fast_attention(bundle: ModelBundle, config: TrainConfig, run: RunWriter) -> None:
@@ -278,41 +295,43 @@ def enable_fast_attention(bundle: ModelBundle, config: TrainConfig, run: RunWrit
                   "is as memory-efficient on PyTorch 2.", console=True)
 
 
-def build_caches(s: Session) -> None:
-    """Encode latents and caption embeddings once; then the modules no step needs go to the CPU (placement.py).
+def build_caches(config: TrainConfig, inputs: BatchInputs, data: DatasetView, run: RunWriter, ranks: Ranks) -> None:
+    """Encode latents and caption embeddings once into `inputs`' caches; then the modules no step needs go to the
+    CPU (placement.py).
 
     With cache_latents_to_disk the latents go to a cache shared by every run (STABLETUNE_CACHE, default
     ~/.cache/stabletune/latents), keyed by the image's bytes, its bucket and crop, and the VAE's weights and
     dtype, so a later run on the same images skips encoding. Each latent is a posterior sample seeded by its
     own pixels: the same whether this run encoded it or found it cached, and the run's RNG is not touched.
     """
-    config = s.config
+    bundle = inputs.bundle
     folder = Path(config.output_dir) / "cache" if config.cache_latents_to_disk else None
     model_id = f"{Path(config.pretrained_model_name_or_path).resolve()}|{config.mixed_precision}"
     if config.cache_latents:
-        s.run.status("caching", step=s.state.step)
+        run.status("caching", step=0)
         shared = cache_root() / "latents" if config.cache_latents_to_disk else None
-        vae_id = f"{module_fingerprint(s.bundle.vae)}|{s.bundle.vae.dtype}" if shared else "this-run"
-        s.latent_cache = LatentCache(shared, model_id=vae_id)
+        vae_id = f"{module_fingerprint(bundle.vae)}|{bundle.vae.dtype}" if shared else "this-run"
+        inputs.latent_cache = LatentCache(shared, model_id=vae_id)
 
         def encode(pixels: torch.Tensor) -> torch.Tensor:
             seed = derive_seed("cached-latent", hashlib.sha256(pixels.numpy().tobytes()).hexdigest())
-            return encode_pixels(s, pixels, torch.Generator().manual_seed(seed % 2**63))
+            return inputs.encode_pixels(pixels, torch.Generator().manual_seed(seed % 2**63))
 
-        encoded = s.latent_cache.build(s.data, encode, disable=not s.accelerator.is_main_process)
+        encoded = inputs.latent_cache.build(data, encode, disable=not ranks.is_main)
         where = f" in {shared}" if shared else ""
-        s.run.event("latent_cache", f"Encoded {encoded} images and reused {s.latent_cache.reused} cached latents"
-                    f"{where}.", encoded=encoded, reused=s.latent_cache.reused, folder=str(shared) if shared else None)
+        run.event("latent_cache", f"Encoded {encoded} images and reused {inputs.latent_cache.reused} cached latents"
+                  f"{where}.", encoded=encoded, reused=inputs.latent_cache.reused,
+                  folder=str(shared) if shared else None)
     if config.cache_text_embeddings:
-        s.text_cache = EmbeddingCache(folder / "text" if folder else None, model_id=model_id)
-        s.text_cache.build(s.data, lambda captions: encode_text(s, captions, grad=False),
-                           disable=not s.accelerator.is_main_process)
-    off = frozen_modules_to_offload(s.bundle, config, latents_cached=s.latent_cache is not None,
-                                    text_cached=s.text_cache is not None)
+        inputs.text_cache = EmbeddingCache(folder / "text" if folder else None, model_id=model_id)
+        inputs.text_cache.build(data, lambda captions: inputs.encode_text(captions, grad=False),
+                                disable=not ranks.is_main)
+    off = frozen_modules_to_offload(bundle, config, latents_cached=inputs.latent_cache is not None,
+                                    text_cached=inputs.text_cache is not None)
     if off:
-        offload(off.values(), s.device)
-        s.run.event("placement", f"{', '.join(off)} stay on the CPU after caching: their outputs are cached, so "
-                    f"only sampling brings them to {s.device}.", modules=list(off), device=str(s.device))
+        offload(off.values(), ranks.device)
+        run.event("placement", f"{', '.join(off)} stay on the CPU after caching: their outputs are cached, so "
+                  f"only sampling brings them to {ranks.device}.", modules=list(off), device=str(ranks.device))
 
 
 def make_guards(config: TrainConfig) -> list[Guard]:

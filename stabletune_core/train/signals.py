@@ -57,5 +57,10 @@ class StopSignals:
 ACTIVE: StopSignals | None = None  # set by the CLI; the loop reads it (None: nobody asked for signal handling)
 
 
+def signal_name(signum: int) -> str:
+    """How a user knows the signal: "Ctrl-C" for SIGINT, else its name (SIGTERM)."""
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
 def requested() -> int | None:
     return ACTIVE.requested if ACTIVE is not None else None

@@ -1,27 +1,32 @@
 """`report_to = tensorboard`: the loop's metrics and validation images as TensorBoard event files.
 
-An observer: the loop hands it the metrics it already logs (and the paths of the validation images it
-made); it only writes under RUN/tensorboard and never decides anything. Open the files with
+An ordinary observer (observers.py): it gets each metrics line the loop logs and the validation images it makes,
+writes them under RUN/tensorboard and never decides anything. Open the files with
 `tensorboard --logdir RUN/tensorboard`.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from ..config import TrainConfig
+from .observers import NOTHING, Observation, Observer, ObserverView
 
 TENSORBOARD_PIN = "tensorboard==2.21.0"
 # The metrics of a step, by TensorBoard tag; anything else numeric goes under train/.
 TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
         "clip_threshold": "train/clip_threshold", "sec_per_step": "train/sec_per_step",
         "micro_batch_size": "train/micro_batch_size", "images_seen": "train/images_seen", "epoch": "train/epoch",
-        "val_loss": "validation/loss", "ram_mb": "memory/ram_mb", "vram_allocated_mb": "memory/vram_allocated_mb",
+        "val_loss": "validation/loss", "val_loss_low_noise": "validation/loss_low_noise",
+        "val_loss_mid_noise": "validation/loss_mid_noise", "val_loss_high_noise": "validation/loss_high_noise",
+        "ram_mb": "memory/ram_mb", "vram_allocated_mb": "memory/vram_allocated_mb",
         "vram_reserved_mb": "memory/vram_reserved_mb", "vram_peak_mb": "memory/vram_peak_mb"}
 
 
-class TensorBoardLog:
+class TensorBoardLog(Observer):
     """Writes scalars and images into `folder` with torch's SummaryWriter."""
+
+    name = "tensorboard"
 
     def __init__(self, folder: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -29,24 +34,27 @@ class TensorBoardLog:
         self.folder = folder
         self.writer = SummaryWriter(log_dir=str(folder), flush_secs=10)
 
-    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+    def on_metrics(self, view: ObserverView, metrics: Mapping[str, Any]) -> Observation:
         for name, value in metrics.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue  # None (e.g. no clip threshold yet) and flags are not curves
-            self.writer.add_scalar(TAGS.get(name, f"train/{name}"), float(value), step)
+            self.writer.add_scalar(TAGS.get(name, f"train/{name}"), float(value), view.step)
+        return NOTHING
 
-    def log_images(self, step: int, paths: list[Path]) -> None:
+    def on_samples(self, view: ObserverView, folder: Path, paths: list[Path]) -> Observation:
         import numpy as np
         from PIL import Image
 
         for path in paths:
             with Image.open(path) as image:
                 pixels = np.asarray(image.convert("RGB"))
-            self.writer.add_image(f"samples/{Path(path).stem}", pixels, step, dataformats="HWC")
+            self.writer.add_image(f"samples/{Path(path).stem}", pixels, view.step, dataformats="HWC")
         self.writer.flush()  # samples are rare and what a user opens TensorBoard to see
+        return NOTHING
 
-    def close(self) -> None:
+    def on_end(self, view: ObserverView) -> Observation:
         self.writer.close()
+        return NOTHING
 
 
 def tensorboard_available() -> bool:
@@ -60,11 +68,8 @@ def tensorboard_available() -> bool:
 def make_tensorboard_log(config: TrainConfig, run_root: Path) -> tuple[TensorBoardLog | None, str | None]:
     """(the log, None) when the config asks for TensorBoard and it is installed; otherwise (None, a sentence
     for the user, or None when nothing was asked)."""
-    if config.report_to == "jsonl":
-        return None, None
     if config.report_to != "tensorboard":
-        return None, (f"report_to={config.report_to} is not supported; this run writes its metrics to "
-                      "metrics.jsonl only (report_to=tensorboard writes TensorBoard event files).")
+        return None, None
     if not tensorboard_available():
         return None, (f"report_to=tensorboard needs the tensorboard package (pip install {TENSORBOARD_PIN}); "
                       "this run writes its metrics to metrics.jsonl only.")

@@ -2,9 +2,12 @@
 
 Every number here is a pure function of the adapter weights: the images are fixed (a held-out split, or a
 fixed subset of the training images), encoded once with the VAE's mean (no sampling), and each image is
-measured at the same evenly spread timesteps with the same noise, drawn from seeds derived from the run seed
-and the image's path. LoRA dropout is off while measuring and the loop's own generator is never touched, so
-measuring never changes the training trajectory.
+measured at the same evenly spread timesteps (the objective's `validation_timesteps`) with the same noise, drawn
+from seeds derived from the run seed and the image's path. LoRA dropout is off while measuring and no training
+generator is touched, so measuring never changes the training trajectory.
+
+The loss is also reported per noise band (the objective's `noise_level` of each fixed timestep): low (t < 250 of
+1000), mid (250 <= t < 750) and high (t >= 750); an overfitting LoRA shows first where little noise is left.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import contextlib
 import dataclasses
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,14 +25,20 @@ import torch
 from ..config import AUTO_SPLIT_MIN_IMAGES, AUTO_VALIDATION_SPLIT, ConfigError, TrainConfig
 from ..data.dataset import DatasetView, derive_seed
 from ..data.scan import DataItem, DatasetScan
+from ..models.base import Conditioning, ModelBundle, Objective
+from ..runs.jsonfiles import append_jsonl
+from .amp import MixedPrecision
+from .forward import predict, predict_and_loss
 from .guards.verdicts import Event
-from .forward import predict_and_loss
+from .inputs import BatchInputs
 from .noise import noised
-from .observers import NOTHING, Observation, Observer
+from .observers import NOTHING, Observation, Observer, ObserverView
 from .placement import on_device
-from .session import Session
 
 VAL_LOSS_FILE = "val_loss.jsonl"
+#: Noise bands of the validation loss: (metric key, lowest noise level in the band); a band ends where the next
+#: begins. On SD's 1000-step schedule: t < 250, 250 <= t < 750, t >= 750.
+NOISE_BANDS = (("val_loss_low_noise", 0.0), ("val_loss_mid_noise", 0.25), ("val_loss_high_noise", 0.75))
 
 
 # ---- which images ---------------------------------------------------------------------------------------
@@ -57,14 +67,6 @@ def effective_validation_split(config: TrainConfig, image_count: int) -> float:
     return 0.0
 
 
-def validation_items(s: Session) -> tuple[list[DataItem], bool]:
-    """The images measured (at most validation_count) and whether they are held out of training."""
-    held = list(getattr(s, "validation_items", None) or [])
-    if held:
-        return held[: s.config.validation_count], True
-    return list(s.data.items[: s.config.validation_count]), False
-
-
 # ---- the fixed set ---------------------------------------------------------------------------------------
 @dataclass
 class FixedSet:
@@ -84,191 +86,226 @@ class FixedSet:
         return len(self.latents)
 
 
-@torch.no_grad()
-def build_fixed_set(s: Session, items: list[DataItem], timesteps: torch.Tensor, *, purpose: str = "val") -> FixedSet:
-    """Encode `items` once (center crop, no flip, the caption as written) with fixed noise per image.
-
-    The VAE (and the frozen text encoders) may wait on the CPU after caching (placement.py): they come to the
-    training device for this and go back."""
-    config = s.config
-    view = DatasetView(DatasetScan(Path(config.train_data_dir), list(items)), config.resolution,
-                       enable_bucket=config.enable_bucket, bucket_step=config.bucket_step,
-                       min_bucket_size=config.min_bucket_reso, max_bucket_size=config.max_bucket_reso,
-                       random_crop=False, flip_prob=0.0, seed=config.seed)
-    out = FixedSet(timesteps=timesteps.to(s.device))
-    examples = [view.example(i, 0) for i in range(len(items))]
-    with on_device([s.bundle.vae], s.device):
-        encoded = [s.bundle.family.encode_latents(s.bundle, e["pixel_values"][None]) for e in examples]
-    for i, (item, example) in enumerate(zip(items, examples)):
-        latents = encoded[i]
-        generator = torch.Generator().manual_seed(derive_seed(purpose, config.seed, Path(item.path).name) % 2**63)
-        noise = torch.randn((len(timesteps), *latents.shape[1:]), generator=generator)
-        out.latents.append(latents)
-        out.noise.append(noise.to(s.device))
-        out.captions.append(item.caption)
-        out.sizes.append({k: example[k] for k in ("original_size", "crop_top_left", "target_size")})
-        out.paths.append(str(item.path))
-    if not config.train_text_encoder and items:
-        with on_device(s.bundle.text_encoders, s.device), s.amp.autocast():
-            text = s.bundle.family.encode_text(s.bundle, out.captions)
-        out.text = [{k: v[i : i + 1].to(s.device) for k, v in text.items()} for i in range(len(items))]
-    return out
+@dataclass(frozen=True)
+class Measurement:
+    loss: float  # mean over every image and fixed timestep
+    bands: dict[str, float]  # NOISE_BANDS key -> mean over the rows in that band (bands without a row are left out)
 
 
 _MODE_DEPENDENT = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
                    torch.nn.AlphaDropout, torch.nn.modules.batchnorm._BatchNorm)
-_mode_modules: dict[int, list[torch.nn.Module]] = {}
 
 
-@contextlib.contextmanager
-def eval_mode(s: Session) -> Iterator[None]:
-    """LoRA dropout (and any other mode-dependent layer) off in every trained module, restored afterwards.
+class Evaluator:
+    """Measures the trained model without changing it: fixed sets, their loss, and a forward pass for probes.
 
-    Only the modules whose behaviour depends on the mode are flipped: module.eval() on a whole UNet walks
-    thousands of modules and costs more than a small forward pass.
+    A handle the validation-loss and activation observers get when they are made; it holds the run's fixed
+    wiring (model, objective, mixed precision, the images to measure on) and never touches a training generator.
     """
-    found = []
-    for module in s.trained.values():
-        key = id(module)
-        if key not in _mode_modules:
-            _mode_modules[key] = [m for m in module.modules() if isinstance(m, _MODE_DEPENDENT)]
-        found.extend(_mode_modules[key])
-    was = [m.training for m in found]
-    for m in found:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m, training in zip(found, was):
-            m.training = training
+
+    def __init__(self, config: TrainConfig, bundle: ModelBundle, objective: Objective,
+                 trained: dict[str, torch.nn.Module], amp: MixedPrecision, device: torch.device,
+                 data: DatasetView, validation_items: list[DataItem], inputs: BatchInputs) -> None:
+        self.config, self.bundle, self.objective = config, bundle, objective
+        self.trained, self.amp, self.device = trained, amp, device
+        self.data, self.validation_items, self.inputs = data, validation_items, inputs
+        self._mode_modules: list[torch.nn.Module] | None = None
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return self.trained["unet"]
+
+    def items(self) -> tuple[list[DataItem], bool]:
+        """The images measured (at most validation_count) and whether they are held out of training."""
+        if self.validation_items:
+            return list(self.validation_items[: self.config.validation_count]), True
+        return list(self.data.items[: self.config.validation_count]), False
+
+    @torch.no_grad()
+    def fixed_set(self, items: list[DataItem], timesteps: torch.Tensor, *, purpose: str = "val") -> FixedSet:
+        """Encode `items` once (center crop, no flip, the caption as written) with fixed noise per image.
+
+        The VAE (and the frozen text encoders) may wait on the CPU after caching (placement.py): they come to
+        the training device for this and go back."""
+        config, bundle = self.config, self.bundle
+        view = DatasetView(DatasetScan(Path(config.train_data_dir), list(items)), config.resolution,
+                           enable_bucket=config.enable_bucket, bucket_step=config.bucket_step,
+                           min_bucket_size=config.min_bucket_reso, max_bucket_size=config.max_bucket_reso,
+                           random_crop=False, flip_prob=0.0, seed=config.seed)
+        out = FixedSet(timesteps=timesteps.to(self.device))
+        examples = [view.example(i, 0) for i in range(len(items))]
+        with on_device([bundle.vae], self.device):
+            encoded = [bundle.family.encode_latents(bundle, e["pixel_values"][None]) for e in examples]
+        for item, example, latents in zip(items, examples, encoded):
+            generator = torch.Generator().manual_seed(derive_seed(purpose, config.seed, Path(item.path).name) % 2**63)
+            noise = torch.randn((len(timesteps), *latents.shape[1:]), generator=generator)
+            out.latents.append(latents)
+            out.noise.append(noise.to(self.device))
+            out.captions.append(item.caption)
+            out.sizes.append({k: example[k] for k in ("original_size", "crop_top_left", "target_size")})
+            out.paths.append(str(item.path))
+        if not config.train_text_encoder and items:
+            with on_device(bundle.text_encoders, self.device), self.amp.autocast():
+                text = bundle.family.encode_text(bundle, out.captions)
+            out.text = [{k: v[i : i + 1].to(self.device) for k, v in text.items()} for i in range(len(items))]
+        return out
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """LoRA dropout (and any other mode-dependent layer) off in every trained module, restored afterwards.
+
+        Only the modules whose behaviour depends on the mode are flipped: module.eval() on a whole UNet walks
+        thousands of modules and costs more than a small forward pass.
+        """
+        if self._mode_modules is None:
+            self._mode_modules = [m for module in self.trained.values() for m in module.modules()
+                                  if isinstance(m, _MODE_DEPENDENT)]
+        found = self._mode_modules
+        was = [m.training for m in found]
+        for m in found:
+            m.training = False
+        try:
+            yield
+        finally:
+            for m, training in zip(found, was):
+                m.training = training
+
+    def conditioning(self, fixed: FixedSet, indices: list[int]) -> Conditioning:
+        """The conditioning of images `indices` of `fixed`: from the text encoded at build time, or encoded now
+        (when the text encoders train)."""
+        family, sizes = self.bundle.family, [fixed.sizes[i] for i in indices]
+        if fixed.text is None:
+            with self.amp.autocast():
+                text = family.encode_text(self.bundle, [fixed.captions[i] for i in indices])
+            return family.make_conditioning(self.bundle, text, sizes)
+        text = {k: torch.cat([fixed.text[i][k] for i in indices]) for k in fixed.text[indices[0]]}
+        return family.make_conditioning(self.bundle, text, sizes)
+
+    def plain_loss(self, noisy: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor,
+                   cond: Conditioning) -> torch.Tensor:
+        """Per-sample loss without the objective's weights: the same number whatever loss options the run has."""
+        _, loss = predict_and_loss(self.objective, self.denoiser, noisy, target, timesteps, cond,
+                                   dtype=self.amp.weight_dtype, autocast=self.amp.autocast)
+        return loss
+
+    @torch.no_grad()
+    def fixed_set_loss(self, fixed: FixedSet, micro_batch_size: int) -> Measurement:
+        """Mean loss (no weighting) over every image and fixed timestep of `fixed`, and per noise band.
+
+        Rows (image x timestep) of the same latent size go through the denoiser together, in chunks of twice the
+        training micro-batch (no gradients, so that fits wherever training fits).
+        """
+        objective, k = self.objective, len(fixed.timesteps)
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, latents in enumerate(fixed.latents):
+            by_shape.setdefault(tuple(latents.shape), []).append(i)
+        chunk = max(k, 2 * max(1, micro_batch_size))
+        total, count = 0.0, 0
+        band_sums, band_counts = [0.0] * len(NOISE_BANDS), [0] * len(NOISE_BANDS)
+        with self.eval_mode():
+            for indices in by_shape.values():
+                clean = torch.cat([fixed.latents[i].expand(k, *fixed.latents[i].shape[1:]) for i in indices])
+                noise = torch.cat([fixed.noise[i] for i in indices])
+                timesteps = fixed.timesteps.repeat(len(indices))
+                cond = self.conditioning(fixed, indices)
+                cond = cond.index(torch.arange(len(indices), device=self.device).repeat_interleave(k))
+                for rows in (slice(a, a + chunk) for a in range(0, len(timesteps), chunk)):
+                    t = timesteps[rows]
+                    noisy = objective.noisy_input(clean[rows], noise[rows], t)
+                    loss = self.plain_loss(noisy, objective.target(clean[rows], noise[rows], t), t, cond.index(rows))
+                    total += float(loss.sum())
+                    count += loss.numel()
+                    band = noise_band(objective.noise_level(t))
+                    for b in range(len(NOISE_BANDS)):
+                        rows_in_band = band == b
+                        if rows_in_band.any():
+                            band_sums[b] += float(loss[rows_in_band].sum())
+                            band_counts[b] += int(rows_in_band.sum())
+        bands = {key: band_sums[b] / band_counts[b] for b, (key, _) in enumerate(NOISE_BANDS) if band_counts[b]}
+        return Measurement(total / max(count, 1), bands)
+
+    @torch.no_grad()
+    def batch_loss(self, batch: dict[str, Any], *, seed: int = 1234) -> float:
+        """Mean loss of a collated `batch` with noise, timesteps (and, without a latent cache, the VAE's posterior
+        sample) drawn from `seed` alone, LoRA dropout off."""
+        batch = {**batch, "position": ("fixed batch", seed)}  # the batch's generators: seeded by `seed` alone
+        with self.eval_mode():
+            latents = self.inputs.latents(batch)
+            noisy, noise, timesteps = noised(self.objective, latents, torch.Generator().manual_seed(seed))
+            target = self.objective.target(latents, noise, timesteps)
+            cond = self.inputs.conditioning(batch, slice(0, latents.shape[0]))
+            return float(self.plain_loss(noisy, target, timesteps, cond).mean())
+
+    @torch.no_grad()
+    def probe_forward(self, probe: FixedSet) -> None:
+        """One forward pass of the first image of `probe` at its timestep (dropout off), for forward hooks."""
+        with self.eval_mode():
+            noisy = self.objective.noisy_input(probe.latents[0], probe.noise[0], probe.timesteps)
+            predict(self.objective, self.denoiser, noisy, probe.timesteps, self.conditioning(probe, [0]),
+                    dtype=self.amp.weight_dtype, autocast=self.amp.autocast)
 
 
-def _conditioning(s: Session, captions: list[str], sizes: list[dict]) -> Any:
-    with s.amp.autocast():
-        text = s.bundle.family.encode_text(s.bundle, captions)
-    return s.bundle.family.make_conditioning(s.bundle, text, sizes)
+def noise_band(levels: torch.Tensor) -> torch.Tensor:
+    """The NOISE_BANDS index of each noise level in [0, 1]."""
+    edges = torch.tensor([low for _, low in NOISE_BANDS[1:]], dtype=levels.dtype, device=levels.device)
+    return torch.bucketize(levels, edges, right=True)
 
 
-def fixed_conditioning(s: Session, fixed: FixedSet, indices: list[int]) -> Any:
-    """The conditioning of images `indices` of `fixed`: from the text encoded at build time, or encoded now
-    (when the text encoders train)."""
-    sizes = [fixed.sizes[i] for i in indices]
-    if fixed.text is None:
-        return _conditioning(s, [fixed.captions[i] for i in indices], sizes)
-    text = {k: torch.cat([fixed.text[i][k] for i in indices]) for k in fixed.text[indices[0]]}
-    return s.bundle.family.make_conditioning(s.bundle, text, sizes)
-
-
-@torch.no_grad()
-def fixed_set_loss(s: Session, fixed: FixedSet) -> float:
-    """Mean diffusion loss (no SNR weighting) over every image and fixed timestep of `fixed`.
-
-    Rows (image x timestep) of the same latent size go through the UNet together, in chunks of twice the
-    training micro-batch (no gradients, so that fits wherever training fits).
-    """
-    k = len(fixed.timesteps)
-    by_shape: dict[tuple[int, ...], list[int]] = {}
-    for i, latents in enumerate(fixed.latents):
-        by_shape.setdefault(tuple(latents.shape), []).append(i)
-    chunk = max(k, 2 * max(1, s.state.micro_batch_size))
-    total, count = 0.0, 0
-    with eval_mode(s):
-        for indices in by_shape.values():
-            clean = torch.cat([fixed.latents[i].expand(k, *fixed.latents[i].shape[1:]) for i in indices])
-            noise = torch.cat([fixed.noise[i] for i in indices])
-            timesteps = fixed.timesteps.repeat(len(indices))
-            cond = fixed_conditioning(s, fixed, indices)
-            cond = cond.index(torch.arange(len(indices), device=s.device).repeat_interleave(k))
-            for rows in (slice(a, a + chunk) for a in range(0, len(timesteps), chunk)):
-                loss = _loss_of(s, clean[rows], noise[rows], timesteps[rows], cond.index(rows))
-                total += float(loss.sum())
-                count += loss.numel()
-    return total / max(count, 1)
-
-
-def _loss_of(s: Session, clean: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
-             cond: Any) -> torch.Tensor:
-    noisy = s.objective.noisy_input(clean, noise, timesteps)
-    target = s.objective.target(clean, noise, timesteps)
-    return _plain_loss(s, noisy, target, timesteps, cond)
-
-
-def _plain_loss(s: Session, noisy: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor,
-                cond: Any) -> torch.Tensor:
-    """Per-sample loss without SNR weighting: the same number whatever loss options the run trains with."""
-    _, loss = predict_and_loss(s.objective, s.trained["unet"], noisy, target, timesteps, cond, dtype=s.weight_dtype,
-                               autocast=s.amp.autocast)
-    return loss
-
-
-@torch.no_grad()
-def fixed_batch_loss(s: Session, batch: dict[str, Any], *, seed: int = 1234) -> float:
-    """Mean loss of a collated `batch` with noise and timesteps drawn from `seed` alone (LoRA dropout off)."""
-    from .step import conditioning_for, latents_for
-
-    with eval_mode(s):
-        latents = latents_for(s, batch)
-        generator = torch.Generator().manual_seed(seed)
-        noisy, noise, timesteps = noised(s.objective, latents, generator)
-        target = s.objective.target(latents, noise, timesteps)
-        cond = conditioning_for(s, batch, slice(0, latents.shape[0]))
-        return float(_plain_loss(s, noisy, target, timesteps, cond).mean())
+def fixed_batch_loss(evaluator: Evaluator, batch: dict[str, Any], *, seed: int = 1234) -> float:
+    """`Evaluator.batch_loss`: the loss of one batch at fixed noise, to compare weights before and after."""
+    return evaluator.batch_loss(batch, seed=seed)
 
 
 # ---- the observer ----------------------------------------------------------------------------------------
 class ValidationLoss(Observer):
     """Every `validation_loss_every` steps: the fixed-set loss, into diagnostics/val_loss.jsonl and into the
-    step's metrics as `val_loss` (which early stopping and the plateau scheduler read)."""
+    step's metrics as `val_loss` and its noise bands (early stopping and the plateau scheduler read `val_loss`)."""
 
     name = "validation_loss"
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, evaluator: Evaluator) -> None:
         self.every = config.validation_loss_every
+        self.timesteps = config.validation_timesteps
+        self.evaluator = evaluator
         self.history: list[tuple[int, float]] = []
         self.fixed: FixedSet | None = None
         self.held_out = False
         self.seconds = 0.0  # time spent measuring, for the overhead benchmark
 
-    def fixed_set(self, s: Session) -> FixedSet:
+    def fixed_set(self) -> FixedSet:
         """The fixed set, built when first measured, not before step 1: a run whose first validation is at step
         100 (or never, when validation_loss_every > max steps) should not wait for it at start-up."""
-        if self.fixed is not None:
-            return self.fixed
-        import time
-
-        start = time.perf_counter()
-        items, self.held_out = validation_items(s)
-        timesteps = s.objective.validation_timesteps(s.config.validation_timesteps)
-        self.fixed = build_fixed_set(s, items, timesteps)
-        self.seconds += time.perf_counter() - start
+        if self.fixed is None:
+            start = time.perf_counter()
+            items, self.held_out = self.evaluator.items()
+            timesteps = self.evaluator.objective.validation_timesteps(self.timesteps)
+            self.fixed = self.evaluator.fixed_set(items, timesteps)
+            self.seconds += time.perf_counter() - start
         return self.fixed
 
-    def described(self, s: Session) -> Event:
+    def described(self, step: int) -> Event:
         what = "held-out" if self.held_out else "training (not held out: this shows divergence, not overfitting)"
         return Event("validation", f"Validation loss every {self.every} steps on {len(self.fixed)} {what} images "
                      f"at timesteps {self.fixed.timesteps.tolist()} with fixed noise.",
-                     fields=dict(step=s.state.step, held_out=self.held_out, paths=self.fixed.paths))
+                     fields=dict(step=step, held_out=self.held_out, paths=self.fixed.paths))
 
-    def measure(self, s: Session) -> float:
-        return fixed_set_loss(s, self.fixed_set(s))
+    def measure(self, view: ObserverView) -> Measurement:
+        return self.evaluator.fixed_set_loss(self.fixed_set(), view.micro_batch_size)
 
-    def observe(self, s: Session) -> Observation:
-        if not self.every or s.state.step % self.every:
+    def observe(self, view: ObserverView) -> Observation:
+        if not self.every or view.step % self.every:
             return NOTHING
-        import time
-
         first = self.fixed is None
         start = time.perf_counter()
-        value = self.measure(s)
-        self.history.append((s.state.step, value))
-        if s.run.enabled:
-            from ..runs.jsonfiles import append_jsonl
-
-            append_jsonl(s.run.paths.diagnostics / VAL_LOSS_FILE,
-                         {"step": s.state.step, "val_loss": value, "held_out": self.held_out,
+        measured = self.measure(view)
+        self.history.append((view.step, measured.loss))
+        if view.diagnostics is not None:
+            append_jsonl(view.diagnostics / VAL_LOSS_FILE,
+                         {"step": view.step, "val_loss": measured.loss, **measured.bands, "held_out": self.held_out,
                           "images": len(self.fixed), "timesteps": self.fixed.timesteps.tolist()})
         self.seconds += time.perf_counter() - start
-        return Observation({"val_loss": value}, (self.described(s),) if first else ())
+        return Observation({"val_loss": measured.loss, **measured.bands},
+                           (self.described(view.step),) if first else ())
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": [[step, value] for step, value in self.history]}

@@ -72,7 +72,7 @@ def main() -> None:
         return wrapper
 
     for guard in guards_on:
-        for hook in ("before_optimizer_step", "after_step", "after_measuring", "threshold"):
+        for hook in ("max_grad_norm", "before_optimizer_step", "after_step", "after_measuring"):
             if hasattr(guard, hook):
                 setattr(guard, hook, timed(getattr(guard, hook)))
 
@@ -85,7 +85,7 @@ def main() -> None:
         if s.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        loss, grad_norm = training_step(s, batches)
+        loss, grad_norm, _ = training_step(s, batches)
         s.state.step += 1
         metrics = dict(loss=loss.mean, grad_norm=grad_norm)
         for guard in s.guards:

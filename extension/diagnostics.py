@@ -15,12 +15,10 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure  # the object API: no pyplot, no GUI backend, thread-safe enough
 
+from stabletune_core.runs import events as kinds
+from stabletune_core.runs.layout import ACTIVATIONS_FILE, SPECTRA_FILE, VAL_LOSS_FILE, WARNINGS_FILE
 from stabletune_core.runs.reader import RunReader
 
-SPECTRA_FILE = "spectra.jsonl"
-ACTIVATIONS_FILE = "activations.jsonl"
-VAL_LOSS_FILE = "val_loss.jsonl"
-WARNINGS_FILE = "warnings.jsonl"
 ACTIVATION_STATS = {"var": "variance", "mean": "mean", "zero_fraction": "zero fraction"}
 
 
@@ -135,8 +133,8 @@ def val_loss_points(reader: RunReader) -> list[tuple[int, float]]:
 
 def early_stopping_marks(reader: RunReader) -> tuple[list[int], list[int]]:
     """(steps of early-stopping triggers, step of the early stop) from the events."""
-    triggers = [e["step"] for e in reader.events() if e.get("kind") == "early_stopping_trigger" and e.get("step")]
-    stops = [e["step"] for e in reader.events() if e.get("kind") == "early_stop" and e.get("step")]
+    triggers = [e["step"] for e in reader.events() if e.get("kind") == kinds.EARLY_STOPPING_TRIGGER and e.get("step")]
+    stops = [e["step"] for e in reader.events() if e.get("kind") == kinds.EARLY_STOP and e.get("step")]
     return triggers, stops
 
 

@@ -13,9 +13,12 @@ import math
 import time
 from typing import Any
 
+from stabletune_core.runs import events as kinds
+
 WINDOW = 20  # logged intervals the speed is measured over: long enough to smooth, short enough to follow
-PAUSE, CONTINUE = "pause", "resume_run"
-RESTARTS = ("resumed", "resume")  # a new engine process took over from a checkpoint (or found none)
+PAUSE, CONTINUE = kinds.PAUSED, kinds.UNPAUSED
+# a new engine process took over from a checkpoint (or found none)
+RESTARTS = (kinds.RESUMED_FROM_CHECKPOINT, kinds.NOTHING_TO_RESUME)
 
 
 def paused_spans(events: list[dict[str, Any]], now: float | None = None) -> list[tuple[float, float]]:

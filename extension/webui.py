@@ -199,8 +199,10 @@ def is_demo_run(run_dir: Path) -> bool:
     """Does the run train the tiny demo model? Its LoRA only fits that model: A1111 reports it as a network
     with errors on any real SD1 checkpoint. (stabletune_core.demo builds it under the cache folder; that
     module needs pydantic 2, which A1111 lacks, so its folder rule is repeated here.)"""
+    from stabletune_core.runs.layout import RunPaths  # stdlib only, light enough for the host
+
     try:
-        with open(Path(run_dir) / "config.toml", "rb") as f:
+        with open(RunPaths(run_dir).config, "rb") as f:
             model = str(tomllib.load(f).get("pretrained_model_name_or_path") or "")
     except (OSError, ValueError):
         return False
@@ -260,6 +262,8 @@ def copy_new_name(source: Path, folder: Path) -> Path:
 def copy_finished_lora(run_dir: Path) -> Optional[str]:
     """For a run started from the tab that has finished (or was stopped): copy its LoRA files into the
     WebUI's Lora folder, once. A note for the status line, or None when there is nothing to say."""
+    from stabletune_core.runs.layout import RunPaths  # stdlib only, light enough for the host
+
     run_dir = Path(run_dir)
     marker = run_dir / MARKER
     with _copy_lock:
@@ -269,7 +273,7 @@ def copy_finished_lora(run_dir: Path) -> Optional[str]:
             return None
         if not data.get("copied"):
             try:
-                state = json.loads((run_dir / "status.json").read_text()).get("state")
+                state = json.loads(RunPaths(run_dir).status.read_text()).get("state")
             except (OSError, ValueError):
                 return None
             files = sorted((run_dir / "output").glob("*.safetensors"))

@@ -218,12 +218,13 @@ def run_export(checkpoint: Path, name: str | None) -> int:
     import shutil
     import tempfile
 
+    from .runs.layout import RunPaths
     from .train.loop import export, resume
     from .train.setup import setup
 
     checkpoint = checkpoint.resolve()
     run_dir = checkpoint.parent.parent
-    values = read_toml(run_dir / "config.toml")
+    values = read_toml(RunPaths(run_dir).config)
     with tempfile.TemporaryDirectory(prefix="stabletune-export-") as scratch:
         config = build_config({**values, "output_dir": scratch, "resume_from_checkpoint": str(checkpoint),
                                "validation_prompt": "", "perceptual_lambda": 0.0, "early_stopping": False})

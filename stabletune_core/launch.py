@@ -128,8 +128,3 @@ def spawn(run_dir: Path, engine_python: str = sys.executable, num_processes: int
         return subprocess.Popen(train_command(paths.config, engine_python, num_processes), stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, env=engine_env(),
                                 start_new_session=True)
-
-
-def start_run(config: Any, engine_python: str = sys.executable, num_processes: int = 1) -> subprocess.Popen:
-    """Write RUN/config.toml from `config` (TrainConfig, values or TOML path), then spawn the engine on it."""
-    return spawn(write_run_config(config, engine_python), engine_python, num_processes)

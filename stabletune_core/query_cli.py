@@ -13,20 +13,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .config import ConfigError, add_config_arguments
+
 
 def scan(args: argparse.Namespace) -> dict[str, Any]:
-    from .data import DatasetError, make_buckets, scan_dataset
-    from .data.buckets import assign_bucket
+    """The dataset as a run with these settings (TrainConfig flags: --resolution, --bucket-step, ...) would see it."""
+    from .config import config_from_args
+    from .data import DatasetError, scan_dataset
+    from .data.buckets import assign_bucket, training_buckets
 
+    config = config_from_args(args)
     try:
-        result = scan_dataset(Path(args.data), default_caption=args.default_caption,
-                              caption_extension=args.caption_extension)
+        result = scan_dataset(Path(config.train_data_dir), default_caption=config.default_caption,
+                              caption_extension=config.caption_extension)
     except DatasetError as exc:
         return {"error": str(exc)}
-    if args.enable_bucket:
-        buckets = make_buckets(args.resolution, args.min_bucket_reso, args.max_bucket_reso, args.bucket_step)
-    else:
-        buckets = [(args.resolution, args.resolution)]
+    buckets = training_buckets(config)
     items = [{"path": str(i.path), "caption": i.caption, "repeats": i.repeats, "width": i.width,
               "height": i.height, "bucket": list(assign_bucket(i.width, i.height, buckets))} for i in result.items]
     return {
@@ -71,19 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stabletune_core.query_cli", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    s = commands.add_parser("scan", help="Scan a dataset folder: usable images, skipped files, buckets.")
-    s.add_argument("--data", required=True)
-    s.add_argument("--caption-extension", default=".txt")
-    s.add_argument("--default-caption", default="")
-    s.add_argument("--resolution", type=int, default=512)
-    s.add_argument("--bucket-step", type=int, default=64)
-    s.add_argument("--min-bucket-reso", type=int, default=256)
-    s.add_argument("--max-bucket-reso", type=int, default=1024)
-    s.add_argument("--enable-bucket", action=argparse.BooleanOptionalAction, default=True)
+    s = commands.add_parser("scan", help="Scan a dataset folder: usable images, skipped files, buckets (takes the "
+                            "train flags that shape them, e.g. --resolution; the rest keep their defaults).")
+    s.add_argument("--data", dest="train_data_dir", required=True, help="The dataset folder (train_data_dir).")
+    add_config_arguments(s)
     s.set_defaults(handler=scan)
 
     v = commands.add_parser("validate", help="Validate config values given as JSON on stdin.")
-    v.add_argument("--write", default=None, help="Write the resolved config.toml here when it is valid.")
+    v.add_argument("--write", help="Write the resolved config.toml here when it is valid.")
     v.set_defaults(handler=validate)
 
     d = commands.add_parser("demo-assets", help="Build (once) and print the demo model and dataset paths.")
@@ -92,8 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         answer = args.handler(args)
-    except Exception as exc:  # the UI shows the sentence; the traceback would only go to a log nobody reads
-        answer = {"error": f"{type(exc).__name__}: {exc}"}
+    except ConfigError as exc:  # bad values: the UI shows the sentences
+        answer = {"error": " ".join(exc.problems)}
+    except Exception as exc:  # a bug: one sentence for the UI, the traceback kept in a file it names
+        from .train.outcome import save_traceback
+
+        where = save_traceback(exc, None)
+        answer = {"error": f"internal error: {type(exc).__name__}: {exc}; the traceback is in {where}."}
     print(json.dumps(answer))
     return 1 if "error" in answer else 0
 

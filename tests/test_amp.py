@@ -15,7 +15,7 @@ from stabletune_core.runs.reader import RunReader
 from stabletune_core.train import faults
 from stabletune_core.train.amp import MixedPrecision
 from stabletune_core.train.guards import precision
-from stabletune_core.train.schedule import LearningRateSchedule
+from stabletune_core.train.lr_schedule import LearningRateSchedule
 
 #: What the fp16 fallback and the rate lowering used to rewrite: accelerate's private state, the optimizer list
 #: and forward wrapper it keeps, and the scheduler's base and last rates.

@@ -79,7 +79,7 @@ def test_second_run_on_the_same_images_encodes_nothing(tiny_config, shapes_datas
 def test_vae_identity_is_its_weights_and_dtype():
     from diffusers import AutoencoderKL
 
-    from stabletune_core.data.dataset import module_fingerprint
+    from stabletune_core.data import module_fingerprint
 
     vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4, sample_size=32)
     same = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4, sample_size=32)

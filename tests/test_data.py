@@ -30,6 +30,7 @@ from stabletune_core.data import (
     scan_dataset,
     write_caption,
 )
+from views import view_of
 
 
 def save_rgb(path: Path, size: tuple[int, int] = (48, 32), color: tuple[int, int, int] = (200, 30, 30)) -> Path:
@@ -320,9 +321,9 @@ def make_view_dataset(tmp_path: Path) -> Path:
 
 def test_dataset_view_examples_are_reproducible(tmp_path: Path) -> None:
     scan = scan_dataset(make_view_dataset(tmp_path))
-    options = dict(bucket_step=8, random_crop=True, flip_prob=0.5, shuffle_caption=True, keep_tokens=1, seed=3)
-    view = DatasetView(scan, 64, **options)
-    again = DatasetView(scan, 64, **options)
+    options = dict(bucket_step=8, random_crop=True, flip=True, shuffle_caption=True, keep_tokens=1, seed=3)
+    view = view_of(scan, 64, **options)
+    again = view_of(scan, 64, **options)
     wide = next(i for i, item in enumerate(view.items) if item.path.name == "wide.png")
 
     a, b = view.example(wide, epoch=2), again.example(wide, epoch=2)
@@ -358,11 +359,11 @@ class CountingEncoder:
 
 
 def cached_view(tmp_path: Path, **options) -> DatasetView:
-    return DatasetView(scan_dataset(make_view_dataset(tmp_path)), 64, bucket_step=8, cache_latents=True, **options)
+    return view_of(scan_dataset(make_view_dataset(tmp_path)), 64, bucket_step=8, cache_latents=True, **options)
 
 
 def test_latent_cache_hit_does_not_re_encode(tmp_path: Path) -> None:
-    view = cached_view(tmp_path, random_crop=True, flip_prob=0.5)
+    view = cached_view(tmp_path, random_crop=True, flip=True)
     assert view.fixed_augmentation and len(view.notes) == 2
     encoder = CountingEncoder()
     cache = LatentCache(model_id="vae-test")
@@ -411,7 +412,7 @@ def test_nan_latent_raises_naming_the_file(tmp_path: Path) -> None:
 
 
 def test_latent_cache_refuses_random_augmentation(tmp_path: Path) -> None:
-    view = DatasetView(scan_dataset(make_view_dataset(tmp_path)), 64, bucket_step=8, random_crop=True)
+    view = view_of(scan_dataset(make_view_dataset(tmp_path)), 64, bucket_step=8, random_crop=True)
     with pytest.raises(ValueError, match="random crop or flip"):
         LatentCache(model_id="vae-test").build(view, CountingEncoder(), disable=True)
 
@@ -425,7 +426,7 @@ def test_embedding_cache(tmp_path: Path) -> None:
         return {"prompt_embeds": torch.randn(len(captions), 3, 5), "pooled": torch.randn(len(captions), 5)}
 
     cache = EmbeddingCache(tmp_path / "emb", model_id="te-test")
-    view = DatasetView(scan, 64, bucket_step=8, caption_dropout=0.1)
+    view = view_of(scan, 64, bucket_step=8, caption_dropout_rate=0.1)
     assert cache.build(view, encode, disable=True) == 3  # "char, a, b, c, d", "photo" and ""
     first = cache.get("photo")
     assert first["prompt_embeds"].shape == (3, 5)
@@ -435,7 +436,7 @@ def test_embedding_cache(tmp_path: Path) -> None:
     assert len(calls) == 1
 
     with pytest.raises(ValueError, match="caption shuffle"):
-        cache.build(DatasetView(scan, 64, bucket_step=8, shuffle_caption=True), encode, disable=True)
+        cache.build(view_of(scan, 64, bucket_step=8, shuffle_caption=True), encode, disable=True)
 
 
 def test_view_from_config_maps_kohya_names(tmp_path: Path) -> None:
@@ -456,6 +457,6 @@ def test_view_from_config_maps_kohya_names(tmp_path: Path) -> None:
         seed=1,
         cache_latents=True,
     )
-    view = DatasetView.from_config(scan_dataset(make_view_dataset(tmp_path)), config)
+    view = DatasetView(scan_dataset(make_view_dataset(tmp_path)), config)
     assert view.buckets == [(64, 64)] and set(view.item_buckets) == {(64, 64)}
     assert view.fixed_augmentation and view.notes  # flip was asked for, turned off by caching

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from stabletune_core.data.dataset import BucketBatchSampler, ShardedBatchSampler
+from stabletune_core.data import BucketBatchSampler, ShardedBatchSampler
 from stabletune_core.runs.reader import RunReader
 
 

@@ -72,7 +72,7 @@ def _set_adapters(session, collapsed: set[str] | None = None, seed: int = 0) -> 
 def test_rank_collapse_warns_naming_the_first_block_and_a_healthy_adapter_does_not(tiny_config):
     from extension import diagnostics as ui_diagnostics
     from stabletune_core.runs.reader import RunReader
-    from stabletune_core.train.diagnostics import SpectralMonitor
+    from stabletune_core.train.observers.diagnostics import SpectralMonitor
     from stabletune_core.train.loop import setup
     from stabletune_core.train.session import SessionView
 
@@ -115,7 +115,7 @@ def test_rank_collapse_warns_naming_the_first_block_and_a_healthy_adapter_does_n
 
 
 def test_activation_stats_on_the_fixed_probe(tiny_config):
-    from stabletune_core.train.diagnostics import ActivationMonitor
+    from stabletune_core.train.observers.diagnostics import ActivationMonitor
     from stabletune_core.train.loop import setup
     from stabletune_core.train.session import SessionView
 
@@ -201,7 +201,7 @@ def test_validation_sampler_and_ddim_eta_take_effect(tiny_config, tmp_path):
     from PIL import Image
 
     from stabletune_core.models.loading import load_model
-    from stabletune_core.train.sampling import make_validation_images
+    from stabletune_core.train.validation_images import make_validation_images
 
     def render(folder: str, **overrides) -> np.ndarray:
         config = tiny_config(validation_prompt="a red circle", num_validation_images=1, validation_inference_steps=3,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stabletune_core.train.early_stopping import judge
+from stabletune_core.train.guards.early_stopping import judge
 
 
 def _lines(path: Path) -> list[dict]:
@@ -72,6 +72,35 @@ def test_validation_loss_is_identical_twice_and_after_a_resume(tiny_config):
     guard2 = next(o for o in s2.observers if o.name == "validation_loss")
     assert guard2.measure(SessionView(s2)).loss == first
     assert guard2.history == guard.history  # the curve travels in the checkpoint
+
+
+def test_validation_loss_by_noise_band_is_fixed_and_survives_a_resume(tiny_config):
+    """Issue 21.7: beside val_loss, metrics.jsonl has the loss at low (t < 250), mid (250 <= t < 750) and high
+    (t >= 750) noise, from the same fixed noise and timesteps; an interrupted run resumed from its checkpoint
+    logs exactly the numbers the uninterrupted run logged."""
+    from stabletune_core.train.loop import train
+
+    common = dict(max_train_steps=4, save_steps=2, validation_split=0.25, validation_loss_every=2,
+                  validation_timesteps=4, diagnostics_every=0, activation_stats_every=0, lora_dropout=0.3)
+    straight = tiny_config(output_dir=str(Path(tiny_config().output_dir).parent / "straight"), **common)
+    train(straight)
+    lines = [m for m in _lines(Path(straight.output_dir) / "metrics.jsonl") if "val_loss" in m]
+    bands = ("val_loss_low_noise", "val_loss_mid_noise", "val_loss_high_noise")
+    assert [m["step"] for m in lines] == [2, 4] and all(set(bands) <= set(m) for m in lines)
+    for m in lines:  # timesteps 125 | 375, 625 | 875: one, two and one row per image
+        low, mid, high = (m[k] for k in bands)
+        assert m["val_loss"] == pytest.approx((low + 2 * mid + high) / 4, rel=1e-6)
+        assert high != low
+    logged = _lines(Path(straight.output_dir) / "diagnostics" / "val_loss.jsonl")
+    assert [r["timesteps"] for r in logged] == [[125, 375, 625, 875]] * 2
+    assert [[r[k] for k in bands] for r in logged] == [[m[k] for k in bands] for m in lines]
+
+    resumed = tiny_config(output_dir=str(Path(straight.output_dir).parent / "resumed"), **common,
+                          resume_from_checkpoint=str(Path(straight.output_dir) / "checkpoints" / "step_000002"))
+    train(resumed)
+    again = [m for m in _lines(Path(resumed.output_dir) / "metrics.jsonl") if "val_loss" in m]
+    assert [m["step"] for m in again] == [4]
+    assert [again[0][k] for k in ("val_loss", *bands)] == [lines[1][k] for k in ("val_loss", *bands)]
 
 
 # ---- early stopping on an overfitting run ---------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 
 from stabletune_core.cli import main as cli_main
 from stabletune_core.config import ConfigError, TrainConfig, build_config, check_inputs
-from stabletune_core.data.dataset import collate
+from stabletune_core.data import collate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,14 +98,13 @@ def test_config_toml_round_trip(tmp_path):
 # ---- training on the tiny model ----------------------------------------------------------------------
 def test_loss_on_a_fixed_batch_falls(tiny_config):
     from stabletune_core.train.loop import setup, train
-    from stabletune_core.train.validation import fixed_batch_loss
 
     config = tiny_config(max_train_steps=30, learning_rate=2e-3, lr_scheduler="constant")
     session = setup(config)
     batch = collate([session.data.example(i, 0) for i in range(4)])
-    before = fixed_batch_loss(session.evaluator, batch)
+    before = session.evaluator.batch_loss(batch)
     train(config, session=session)
-    after = fixed_batch_loss(session.evaluator, batch)
+    after = session.evaluator.batch_loss(batch)
     assert after < 0.9 * before, (before, after)
 
 

@@ -210,6 +210,25 @@ def test_metadata_has_trained_resolution_real_epoch_and_no_local_paths(tiny_conf
     assert stored["learning_rate"] == config.learning_rate  # the rest of the config is all there
 
 
+def test_shareable_config_strips_every_path_knob_the_schema_marks(tmp_path):
+    """Issue 22.4: the schema marks the path knobs; none of them reaches a shared LoRA with the trainer's absolute
+    path (reg_data_dir leaked before: every LoRA trained with class images carried the reg folder's path)."""
+    from stabletune_core.config import PATH_KNOBS, TrainConfig
+    from stabletune_core.train.lora_file import shareable_config
+
+    assert {"pretrained_model_name_or_path", "train_data_dir", "reg_data_dir", "model_config_dir", "output_dir",
+            "resume_from_checkpoint"} <= set(PATH_KNOBS)
+    folders = {name: tmp_path / "machine" / f"my-{name}" for name in PATH_KNOBS}
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+    config = TrainConfig.model_construct(**{**TrainConfig().model_dump(), **{k: str(v) for k, v in folders.items()}})
+    stored = shareable_config(config)
+    assert str(tmp_path) not in json.dumps(stored)
+    assert stored["reg_data_dir"] == "my-reg_data_dir" and stored["output_dir"] == "."
+    assert shareable_config(TrainConfig(pretrained_model_name_or_path="owner/model"))[
+        "pretrained_model_name_or_path"] == "owner/model"  # a hub id is no path of this machine
+
+
 # ---- item 20: the pinned transformers works with the pinned peft, as a user loads and switches LoRAs ----------
 def test_text_encoder_lora_loads_and_switches_in_diffusers(tiny_model, tmp_path):
     """What a user does with our file: load it into a pipeline, then use the text encoder's adapter API (diffusers'

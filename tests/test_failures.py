@@ -241,11 +241,16 @@ def test_corrupt_resume_checkpoint_is_refused_before_the_model_loads(tiny_model,
     (checkpoint / "manifest.json").write_text(json.dumps({"step": 2, "files": {"adapter.safetensors": "00"}}))
     (checkpoint / "adapter.safetensors").write_bytes(b"garbage")
     mine = tree_hash(checkpoint)
+    # A model folder that passes the checks of the outside world but cannot load: had the engine loaded the model
+    # before reading the checkpoint, the sentence would be "Could not load ..." instead.
+    unloadable = tmp_path / "unloadable-model"
+    (unloadable / "unet").mkdir(parents=True)
+    (unloadable / "model_index.json").write_text((tiny_model / "model_index.json").read_text())
     before = user_files()
-    result = train(base_flags(tiny_model, shapes_dataset, tmp_path / "run") + ["--resume", str(checkpoint)])
+    result = train(base_flags(unloadable, shapes_dataset, tmp_path / "run") + ["--resume", str(checkpoint)])
     sentence = assert_failed(result, tmp_path / "run", "Cannot resume from", code=1, before=before,
                              after=user_files())
-    assert "sha256" in sentence and "Loading" not in result.stderr  # before the model load
+    assert "sha256" in sentence and "Could not load" not in result.stderr  # refused before the model load
     assert tree_hash(checkpoint) == mine
 
 

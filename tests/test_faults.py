@@ -131,7 +131,7 @@ def test_killed_mid_step_and_mid_checkpoint_then_resumed_continues_exactly(backg
     assert status["state"] == "finished" and status["step"] == STEPS and not status["stale"]
     died = events(run_dir, "previous_died")
     assert [e["step"] for e in died] == [2, 6]  # last heartbeat of each dead process
-    resumed = events(run_dir, "resumed")
+    resumed = events(run_dir, "resumed_from_checkpoint")
     assert [Path(e["path"]).name for e in resumed] == ["step_000002", "step_000004"]
     assert [e["images_seen"] for e in resumed] == [4, 8]
     assert any("interrupted" in e["message"] for e in events(run_dir, "checkpoint_bad"))
@@ -157,7 +157,7 @@ def test_corrupt_checkpoint_byte_is_detected_and_the_previous_one_used(backgroun
     assert result.returncode == 0, result.stderr[-3000:]
     bad = events(run_dir, "checkpoint_bad")
     assert len(bad) == 1 and "step_000006" in bad[0]["message"] and "sha256" in bad[0]["message"]
-    assert Path(events(run_dir, "resumed")[0]["path"]).name == "step_000004"
+    assert Path(events(run_dir, "resumed_from_checkpoint")[0]["path"]).name == "step_000004"
     assert load_checkpoint(run_dir / "checkpoints" / "step_000006").step == 6  # rewritten whole
     expected = RunReader(clean_config.parent / "run").metrics()
     again = RunReader(run_dir).metrics()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stabletune_core.config import ConfigError, build_config
+from stabletune_core.config import ConfigError, TrainConfig, build_config, resolve
 from stabletune_core.runs.reader import RunReader
 
 QUIET = dict(validation_loss_every=0, diagnostics_every=0, activation_stats_every=0)
@@ -313,7 +313,12 @@ def test_validation_epochs_becomes_steps_as_diffusers_means_it(tiny_config, one_
     """diffusers' flag counts epochs: 8 images at batch 4 are 2 steps an epoch, so every 3 epochs = 6 steps."""
     from stabletune_core.train.loop import setup
 
-    s = setup(tiny_config(validation_epochs=3, validation_prompt="a red circle", validation_split=0))
-    assert s.config.validation_steps == 6
+    config = tiny_config(validation_epochs=3, validation_prompt="a red circle", validation_split=0, seed=-1)
+    s = setup(config)
+    assert s.config.validation_steps == 6 and config.validation_steps == 250  # resolved, the user's config untouched
     events = (s.run.paths.events).read_text()
     assert "validation_epochs 3 = validation images every 6 steps" in events
+    # Issue 22.4: RUN/config.toml is exactly what the run uses (the seed it drew, the steps it counts)
+    saved = TrainConfig.from_toml(s.run.paths.config)
+    assert saved == s.config and saved.validation_steps == 6 and saved.seed == s.config.seed != -1
+    assert resolve(saved, seed=1, steps_per_epoch=2) == saved  # a resolved config resolves to itself

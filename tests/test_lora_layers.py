@@ -32,7 +32,7 @@ def test_the_walker_reports_linear_and_conv_layers_with_their_numbers():
 
 def test_export_spectra_weight_norms_and_activation_stats_see_the_same_layers(tiny_config):
     from stabletune_core.lora.export import kohya_state_dict
-    from stabletune_core.train.diagnostics import ActivationMonitor, all_spectra
+    from stabletune_core.train.observers.diagnostics import ActivationMonitor, all_spectra
     from stabletune_core.train.guards.weightnorm import WeightNormGuard
     from stabletune_core.train.loop import setup
     from stabletune_core.train.session import SessionView
@@ -47,10 +47,11 @@ def test_export_spectra_weight_norms_and_activation_stats_see_the_same_layers(ti
 
     # Spectra
     assert {sp.module for sp in all_spectra(SessionView(s).adapters)} == set(walked)
-    # The weight-norm guard holds exactly the walked factors
+    # The weight-norm guard sees exactly the walked layers (by index into the view's layers, never the tensors)
     guard = WeightNormGuard(max_norm=1.0)
     guard.on_start(SessionView(s))
-    held = {id(t) for downs, ups, _ in guard.groups for t in (*downs, *ups)}
+    held = {id(t) for indices, _ in guard.groups for i in indices for t in (s.lora_layers[i].down,
+                                                                            s.lora_layers[i].up)}
     assert held == {id(t) for layer in walked.values() for t in (layer.down, layer.up)}
     # Export: one lora_down per walked layer, holding that layer's numbers
     tensors = kohya_state_dict(s.trained["unet"], [s.trained["te0"]], s.bundle.family, dtype=torch.float32)

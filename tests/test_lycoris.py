@@ -97,4 +97,4 @@ def test_resize_refuses_a_lycoris_file_in_one_sentence(tmp_path, capsys):
                "lora_unet_x.alpha": torch.tensor(2.0)}, str(path))
     assert cli.main(["resize", str(path), "--rank", "1"]) != 0
     assert "not a plain LoRA" in capsys.readouterr().err
-    assert not list(tmp_path.glob("*-rank*"))
+    assert [p.name for p in tmp_path.iterdir()] == ["loha.safetensors"]  # no NAME-r1.safetensors beside it

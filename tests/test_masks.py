@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from stabletune_core.data.dataset import DatasetView, collate
+from stabletune_core.data import collate
+from views import view_of
 from stabletune_core.data.masks import batch_loss_mask
 from stabletune_core.data.scan import scan_dataset
 
@@ -38,8 +39,8 @@ def test_masks_are_not_training_images_and_follow_crop_and_flip(tmp_path):
 
     scan = scan_dataset(data)
     assert sorted(item.path.name for item in scan.items) == ["a.png", "b.png", "c.png"]
-    view = DatasetView(scan, 64, bucket_step=8, min_bucket_size=32, max_bucket_size=128, random_crop=True,
-                       flip_prob=0.5, seed=3)
+    view = view_of(scan, 64, bucket_step=8, min_bucket_reso=32, max_bucket_reso=128, random_crop=True, flip=True,
+                   seed=3)
     flips = set()
     for epoch in range(6):
         for index, name in enumerate(("a.png", "b.png")):

@@ -160,7 +160,7 @@ def test_two_processes_match_one_and_resume_across_process_counts(reference, tin
 
     # only rank 0 wrote the run directory, and both ranks really trained together
     assert len(_events(two_dir, "processes")) == 1 and _events(two_dir, "processes")[0]["processes"] == 2
-    assert len(_events(two_dir, "resumed")) == 1
+    assert len(_events(two_dir, "resumed_from_checkpoint")) == 1
     assert done.stdout.count("LoRA written to") == 1
     assert sorted(p.name for p in (two_dir / "output").iterdir()) == ["lora.safetensors"]
     two_loss = _metrics(two_dir)

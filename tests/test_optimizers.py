@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from stabletune_core.config import ConfigError, build_config
-from stabletune_core.data.dataset import collate
+from stabletune_core.data import collate
 from stabletune_core.train.checkpoint import load_checkpoint
 
 STEPS, SAVE = 8, 4
@@ -16,7 +16,6 @@ RATES = {"lion": 3e-3, "adafactor": 1e-2, "adamw_schedulefree": 1e-2}
 @pytest.mark.parametrize("optimizer", list(RATES))
 def test_trains_and_resumes_exactly(optimizer, tiny_config, one_thread, tmp_path):
     from stabletune_core.train.loop import setup, train
-    from stabletune_core.train.validation import fixed_batch_loss
 
     import importlib
 
@@ -30,9 +29,9 @@ def test_trains_and_resumes_exactly(optimizer, tiny_config, one_thread, tmp_path
     assert type(session.optimizer.optimizer).__name__ == {"lion": "Lion", "adafactor": "Adafactor",
                                                            "adamw_schedulefree": "AdamWScheduleFree"}[optimizer]
     batch = collate([session.data.example(i, 0) for i in range(4)])
-    before = fixed_batch_loss(session.evaluator, batch)
+    before = session.evaluator.batch_loss(batch)
     train(straight, session=session)
-    after = fixed_batch_loss(session.evaluator, batch)
+    after = session.evaluator.batch_loss(batch)
     assert after < 0.95 * before, (before, after)
 
     resumed = tiny_config(output_dir=str(tmp_path / "resumed"), **common,

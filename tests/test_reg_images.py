@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from stabletune_core.config import check_inputs
 from stabletune_core.data import DatasetError, DatasetView, scan_dataset
+from views import view_of
 from stabletune_core.data.reg import merge_reg, scan_reg_images
 from stabletune_core.demo import draw_demo_dataset
 
@@ -27,8 +28,8 @@ def folders(tmp_path_factory):
 
 def merged_view(train: Path, reg: Path, seed: int = 0) -> DatasetView:
     instance = scan_dataset(train)
-    return DatasetView(merge_reg(instance, scan_reg_images(reg, instance.total_with_repeats)), 64,
-                       enable_bucket=False, seed=seed)
+    return view_of(merge_reg(instance, scan_reg_images(reg, instance.total_with_repeats)), 64,
+                   enable_bucket=False, seed=seed)
 
 
 # ---- (1) what an epoch holds, without a model ---------------------------------------------------------

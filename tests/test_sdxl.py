@@ -197,24 +197,27 @@ def test_flip_mirrors_the_crop_coordinates(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from stabletune_core.data.dataset import DatasetView
     from stabletune_core.data.scan import scan_dataset
+    from views import view_of
 
     rng = np.random.default_rng(0)
-    Image.fromarray(rng.integers(0, 255, (40, 100, 3), dtype=np.uint8)).save(tmp_path / "wide.png")
+    Image.fromarray(rng.integers(0, 255, (80, 200, 3), dtype=np.uint8)).save(tmp_path / "wide.png")
     scan = scan_dataset(tmp_path, default_caption="wide")
 
-    def view(flip: float) -> DatasetView:
-        return DatasetView(scan, 32, enable_bucket=False, random_crop=True, flip_prob=flip, seed=1)
+    def view(flip: bool):
+        return view_of(scan, 64, enable_bucket=False, random_crop=True, flip=flip, seed=1)
 
-    plain, flipped = view(0.0).example(0, epoch=0), view(1.0).example(0, epoch=0)
+    # an epoch with a flip (random_flip flips half the time) and an off-centre crop, so mirroring moves it
+    epoch = next(e for e in range(40) if view(True).example(0, epoch=e)["flipped"] and
+                 view(False).example(0, epoch=e)["crop_top_left"][1] != 160 - 64 - view(False).example(
+                     0, epoch=e)["crop_top_left"][1])
+    plain, flipped = view(False).example(0, epoch=epoch), view(True).example(0, epoch=epoch)
     (top, left), (f_top, f_left) = plain["crop_top_left"], flipped["crop_top_left"]
-    scaled = Image.open(tmp_path / "wide.png").convert("RGB").resize((80, 32), Image.Resampling.LANCZOS)
-    assert left != 80 - 32 - left  # an off-centre crop, so mirroring moves it
-    assert (f_top, f_left) == (top, 80 - 32 - left)
+    scaled = Image.open(tmp_path / "wide.png").convert("RGB").resize((160, 64), Image.Resampling.LANCZOS)
+    assert (f_top, f_left) == (top, 160 - 64 - left)
     mirrored = np.asarray(scaled.transpose(Image.Transpose.FLIP_LEFT_RIGHT), dtype=np.float32)
-    expected = torch.from_numpy(mirrored[f_top:f_top + 32, f_left:f_left + 32].copy()).permute(2, 0, 1) / 127.5 - 1
+    expected = torch.from_numpy(mirrored[f_top:f_top + 64, f_left:f_left + 64].copy()).permute(2, 0, 1) / 127.5 - 1
     assert torch.allclose(flipped["pixel_values"], expected, atol=1e-6)
     assert torch.equal(flipped["pixel_values"], plain["pixel_values"].flip(-1))  # same crop, mirrored
     # the latent-cache path (no pixels decoded) reports the same coordinates
-    assert view(1.0).example(0, epoch=0, with_pixels=False)["crop_top_left"] == (f_top, f_left)
+    assert view(True).example(0, epoch=epoch, with_pixels=False)["crop_top_left"] == (f_top, f_left)

@@ -44,7 +44,7 @@ def test_event_files_hold_the_run_metrics_and_samples(tiny_config, one_thread):
 def test_default_writes_no_event_files_and_missing_package_is_one_sentence(tiny_config, one_thread, monkeypatch,
                                                                            capsys):
     from stabletune_core.config import build_config
-    from stabletune_core.train import tensorboard
+    from stabletune_core.train.observers import tensorboard
     from stabletune_core.train.loop import train
 
     assert build_config({}).report_to == "jsonl"

@@ -467,7 +467,7 @@ def paused_timeline(run: Path, step_time: float = 0.5, pause: float = 600.0) -> 
         if step == 51:  # paused after step 50's metric, continued `pause` seconds later
             events.append({"time": at + 0.01, "step": 50, "kind": "pause", "message": "Paused at step 50."})
             at += 0.01 + pause
-            events.append({"time": at, "step": 50, "kind": "resume_run", "message": "Continuing from step 50."})
+            events.append({"time": at, "step": 50, "kind": "unpaused", "message": "Continuing from step 50."})
         at += step_time
         average = at - last if average is None else 0.9 * average + 0.1 * (at - last)  # the loop's formula
         last = at
@@ -500,7 +500,7 @@ def test_eta_after_a_pause_counts_training_time_only(ui) -> None:
     # An interval across an engine restart (model loading) is not a step either.
     restarted = [{"step": 1, "time": 0.0}, {"step": 2, "time": 1.0}, {"step": 3, "time": 300.0},
                  {"step": 4, "time": 301.0}]
-    assert eta.active_seconds_per_step(restarted, [{"time": 150.0, "kind": "resumed"}]) == 1.0
+    assert eta.active_seconds_per_step(restarted, [{"time": 150.0, "kind": "resumed_from_checkpoint"}]) == 1.0
     writer.status("stopped", step=60)
 
 

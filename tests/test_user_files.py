@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from stabletune_core.config import check_inputs
-from stabletune_core.data.dataset import DatasetView
+from views import view_of
 from stabletune_core.data.scan import DataItem, DatasetError, DatasetScan, scan_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +136,7 @@ def test_repeat_counts_are_bounded_and_zero_is_explained(tmp_path):
     assert {i.path.name: i.repeats for i in scan.items} == {"a.png": 1000, "b.png": 1000, "e.png": 1}
     assert scan.notes == ["Folder 0_reg asks for 0 repeats, so its 2 image(s) are left out (as in kohya's trainer); "
                           "rename it to 1_reg to train them."]
-    assert scan.notes[0] in DatasetView(scan, 64, bucket_step=8).notes  # what the loop writes to events.jsonl
+    assert scan.notes[0] in view_of(scan, 64, bucket_step=8).notes  # what the loop writes to events.jsonl
 
     only_zero = tmp_path / "only_zero"
     save_png(only_zero / "0_x" / "a.png")
@@ -147,7 +147,7 @@ def test_repeat_counts_are_bounded_and_zero_is_explained(tmp_path):
 def test_epoch_index_is_lazy_in_the_repeats(tmp_path):
     """A sampler over 3 images x a million repeats costs what one over 3 images does, not 3 million entries."""
     items = [DataItem(tmp_path / f"{i}.png", "c", 10**6, 64, 64) for i in range(3)]
-    view = DatasetView(DatasetScan(tmp_path, items=items), 64, bucket_step=8)
+    view = view_of(DatasetScan(tmp_path, items=items), 64, bucket_step=8)
     tracemalloc.start()
     started = time.perf_counter()
     sampler = view.sampler(batch_size=2)
@@ -160,7 +160,7 @@ def test_epoch_index_is_lazy_in_the_repeats(tmp_path):
     assert peak < 256 * 1024 and seconds < 1.0, (peak, seconds)
 
     small = [DataItem(tmp_path / f"{i}.png", "c", r, 64, 64) for i, r in enumerate((5, 1, 3))]
-    sampler = DatasetView(DatasetScan(tmp_path, items=small), 64, bucket_step=8).sampler(batch_size=2)
+    sampler = view_of(DatasetScan(tmp_path, items=small), 64, bucket_step=8).sampler(batch_size=2)
     for epoch in range(3):  # each image exactly `repeats` times per epoch, a different order each epoch
         drawn = [i for batch in sampler.batches_for_epoch(epoch) for i in batch]
         assert sorted(drawn) == [0] * 5 + [1] + [2] * 3

@@ -74,7 +74,7 @@ def tensorboard_hint(run: Path | None) -> str:
     """How to open the run's TensorBoard logs (report_to=tensorboard writes them under RUN/tensorboard)."""
     if run is None:
         return ""
-    folder = RunPaths(run).root / "tensorboard"
+    folder = RunPaths(run).tensorboard
     if folder.is_dir():
         return (f"**TensorBoard logs** of this run: `tensorboard --logdir {shlex.quote(str(folder))}`, then open "
                 "http://localhost:6006 (loss, learning rate, grad norm, memory, validation loss, samples).")

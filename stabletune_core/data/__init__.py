@@ -1,25 +1,22 @@
-"""Dataset handling: folder scan and image checks, captions, buckets, caches.
+"""Dataset handling: folder scan and image checks (scan.py, images.py), captions, buckets, seeds, the batch order
+(order.py), examples (examples.py), the DataLoader (loader.py) and caches (caches.py).
 
 Import from here; the submodules are an implementation detail.
 """
 
-from .buckets import assign_bucket, crop_geometry, make_buckets, maybe_flip, resize_and_crop
+from .buckets import assign_bucket, crop_geometry, make_buckets, resize_and_crop, training_buckets
+from .caches import EmbeddingCache, LatentCache, NonFiniteCacheError, check_finite, module_fingerprint
 from .captions import process_caption
-from .dataset import (
-    BucketBatchSampler,
-    DatasetView,
-    EmbeddingCache,
-    LatentCache,
-    NonFiniteCacheError,
-    check_finite,
-    collate,
-    derive_seed,
-)
+from .examples import DatasetView, Placement, collate
 from .images import IMAGE_EXTENSIONS, UnreadableImageError, load_image
+from .loader import BatchFeed
+from .order import BucketBatchSampler, ShardedBatchSampler
 from .scan import DataItem, DatasetError, DatasetScan, SkippedFile, scan_dataset, write_caption
+from .seeds import derive_seed
 
 __all__ = [
     "IMAGE_EXTENSIONS",
+    "BatchFeed",
     "BucketBatchSampler",
     "DataItem",
     "DatasetError",
@@ -28,6 +25,8 @@ __all__ = [
     "EmbeddingCache",
     "LatentCache",
     "NonFiniteCacheError",
+    "Placement",
+    "ShardedBatchSampler",
     "SkippedFile",
     "UnreadableImageError",
     "assign_bucket",
@@ -37,9 +36,10 @@ __all__ = [
     "derive_seed",
     "load_image",
     "make_buckets",
-    "maybe_flip",
+    "module_fingerprint",
     "process_caption",
     "resize_and_crop",
     "scan_dataset",
+    "training_buckets",
     "write_caption",
 ]

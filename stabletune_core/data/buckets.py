@@ -14,10 +14,18 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
+
+
+def training_buckets(config: Any) -> list[tuple[int, int]]:
+    """The buckets a run with `config` (a TrainConfig) trains in: one square bucket without bucketing."""
+    if not config.enable_bucket:
+        return [(config.resolution, config.resolution)]
+    return make_buckets(config.resolution, config.min_bucket_reso, config.max_bucket_reso, config.bucket_step)
 
 
 def make_buckets(resolution: int, min_size: int = 256, max_size: int = 1024, step: int = 64) -> list[tuple[int, int]]:
@@ -96,24 +104,22 @@ def resize_and_crop(
     (height, width) of the input image.
     """
     original_size = (image.height, image.width)
-    (scaled_w, scaled_h), (top, left) = crop_geometry(
-        image.width, image.height, bucket, random_crop=random_crop, rng=rng
-    )
-    if (scaled_w, scaled_h) != image.size:
+    scaled, top_left = crop_geometry(image.width, image.height, bucket, random_crop=random_crop, rng=rng)
+    return cut_to_bucket(image, bucket, scaled, top_left), top_left, original_size
+
+
+def cut_to_bucket(image: Image.Image, bucket: tuple[int, int], scaled_size: tuple[int, int],
+                  crop_top_left: tuple[int, int]) -> torch.Tensor:
+    """`image` scaled to `scaled_size` and cropped at `crop_top_left` (from `crop_geometry`) to the bucket: a CHW
+    float32 tensor in [-1, 1] of shape (3, bucket_h, bucket_w)."""
+    (top, left) = crop_top_left
+    if tuple(scaled_size) != image.size:
         # LANCZOS keeps fine detail when shrinking large photos, which is the
         # common case; it is also fine for the occasional upscale.
-        image = image.resize((scaled_w, scaled_h), Image.Resampling.LANCZOS)
+        image = image.resize(tuple(scaled_size), Image.Resampling.LANCZOS)
     image = image.crop((left, top, left + bucket[0], top + bucket[1]))
     array = np.asarray(image.convert("RGB"), dtype=np.float32)
-    pixel_values = torch.from_numpy(array.copy()).permute(2, 0, 1) / 127.5 - 1.0
-    return pixel_values.contiguous(), (top, left), original_size
-
-
-def maybe_flip(pixel_values: torch.Tensor, rng: random.Random, probability: float) -> torch.Tensor:
-    """Mirror a CHW tensor left-right with `probability` (one rng draw if > 0)."""
-    if probability > 0 and rng.random() < probability:
-        return torch.flip(pixel_values, dims=[-1])
-    return pixel_values
+    return (torch.from_numpy(array.copy()).permute(2, 0, 1) / 127.5 - 1.0).contiguous()
 
 
 def _round_down(value: int, step: int) -> int:

@@ -9,6 +9,7 @@ as skipped instead of crashing a run hours later.
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -68,9 +69,9 @@ def _upright(image: Image.Image) -> Image.Image:
     """Apply the EXIF orientation tag so phone photos are not trained sideways."""
     try:
         return ImageOps.exif_transpose(image)
-    except Exception:
-        # A malformed EXIF block should not cost the user an otherwise fine
-        # image; training on it un-rotated is the lesser evil.
+    except (OSError, ValueError, KeyError, TypeError, SyntaxError, struct.error):
+        # Pillow's ways of saying the EXIF block is malformed: that should not cost the user an otherwise fine
+        # image; training on it un-rotated is the lesser evil. (Anything else is a bug and is not hidden.)
         return image
 
 

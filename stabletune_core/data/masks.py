@@ -11,7 +11,6 @@ it; images without a mask weigh 1 everywhere, as without this feature.
 from __future__ import annotations
 
 import functools
-import random
 from pathlib import Path
 from typing import Any
 
@@ -38,31 +37,22 @@ def mask_path(image: Path) -> Path | None:
     return None
 
 
-def load_loss_mask(item: Any, bucket: tuple[int, int], view: Any, epoch: int, index: int) -> torch.Tensor | None:
-    """The (1, H, W) mask in [0, 1] of one example, cropped and flipped like its pixels; None without a mask.
-
-    The crop and flip come from fresh generators with the example's own seeds (dataset.py), so they match the
-    image's and leave the image's random streams untouched.
-    """
+def load_loss_mask(item: Any, bucket: tuple[int, int], placement: Any) -> torch.Tensor | None:
+    """The (1, H, W) mask in [0, 1] of one example, scaled, cropped and flipped as its pixels are (the example's
+    `Placement`, decided once for both); None without a mask."""
     path = mask_path(item.path)  # a Path already (DataItem)
     if path is None:
         return None
-    from .buckets import crop_geometry
-    from .dataset import derive_seed  # dataset.py imports this module
-
     with Image.open(path) as raw:
         mask = ImageOps.exif_transpose(raw).convert("L")
     if mask.size != (item.width, item.height):
         mask = mask.resize((item.width, item.height), Image.Resampling.BILINEAR)
-    crop_rng = random.Random(derive_seed("crop", view.seed, epoch, index))
-    (scaled_w, scaled_h), (top, left) = crop_geometry(item.width, item.height, bucket,
-                                                      random_crop=view.random_crop, rng=crop_rng)
-    if (scaled_w, scaled_h) != mask.size:
-        mask = mask.resize((scaled_w, scaled_h), Image.Resampling.BILINEAR)  # no ringing below 0 or above 1
+    if tuple(placement.scaled_size) != mask.size:
+        mask = mask.resize(tuple(placement.scaled_size), Image.Resampling.BILINEAR)  # no ringing below 0 or above 1
+    top, left = placement.crop_top_left
     mask = mask.crop((left, top, left + bucket[0], top + bucket[1]))
     tensor = torch.from_numpy(np.asarray(mask, dtype=np.float32).copy())[None] / 255.0
-    flip_rng = random.Random(derive_seed("flip", view.seed, epoch, index))
-    if view.flip_prob > 0 and flip_rng.random() < view.flip_prob:  # the same draw as buckets.maybe_flip
+    if placement.flipped:
         tensor = torch.flip(tensor, dims=[-1])
     return tensor
 

@@ -32,6 +32,8 @@ class InputAxisDora(torch.nn.Module):
     """The magnitude of one DoRA layer, one value per input channel; called by peft's DoRA variant in place of
     its own magnitude module, it returns what the layer adds to the base layer's output."""
 
+    per_input_channel = True  # what the layer walker (layers.py) reads: StableTune's form, not peft's
+
     def __init__(self, base_layer: torch.nn.Module, down: torch.Tensor, up: torch.Tensor, scaling: float) -> None:
         super().__init__()
         if isinstance(base_layer, torch.nn.Conv2d) and (base_layer.groups != 1 or base_layer.padding_mode != "zeros"):

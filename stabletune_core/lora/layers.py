@@ -64,8 +64,6 @@ def iter_lora_layers(model: torch.nn.Module, adapter_name: str = "default") -> I
     LoHa / LoKr layers are not LoRA layers and are not walked (lora/lycoris.py reads those)."""
     from peft.tuners.lora import LoraLayer
 
-    from .dora import InputAxisDora
-
     for name, module in unwrap(model).named_modules():
         if not isinstance(module, LoraLayer) or adapter_name not in module.lora_A:
             continue
@@ -81,7 +79,7 @@ def iter_lora_layers(model: torch.nn.Module, adapter_name: str = "default") -> I
             configured_alpha=float(module.lora_alpha[adapter_name]),
             dropout=float(getattr(dropout, "p", 0.0)),
             magnitude=None if dora is None else dora.weight,
-            dora_on_input=isinstance(dora, InputAxisDora),
+            dora_on_input=bool(getattr(dora, "per_input_channel", False)),  # dora.py's InputAxisDora
             up_module=module.lora_B[adapter_name],
         )
 

@@ -52,7 +52,3 @@ def kohya_te_name(module_path: str, prefix: str = "lora_te") -> str:
 def kohya_keys(name: str) -> tuple[str, str, str]:
     """(down, up, alpha) tensor keys of one kohya LoRA module."""
     return f"{name}.{DOWN}", f"{name}.{UP}", f"{name}.{ALPHA}"
-
-
-def is_kohya_key(key: str, prefixes: list[str] | tuple[str, ...] = (UNET_PREFIX, "lora_te")) -> bool:
-    return any(key.startswith(p + "_") for p in prefixes) and key.endswith((f".{DOWN}", f".{UP}", f".{ALPHA}"))

@@ -1,7 +1,7 @@
 """Does a run folder hold an earlier run? Asked before a new run may write there (nothing is overwritten)."""
 from __future__ import annotations
 
-from ..config import TrainConfig
+from ..config import ConfigError, TrainConfig
 from .layout import RunPaths
 
 
@@ -19,6 +19,6 @@ def earlier_run(paths: RunPaths, config: TrainConfig) -> str:
         try:
             if TrainConfig.from_toml(paths.config) != config:
                 return f"{paths.config.name} of another configuration"
-        except Exception:  # not even a config of ours: someone else's file
+        except (ConfigError, OSError, UnicodeDecodeError):  # not even a config of ours: someone else's file
             return paths.config.name
     return ""

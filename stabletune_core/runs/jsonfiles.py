@@ -5,7 +5,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ..atomic import write_text_atomic  # noqa: F401  (the UI writes captions with it from here)
 
@@ -60,8 +60,3 @@ def read_jsonl(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
         except json.JSONDecodeError:
             continue
     return records, offset + end
-
-
-def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    yield from read_jsonl(path)[0]
-

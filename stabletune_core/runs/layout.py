@@ -1,8 +1,14 @@
-"""Names of everything under RUN/. Engine and UI both import these, never spell paths themselves."""
+"""Names of everything under RUN/: the one place they are spelled. Engine and UI both import these (the event kinds
+are in events.py), never spell paths themselves."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+SPECTRA_FILE = "spectra.jsonl"  # RUN/diagnostics/: LoRA singular-value spectra (train/observers/diagnostics.py)
+ACTIVATIONS_FILE = "activations.jsonl"  # LoRA output statistics on a fixed probe
+VAL_LOSS_FILE = "val_loss.jsonl"  # validation loss and its noise bands
+WARNINGS_FILE = "warnings.jsonl"  # diagnostics warnings
 
 
 @dataclass(frozen=True)
@@ -49,11 +55,53 @@ class RunPaths:
         return self.root / "output"
 
     @property
+    def cache(self) -> Path:
+        """This run's own caches (cache_latents_to_disk: its text embeddings)."""
+        return self.root / "cache"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
     def log(self) -> Path:
+        """The engine's console output, as the UI's launcher writes it (it holds the file open for the run)."""
         return self.root / "train.log"
+
+    @property
+    def traceback(self) -> Path:
+        """An internal error's traceback (the console gets one sentence naming this file)."""
+        return self.root / "traceback.txt"
+
+    @property
+    def spectra(self) -> Path:
+        return self.diagnostics / SPECTRA_FILE
+
+    @property
+    def activations(self) -> Path:
+        return self.diagnostics / ACTIVATIONS_FILE
+
+    @property
+    def val_loss(self) -> Path:
+        return self.diagnostics / VAL_LOSS_FILE
+
+    @property
+    def warnings(self) -> Path:
+        return self.diagnostics / WARNINGS_FILE
+
+    @property
+    def artefacts(self) -> tuple[Path, ...]:
+        """What a run leaves in RUN/ (moved aside together by --overwrite_output_dir); train.log stays: the UI's
+        launcher holds it open for the next run."""
+        return (self.config, self.status, self.metrics, self.events, self.control, self.samples, self.diagnostics,
+                self.checkpoints, self.output, self.cache, self.tensorboard, self.traceback)
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step_{step:06d}"
 
     def sample_dir(self, step: int) -> Path:
         return self.samples / f"step_{step:06d}"
+
+    def aside(self, stamp: str) -> Path:
+        """Where --overwrite_output_dir moves an earlier run: RUN/previous-<stamp>."""
+        return self.root / f"previous-{stamp}"

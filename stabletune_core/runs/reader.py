@@ -150,7 +150,7 @@ def list_runs(parent: Path | str) -> list[RunSummary]:
     parent = Path(parent)
     if not parent.is_dir():
         return []
-    runs = [RunReader(p).summary() for p in parent.iterdir() if (p / "status.json").exists()]
+    runs = [RunReader(p).summary() for p in parent.iterdir() if RunPaths(p).status.exists()]
     return sorted(runs, key=lambda r: r.updated_at or 0, reverse=True)
 
 

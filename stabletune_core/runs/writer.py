@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .events import EVENT_KINDS
 from .jsonfiles import append_jsonl, read_json, write_json_atomic
 from .layout import RunPaths
 
@@ -61,8 +62,10 @@ class RunWriter:
 
     def event(self, kind: str, message: str, *, step: int | None = None, console: bool = False,
               **data: Any) -> None:
-        """A decision the engine took and why, in a sentence a user can read. `console`: the user must know
-        it now, so it is also one line on stderr (the UI's Train tab shows train.log, which holds stderr)."""
+        """A decision the engine took and why, in a sentence a user can read. `kind` is one of events.py's; `console`:
+        the user must know it now, so it is also one line on stderr (the UI's Train tab shows train.log)."""
+        if kind not in EVENT_KINDS:
+            raise ValueError(f"{kind!r} is not an event kind of runs/events.py; add it there or use one of those.")
         if not self.enabled:
             return
         if console:  # tqdm.write keeps a live progress bar below the line instead of gluing the two together

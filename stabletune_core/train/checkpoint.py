@@ -7,7 +7,6 @@ so a crash or a full disk mid-write leaves the previous checkpoint as the newest
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..atomic import fsync_dir, fsync_file, replace, user_permissions
+from ..digest import sha256_file
 from ..runs.reader import pid_alive
 
 MANIFEST = "manifest.json"
@@ -39,14 +39,6 @@ class Checkpoint:
     step: int
     adapter: dict[str, torch.Tensor]
     state: dict[str, Any]
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def estimate_size(adapter: dict[str, torch.Tensor], state: dict[str, Any]) -> int:

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from ..data.dataset import EmbeddingCache, LatentCache, derive_seed
+from ..data.caches import EmbeddingCache, LatentCache
+from ..data.seeds import derive_seed
 from ..models.base import Conditioning, ModelBundle
 from .amp import MixedPrecision
 

@@ -20,27 +20,28 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import TrainConfig
+from ..runs import events
 from . import signals, step
 from .checkpoint import (CheckpointError, latest_good_checkpoint, list_checkpoints, load_checkpoint,
                          prune_checkpoints, save_checkpoint)
 from .ema import optional_swap
-from .export import write_lora
 from .guards import Guard, OutOfMemoryStop
-from .guards.memory import free_memory
+from .guards.out_of_memory import free_memory
 from .guards.verdicts import (Event, ExportBest, LowerLearningRate, ProtectCheckpoint, Report, RollBack, SaveBest,
-                              ScaleWeights, ShrinkMicroBatch, SkipStep, StopEarly, StopOutOfMemory, SwitchPrecision,
-                              TakeSnapshot, Verdict)
-from .memory import memory_stats
+                              ScaleWeights, ShrinkMicroBatch, SkipStep, StopDiverged, StopEarly, StopOutOfMemory,
+                              SwitchPrecision, TakeSnapshot, Verdict)
+from .lora_file import write_lora
+from .memory_stats import memory_stats
 from .noise import NoiseOptions
-from .observers import Observation
+from .observers.base import Observation
 from .optim import evaluation_weights
 from .outcome import RunFailed
 from .preflight import describe, preflight
 from .rollback import restore_snapshot, take_snapshot
-from .sampling import make_validation_images
 from .session import Session, SessionView
 from .setup import setup
 from .state import adapter_state, restore_adapter, restore_rng, restore_run_state, rng_state, run_state
+from .validation_images import make_validation_images
 
 #: status.json while training is rewritten at most this often: the UI polls it about once a second, and a
 #: fast step would otherwise spend more on the heartbeat than on all the guards together (bench/RESULTS.md).
@@ -78,13 +79,13 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
             if signum:
                 if signals.ACTIVE is not None:
                     signals.ACTIVE.honoured = True
-                run.event("stop", f"{signals.signal_name(signum)} at step {state.step}; saving a checkpoint and the "
-                          "LoRA.", step=state.step, console=True)
+                run.event(events.STOP_REQUESTED, f"{signals.signal_name(signum)} at step {state.step}; saving a "
+                          "checkpoint and the LoRA.", step=state.step, console=True)
                 stop_reason = "stopped"
                 break
             batches = step.next_batches(s.feed, state, s.config.gradient_accumulation_steps)
             state.batch_paths = [str(p) for b in batches for p in b["path"]]
-            loss, grad_norm = training_step(s, batches)
+            loss, grad_norm, clip_threshold = training_step(s, batches)
             state.step += 1
             state.images_seen += s.ranks.total(sum(len(b["caption"]) for b in batches))
 
@@ -92,7 +93,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
             sec_per_step = (now - last_time) if sec_per_step is None else 0.9 * sec_per_step + 0.1 * (now - last_time)
             last_time = now
             metrics = dict(loss=loss.mean, lr=s.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
-                           clip_threshold=None, epoch=state.epoch, images_seen=state.images_seen,
+                           clip_threshold=clip_threshold, epoch=state.epoch, images_seen=state.images_seen,
                            sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
             if s.config.reg_data_dir:
                 metrics.update(loss.parts)
@@ -109,9 +110,6 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                 last_heartbeat = now
             progress.update(1)
             progress.set_postfix(loss=f"{loss.mean:.4f}")
-            nonfinite = _guard(s, "nonfinite")
-            if nonfinite is not None and nonfinite.hopeless(state.step - first_step):
-                raise RunFailed(nonfinite.hopeless_sentence(s.config, current_lr(s), state.step - first_step))
             if s.config.validation_prompts and state.step % s.config.validation_steps == 0:
                 sample(s)
             if state.step % s.config.save_steps == 0 and state.step < s.max_steps:
@@ -121,12 +119,11 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                 break
     finally:
         progress.close()
-    nonfinite = _guard(s, "nonfinite")
-    if nonfinite is not None and state.step > first_step and nonfinite.hopeless(state.step - first_step, end=True):
-        raise RunFailed(nonfinite.hopeless_sentence(s.config, current_lr(s), state.step - first_step))
+    for guard in s.guards:
+        carry_out(s, guard, guard.on_end(view))
     if state.step == first_step and stop_reason == "stopped":  # stopped before any step: nothing new to keep
         run.status("stopped", step=state.step, max_steps=s.max_steps, eta_seconds=0)
-        run.event("stopped", f"Run stopped at step {state.step} before training a step; nothing new to save.",
+        run.event(events.STOPPED, f"Run stopped at step {state.step} before training a step; nothing new to save.",
                   step=state.step, console=True)
         return None
     save(s, stop_reason)
@@ -147,17 +144,15 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     return path
 
 
-def _guard(s: Session, name: str) -> Guard | None:
-    return next((g for g in s.guards if g.name == name), None)
-
-
 # ---- one step -----------------------------------------------------------------------------------------
-def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[step.StepLoss, float]:
-    """Forward, backward, clip, ask the guards, optimizer step. Returns (loss, gradient norm before clipping)."""
+def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[step.StepLoss, float, float | None]:
+    """Forward, backward, clip, ask the guards, optimizer step. Returns (loss, gradient norm before clipping,
+    the clip threshold; None when nothing clipped)."""
+    view = SessionView(s)
     loss = forward_backward_fitting(s, batches)
-    clip = _guard(s, "clipping")
-    grad_norm = step.clip_gradients(s.params, s.optimizer, s.amp, clip.threshold() if clip else math.inf)
-    view, skip = SessionView(s), False
+    max_norm = min((n for guard in s.guards if (n := guard.max_grad_norm(view)) is not None), default=math.inf)
+    grad_norm = step.clip_gradients(s.params, s.optimizer, s.amp, max_norm)
+    skip = False
     for guard in s.guards:
         verdicts = guard.before_optimizer_step(view, loss.mean, grad_norm)
         skip |= any(isinstance(v, (SkipStep, RollBack)) for v in verdicts)
@@ -168,7 +163,7 @@ def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[step.StepL
             s.ema.update()
     s.lr_scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm
+    return loss, grad_norm, max_norm if math.isfinite(max_norm) else None
 
 
 def forward_backward(s: Session, batches: list[dict[str, Any]], *, micro_batch_size: int | None = None
@@ -183,11 +178,8 @@ def forward_backward(s: Session, batches: list[dict[str, Any]], *, micro_batch_s
 
 
 def forward_backward_fitting(s: Session, batches: list[dict[str, Any]]) -> step.StepLoss:
-    """`forward_backward`; with the memory guard, an out-of-memory error frees the step's memory, puts the
-    random-number state back (the retry draws exactly what the failed attempt drew) and asks the guard."""
-    memory = _guard(s, "memory")
-    if memory is None:
-        return forward_backward(s, batches)
+    """`forward_backward`; an out-of-memory error frees the step's memory, puts the random-number state back (the
+    retry draws exactly what the failed attempt drew) and asks the guards; without a verdict it ends the run."""
     rng = rng_state()
     tries = 0
     while True:
@@ -199,7 +191,13 @@ def forward_backward_fitting(s: Session, batches: list[dict[str, Any]]) -> step.
         s.optimizer.zero_grad(set_to_none=True)
         free_memory(s.device)
         restore_rng(rng)
-        carry_out(s, memory, memory.on_out_of_memory(SessionView(s), reason, tries))
+        view, decided = SessionView(s), False
+        for guard in s.guards:
+            verdicts = guard.on_out_of_memory(view, reason, tries)
+            decided |= bool(verdicts)
+            carry_out(s, guard, verdicts)
+        if not decided:
+            raise torch.cuda.OutOfMemoryError(reason)
         tries += 1
 
 
@@ -223,10 +221,6 @@ def record(s: Session, observation: Observation) -> dict[str, Any]:
     return observation.metrics
 
 
-def current_lr(s: Session) -> float:
-    return s.optimizer.param_groups[0]["lr"]
-
-
 # ---- the guards' verdicts, carried out -------------------------------------------------------------------
 def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
     """Act on `guard`'s verdicts, in order. Returns True when one ends the run (early stopping)."""
@@ -243,18 +237,18 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
                 roll_back(s, verdict)
             case ShrinkMicroBatch():
                 state.micro_batch_size = verdict.new
-                s.run.event("oom", f"Out of memory at step {verdict.step} with micro-batch {verdict.old} "
+                s.run.event(events.OOM, f"Out of memory at step {verdict.step} with micro-batch {verdict.old} "
                             f"({verdict.reason}); retrying with micro-batch {verdict.new} and twice the accumulation, "
                             "so the effective batch stays the same.", step=verdict.step, old_micro_batch=verdict.old,
                             new_micro_batch=verdict.new, paths=list(state.batch_paths), console=True)
             case StopOutOfMemory():
-                s.run.event("oom_stop", verdict.message, step=verdict.step)
+                s.run.event(events.OOM_STOP, verdict.message, step=verdict.step)
                 save(s, "out of memory")
                 s.run.status("failed", step=state.step, error=verdict.message)
                 raise OutOfMemoryStop(verdict.message)
             case LowerLearningRate():
                 old, new = s.lr_scheduler.lower(verdict.factor, verdict.floor)
-                s.run.event("lr_plateau", f"Validation loss has not improved on {verdict.best:.4g} for "
+                s.run.event(events.LR_PLATEAU, f"Validation loss has not improved on {verdict.best:.4g} for "
                             f"{verdict.patience} evaluations; learning rate {old:.3g} -> {new:.3g}.",
                             step=state.step, old_lr=old, new_lr=new)
             case SwitchPrecision():
@@ -262,15 +256,17 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
                 s.amp.recast_frozen([s.bundle.unet, *s.bundle.text_encoders], s.params)
                 write_event(s, verdict.event)
             case ScaleWeights():
+                layers, factors = [s.lora_layers[i] for i in verdict.layers], list(verdict.factors)
                 with torch.no_grad():
-                    for tensors, factors in zip(verdict.tensors, verdict.factors):
-                        torch._foreach_mul_(tensors, factors)
+                    torch._foreach_mul_([layer.down for layer in layers], factors)
+                    torch._foreach_mul_([layer.up for layer in layers], factors)
             case SaveBest():
                 save(s, verdict.reason)  # every process: save() waits for all of them
                 state.best_checkpoint = s.run.paths.checkpoint(state.step)
-                guard.remember_best(state.best_checkpoint)
             case ProtectCheckpoint():
-                state.best_checkpoint = verdict.path
+                state.best_checkpoint = None if verdict.step is None else s.run.paths.checkpoint(verdict.step)
+            case StopDiverged():
+                raise RunFailed(verdict.message)
             case ExportBest():
                 export_best(s)
             case StopEarly():
@@ -291,13 +287,13 @@ def skip_step(s: Session, verdict: SkipStep) -> None:
     step_number = s.state.step + 1
     s.amp.skip()  # the skipped optimizer step would have done it: an overflow lowers the loss scale
     if verdict.overflow:
-        s.run.event("fp16_overflow", f"Skipped step {step_number}: fp16 gradients overflowed; loss scale is now "
+        s.run.event(events.FP16_OVERFLOW, f"Skipped step {step_number}: fp16 gradients overflowed; loss scale is now "
                     f"{s.amp.loss_scale:g}.", step=step_number)
         return
     tensors = step.nonfinite_gradients(s.trained)
     detail = f" in {len(tensors)} gradient tensors, e.g. {', '.join(tensors[:3])}" if tensors else ""
-    s.run.event("nonfinite", f"Skipped step {step_number}: non-finite {verdict.what} (loss {verdict.loss}, grad norm "
-                f"{verdict.grad_norm}){detail}.", step=step_number, what=verdict.what, tensors=tensors[:20],
+    s.run.event(events.NONFINITE, f"Skipped step {step_number}: non-finite {verdict.what} (loss {verdict.loss}, "
+                f"grad norm {verdict.grad_norm}){detail}.", step=step_number, what=verdict.what, tensors=tensors[:20],
                 paths=list(s.state.batch_paths))
 
 
@@ -314,8 +310,8 @@ def roll_back(s: Session, verdict: RollBack) -> None:
     else:
         source = "no good state to roll back to (no snapshot, no checkpoint), kept the current weights"
     old, new = s.lr_scheduler.lower(verdict.lr_factor, verdict.min_lr)  # peaks: the rate is ~0 in a warm-up
-    s.run.event("rollback", f"{len(verdict.bad_steps)} non-finite steps within {verdict.window} steps (last at step "
-                f"{verdict.step}): {source}; learning rate {old:.3g} -> {new:.3g}.", step=verdict.step, old_lr=old,
+    s.run.event(events.ROLLBACK, f"{len(verdict.bad_steps)} non-finite steps within {verdict.window} steps (last at "
+                f"step {verdict.step}): {source}; learning rate {old:.3g} -> {new:.3g}.", step=verdict.step, old_lr=old,
                 new_lr=new, bad_steps=list(verdict.bad_steps), console=True)
 
 
@@ -334,7 +330,7 @@ def save(s: Session, reason: str) -> Path | None:
                                  saved, halfway=s.checkpoint_halfway)
     except CheckpointError as exc:
         state.checkpoint_failures += 1
-        s.run.event("checkpoint_failed", str(exc), step=state.step, console=True)
+        s.run.event(events.CHECKPOINT_FAILED, str(exc), step=state.step, console=True)
         if state.checkpoint_failures >= CHECKPOINT_FAILURE_LIMIT:
             raise RunFailed(f"Stopped at step {state.step} because {state.checkpoint_failures} checkpoints in a row "
                             f"could not be written ({exc.reason or exc}); {last_good_sentence(s)}") from None
@@ -343,7 +339,7 @@ def save(s: Session, reason: str) -> Path | None:
     state.checkpoint_failures = 0
     protect = {state.best_checkpoint} if state.best_checkpoint else set()
     removed = prune_checkpoints(s.run.paths.checkpoints, s.config.checkpoints_total_limit, protect=protect)
-    s.run.event("checkpoint", f"Saved checkpoint at step {state.step} ({reason}).", step=state.step,
+    s.run.event(events.CHECKPOINT, f"Saved checkpoint at step {state.step} ({reason}).", step=state.step,
                 path=str(folder), removed=[str(p) for p in removed])
     return folder
 
@@ -366,11 +362,11 @@ def resume(s: Session) -> None:
     ema_kept = restore_run_state(checkpoint.state, state, s.optimizer, s.lr_scheduler, s.amp, s.ema,
                                  [*s.guards, *s.observers])
     if not ema_kept:
-        s.run.event("config", f"{checkpoint.path.name} holds no EMA weights (ema_decay was 0 then); the EMA starts "
-                    f"from the resumed weights at step {state.step}.", step=state.step, console=True)
-    s.run.event("resumed", f"Resumed from {checkpoint.path} at step {state.step} ({state.images_seen} images "
-                f"seen, micro-batch {state.micro_batch_size}).", step=state.step, path=str(checkpoint.path),
-                images_seen=state.images_seen)
+        s.run.event(events.CONFIG, f"{checkpoint.path.name} holds no EMA weights (ema_decay was 0 then); the EMA "
+                    f"starts from the resumed weights at step {state.step}.", step=state.step, console=True)
+    s.run.event(events.RESUMED_FROM_CHECKPOINT, f"Resumed from {checkpoint.path} at step {state.step} "
+                f"({state.images_seen} images seen, micro-batch {state.micro_batch_size}).", step=state.step,
+                path=str(checkpoint.path), images_seen=state.images_seen)
 
 
 def export(s: Session, name: str | None = None, *, step: int | None = None) -> Path | None:
@@ -432,7 +428,7 @@ def apply_preflight(s: Session) -> dict[str, Any]:
     largest = report.get("largest_micro_batch")
     if largest is not None and 0 < largest < s.state.micro_batch_size:
         report["micro_batch_size"] = s.state.micro_batch_size = largest
-    s.run.event("preflight", describe(report), step=s.state.step, **report)
+    s.run.event(events.PREFLIGHT, describe(report), step=s.state.step, **report)
     return report
 
 
@@ -451,7 +447,7 @@ def sample(s: Session, *, then: str = "training") -> None:
     folder = s.run.paths.sample_dir(step_now)
     with evaluation_weights(s.optimizer), optional_swap(s.ema, s.config.validation_with_ema):
         paths = make_validation_images(s.bundle, s.config, folder, s.device, autocast=s.amp.autocast)
-    s.run.event("samples", f"Made {len(paths)} validation images at step {step_now}.", step=step_now)
+    s.run.event(events.SAMPLES, f"Made {len(paths)} validation images at step {step_now}.", step=step_now)
     view = SessionView(s)
     for observer in s.observers:
         record(s, observer.on_samples(view, folder, paths))
@@ -462,7 +458,7 @@ def sample_now(s: Session, state_after: str) -> None:
     """The UI's "Sample now". Sampling draws from its own seeded generators, never from the training RNG, so
     a run sampled on request still ends bitwise equal to one that was not."""
     if not s.config.validation_prompts:
-        s.run.event("samples", "Sample now: this run has no validation prompt, so there is nothing to render "
+        s.run.event(events.SAMPLES, "Sample now: this run has no validation prompt, so there is nothing to render "
                     "(set validation_prompt for the next run).", step=s.state.step, console=True)
         return
     sample(s, then=state_after)
@@ -479,14 +475,15 @@ def obey_control(s: Session) -> str | None:
         elif kind == "sample":
             sample_now(s, "paused" if paused else "training")
         elif kind == "stop":
-            s.run.event("stop", f"Stop requested at step {s.state.step}; saving and exporting.", step=s.state.step)
+            s.run.event(events.STOP_REQUESTED, f"Stop requested at step {s.state.step}; saving and exporting.",
+                        step=s.state.step)
             return "stop"
         elif kind == "pause" and not paused:
             paused = True
             s.run.status("paused", step=s.state.step, max_steps=s.max_steps)
-            s.run.event("pause", f"Paused at step {s.state.step}.", step=s.state.step)
+            s.run.event(events.PAUSED, f"Paused at step {s.state.step}.", step=s.state.step)
         elif kind == "resume" and paused:
-            s.run.event("resume_run", f"Continuing from step {s.state.step}.", step=s.state.step)
+            s.run.event(events.UNPAUSED, f"Continuing from step {s.state.step}.", step=s.state.step)
             s.run.status("training", step=s.state.step, max_steps=s.max_steps)
             return None
         if paused:

@@ -9,7 +9,7 @@ from diffusers.optimization import get_scheduler
 
 from ..config import TrainConfig
 from ..lora.inject import is_adapter_parameter
-from .schedule import LearningRateSchedule
+from .lr_schedule import LearningRateSchedule
 
 
 def make_optimizer(param_groups: list[dict], config: TrainConfig) -> torch.optim.Optimizer:
@@ -112,7 +112,7 @@ def evaluation_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 def make_lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, max_steps: int) -> LearningRateSchedule:
-    """diffusers' schedule for `config`, wrapped so that guards can lower the rate for good (schedule.py)."""
+    """diffusers' schedule for `config`, wrapped so that guards can lower the rate for good (lr_schedule.py)."""
     name = config.lr_scheduler
     if config.optimizer == "adamw_schedulefree":  # it warms up itself; a schedule on top would undo its point
         return LearningRateSchedule(optimizer, lambda o: get_scheduler("constant", optimizer=o))

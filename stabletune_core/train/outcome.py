@@ -89,8 +89,8 @@ def report_failure(exc: BaseException, output_dir: str | None, *, may_write_stat
 def save_traceback(exc: BaseException, output_dir: str | None) -> Path:
     text = "".join(traceback.format_exception(exc))
     for folder in ([Path(output_dir)] if output_dir else []) + [Path(tempfile.gettempdir())]:
-        path = folder / ("traceback.txt" if folder != Path(tempfile.gettempdir()) else
-                         f"stabletune-traceback-{os.getpid()}.txt")
+        path = RunPaths(folder).traceback if folder != Path(tempfile.gettempdir()) else \
+            folder / f"stabletune-traceback-{os.getpid()}.txt"
         try:
             if folder.is_dir():
                 path.write_text(text, encoding="utf-8")

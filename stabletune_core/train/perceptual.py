@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from ..config import TrainConfig
-from ..data.dataset import DatasetView
+from ..data.examples import DatasetView
 from ..models.base import ModelBundle, Objective
-from .observers import NOTHING, Observation, Observer, ObserverView
+from .observers.base import NOTHING, Observation, Observer, ObserverView
 
 _WEIGHTS = {"alex": "AlexNet_Weights", "vgg": "VGG16_Weights", "squeeze": "SqueezeNet1_1_Weights"}
 

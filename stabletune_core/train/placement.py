@@ -14,7 +14,7 @@ import torch
 
 from ..config import TrainConfig
 from ..models.base import ModelBundle
-from .guards.memory import free_memory
+from .guards.out_of_memory import free_memory
 
 CPU = torch.device("cpu")
 

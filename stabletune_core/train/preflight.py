@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..data.dataset import DatasetView, collate
-from .guards.memory import free_memory
+from ..data.examples import DatasetView, collate
+from .guards.out_of_memory import free_memory
 from .state import restore_rng, rng_state
 
 MB = 2**20

@@ -14,21 +14,25 @@ from typing import Callable, Mapping
 import torch
 
 from ..config import TrainConfig
-from ..data.dataset import BatchFeed, BucketBatchSampler, DatasetView
+from ..data.examples import DatasetView
+from ..data.loader import BatchFeed
+from ..data.order import BucketBatchSampler
 from ..data.scan import DataItem
+from ..lora.layers import LoraLayerView
 from ..models.base import ModelBundle, Objective
+from ..runs.layout import RunPaths
 from ..runs.writer import RunWriter
 from .amp import MixedPrecision
 from .checkpoint import Checkpoint, nothing
 from .ema import AdapterEMA
 from .guards.base import Guard
 from .inputs import BatchInputs
-from .observers import Observer
+from .lr_schedule import LearningRateSchedule
+from .observers.base import Observer
 from .perceptual import Perceptual
 from .ranks import Ranks
 from .rollback import Snapshot
-from .schedule import LearningRateSchedule
-from .validation import Evaluator
+from .observers.validation_loss import Evaluator
 
 #: The counters a checkpoint saves (its "train" entry): with them a resumed run continues exactly.
 COUNTERS = ("step", "epoch", "batch_in_epoch", "images_seen", "micro_batch_size")
@@ -75,6 +79,7 @@ class Session:
     lr_scheduler: LearningRateSchedule
     params: list[torch.nn.Parameter]
     trained: dict[str, torch.nn.Module]  # modules with adapters, by checkpoint prefix (accelerate-prepared)
+    lora_layers: tuple[LoraLayerView, ...]  # their LoRA layers (lora/layers.py), in a fixed order
     amp: MixedPrecision  # autocast, the fp16 loss scaler and the frozen model's dtype (amp.py)
     max_steps: int
     state: TrainState
@@ -134,9 +139,13 @@ class SessionView:
         return self._s.amp.loss_scale
 
     @property
+    def lora_layers(self) -> tuple[LoraLayerView, ...]:
+        return self._s.lora_layers
+
+    @property
     def adapters(self) -> Mapping[str, torch.nn.Module]:
         return {prefix: self._s.ranks.unwrap(m) for prefix, m in self._s.trained.items()}
 
     @property
-    def diagnostics(self) -> Path | None:
-        return self._s.run.paths.diagnostics if self._s.run.enabled else None
+    def run_paths(self) -> RunPaths | None:
+        return self._s.run.paths if self._s.run.enabled else None

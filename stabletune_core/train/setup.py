@@ -15,35 +15,40 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from ..cache import cache_root
-from ..config import ConfigError, TrainConfig, check_inputs
-from ..data.dataset import BatchFeed, DatasetView, EmbeddingCache, LatentCache, derive_seed, module_fingerprint
+from ..config import ConfigError, TrainConfig, check_inputs, resolve
+from ..data.caches import EmbeddingCache, LatentCache, module_fingerprint
+from ..data.examples import DatasetView
+from ..data.loader import BatchFeed
 from ..data.masks import masks_note
 from ..data.reg import merge_reg, scan_reg_images
 from ..data.scan import scan_dataset
+from ..data.seeds import derive_seed
 from ..lora.inject import add_lora, lora_parameters
+from ..lora.layers import run_lora_layers
 from ..models.base import ModelBundle
 from ..models.loading import load_model
+from ..runs import events
 from ..runs.earlier import earlier_run
 from ..runs.reader import RunReader
 from ..runs.writer import RunWriter
 from . import faults
 from .amp import MixedPrecision
 from .checkpoint import Checkpoint, CheckpointError, latest_good_checkpoint, load_checkpoint, remove_stale_temporaries
-from .diagnostics import make_observers
-from .early_stopping import EarlyStoppingGuard
+from .observers.diagnostics import make_observers
 from .ema import AdapterEMA
-from .guards import ClipGuard, Guard, MemGuard, NonFiniteGuard, PlateauGuard, PrecisionGuard, WeightNormGuard
+from .guards import (ClipGuard, EarlyStoppingGuard, Guard, MemGuard, NonFiniteGuard, PlateauGuard, PrecisionGuard,
+                     WeightNormGuard)
 from .inputs import BatchInputs
-from .observers import Observer
+from .observers.base import Observer
 from .optim import make_lr_scheduler, make_optimizer, optimizer_problems, unet_param_groups
 from .outcome import RunFailed
 from .perceptual import Perceptual, perceptual_problems
 from .placement import frozen_modules_to_offload, offload
 from .ranks import Ranks
-from .sample_judge import make_judge
+from .observers.sample_judge import make_judge
 from .session import Session, TrainState
-from .tensorboard import make_tensorboard_log
-from .validation import Evaluator, split_validation
+from .observers.tensorboard import make_tensorboard_log
+from .observers.validation_loss import Evaluator, split_validation
 
 
 class RunExists(ConfigError):
@@ -55,11 +60,6 @@ class RunExists(ConfigError):
 
 
 # ---- set up -----------------------------------------------------------------------------------------------
-#: What a run leaves in RUN/ (see runs/layout.py); train.log stays: the UI's launcher holds it open for this run.
-RUN_ARTEFACTS = ("config.toml", "status.json", "metrics.jsonl", "events.jsonl", "control.json", "samples",
-                 "diagnostics", "checkpoints", "output", "cache")
-
-
 def prepare_run_dir(config: TrainConfig) -> RunWriter:
     """Never write over an earlier run: refuse (one sentence), or with --overwrite_output_dir move it aside.
 
@@ -73,7 +73,7 @@ def prepare_run_dir(config: TrainConfig) -> RunWriter:
     if not found:
         return writer
     root = writer.paths.root
-    aside = root / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside = writer.paths.aside(time.strftime('%Y%m%d-%H%M%S'))
     if not config.overwrite_output_dir:
         raise RunExists([f"Output folder {root} already holds an earlier run ({found}); pass --resume auto to "
                          f"continue it, choose a new --output_dir, or pass --overwrite_output_dir to move it aside "
@@ -81,24 +81,24 @@ def prepare_run_dir(config: TrainConfig) -> RunWriter:
     if os.environ.get("RANK", "0") == "0":  # with several processes, the first one moves; nothing is deleted
         n = 2
         while aside.exists():
-            aside, n = root / f"previous-{time.strftime('%Y%m%d-%H%M%S')}-{n}", n + 1
+            aside, n = writer.paths.aside(f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"), n + 1
         aside.mkdir()
-        for name in RUN_ARTEFACTS:
-            if (root / name).exists():
-                (root / name).rename(aside / name)
+        for artefact in writer.paths.artefacts:  # train.log stays: the UI's launcher holds it open for this run
+            if artefact.exists():
+                artefact.rename(aside / artefact.name)
         print(f"note: moved the earlier run in {root} aside into {aside.name}/ (--overwrite_output_dir).",
               file=sys.stderr)
     return writer
 
 
-def resolve_seed(config: TrainConfig) -> tuple[TrainConfig, bool]:
-    """Seed -1 means "random" (as in the WebUIs): draw one and put it in the config, which is saved as the run's
-    config.toml, so the run can be resumed and repeated. Returns (config, whether a seed was drawn)."""
+def draw_seed(config: TrainConfig) -> int | None:
+    """Seed -1 means "random" (as in the WebUIs): a seed for `resolve` to put into the config, which is saved as the
+    run's config.toml, so the run can be resumed and repeated. None when the config has its own seed."""
     if config.seed != -1:
-        return config, False
+        return None
     import secrets
 
-    return config.model_copy(update={"seed": secrets.randbelow(2**32)}), True
+    return secrets.randbelow(2**32)
 
 
 def find_resume_checkpoint(config: TrainConfig, report: Any) -> Checkpoint | None:
@@ -129,12 +129,16 @@ def find_resume_checkpoint(config: TrainConfig, report: Any) -> Checkpoint | Non
 
 
 def setup(config: TrainConfig) -> Session:
-    """Check everything the user pointed at (model, resume checkpoint, then the dataset) before any model loads."""
-    config, random_seed = resolve_seed(config)
+    """Check everything the user pointed at (model, resume checkpoint, then the dataset) before any model loads.
+
+    RUN/config.toml is written once the config is resolved (a random seed drawn, validation epochs counted in
+    steps): exactly the config the run uses."""
     problems = check_inputs(config) + perceptual_problems(config) + optimizer_problems(config)
     if problems:
         raise ConfigError(problems)
-    prepare_run_dir(config)
+    prepare_run_dir(config)  # compares with what is there as the user (or the UI) wrote it
+    random_seed = draw_seed(config)
+    config = resolve(config, seed=random_seed)
     bad_checkpoints: list[str] = []
     resume_from = find_resume_checkpoint(config, bad_checkpoints.append)
     ranks = Ranks(Accelerator(mixed_precision="no"))  # mixed precision is ours (amp.py): the fallback switches it
@@ -143,54 +147,61 @@ def setup(config: TrainConfig) -> Session:
     run = RunWriter(config.output_dir, enabled=ranks.is_main)
     run.status("starting", step=0)
     if previous.get("stale"):
-        run.event("previous_died", f"The previous process {previous.get('pid')} died at step "
+        run.event(events.PREVIOUS_DIED, f"The previous process {previous.get('pid')} died at step "
                   f"{previous.get('step', 0)} (it was {previous.get('reported_state') or previous.get('state')}; status.json went stale).",
                   step=previous.get("step"), pid=previous.get("pid"))
     if ranks.is_main:
-        config.save_toml(run.paths.config)
         for leftover in remove_stale_temporaries(run.paths.checkpoints):
-            run.event("checkpoint_bad", f"Removed {leftover.name}: a checkpoint whose writing was interrupted.")
+            run.event(events.CHECKPOINT_BAD, f"Removed {leftover.name}: a checkpoint whose writing was interrupted.")
     for message in bad_checkpoints:
-        run.event("checkpoint_bad", message, console=True)
+        run.event(events.CHECKPOINT_BAD, message, console=True)
     if resume_from is None and config.resume_from_checkpoint:
-        run.event("resume", "No checkpoint to resume from; starting from step 0." if not bad_checkpoints else
-                  "No checkpoint could be read; starting over from step 0 (allow_restart).", console=True)
-    if random_seed:
-        run.event("seed", f"Seed -1: this run uses the random seed {config.seed} (recorded in config.toml, so "
+        run.event(events.NOTHING_TO_RESUME, "No checkpoint to resume from; starting from step 0." if not
+                  bad_checkpoints else "No checkpoint could be read; starting over from step 0 (allow_restart).",
+                  console=True)
+    if random_seed is not None:
+        run.event(events.SEED, f"Seed -1: this run uses the random seed {config.seed} (recorded in config.toml, so "
                   "--resume and a rerun with that seed repeat it).", console=True, seed=config.seed)
     if config.mixed_precision != "no" and ranks.device.type == "cpu":
-        run.event("precision", f"{config.mixed_precision} was requested but there is no GPU: the frozen model runs "
-                  f"in {config.mixed_precision} on the CPU, which is slow; use mixed_precision no on a CPU.",
+        run.event(events.PRECISION, f"{config.mixed_precision} was requested but there is no GPU: the frozen model "
+                  f"runs in {config.mixed_precision} on the CPU, which is slow; use mixed_precision no on a CPU.",
                   console=True)
     for note in config.notes():
-        run.event("config", note)
+        run.event(events.CONFIG, note)
     set_seed(config.seed)
 
     scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension)
     for skipped in scan.skipped:
-        run.event("data_skipped", f"Skipped {skipped.path}: {skipped.reason}", path=str(skipped.path))
+        run.event(events.DATA_SKIPPED, f"Skipped {skipped.path}: {skipped.reason}", path=str(skipped.path))
     if scan.skipped:
-        run.event("data_skipped", f"Skipped {len(scan.skipped)} unreadable image(s), e.g. {scan.skipped[0].path.name}: "
-                  f"{scan.skipped[0].reason} (all listed in events.jsonl).", console=True)
+        run.event(events.DATA_SKIPPED, f"Skipped {len(scan.skipped)} unreadable image(s), e.g. "
+                  f"{scan.skipped[0].path.name}: {scan.skipped[0].reason} (all listed in events.jsonl).", console=True)
     scan, held_out = split_validation(scan, config)  # held-out images never reach the sampler
     if held_out:
         how = "validation_split empty: automatic" if config.validation_split is None else "validation_split"
-        run.event("validation_split", f"Held {len(held_out)} of {len(held_out) + len(scan.items)} images out of "
+        run.event(events.VALIDATION_SPLIT, f"Held {len(held_out)} of {len(held_out) + len(scan.items)} images out of "
                   f"training to measure validation loss on ({how}; set validation_split = 0 to train on all).",
                   held_out=[str(item.path) for item in held_out])
     if config.reg_data_dir:  # after the split: held-out images are instance images only
         reg = scan_reg_images(Path(config.reg_data_dir), scan.total_with_repeats, config.default_caption,
                               config.caption_extension)
-        run.event("reg_images", f"Prior preservation: {len(reg.items)} regularisation image(s) from "
+        run.event(events.REG_IMAGES, f"Prior preservation: {len(reg.items)} regularisation image(s) from "
                   f"{config.reg_data_dir}, {reg.total_with_repeats} per epoch, loss weight {config.prior_loss_weight}.",
                   console=True)
         scan = merge_reg(scan, reg)
-    data = DatasetView.from_config(scan, config)
+    data = DatasetView(scan, config)
     for note in data.notes:
-        run.event("data", note)
+        run.event(events.DATA, note)
     if config.masked_loss and (note := masks_note(data.items)):
-        run.event("data", note)
+        run.event(events.DATA, note)
     sampler = data.sampler(config.train_batch_size)
+    steps_per_epoch = math.ceil(len(sampler) / (config.gradient_accumulation_steps * ranks.count))
+    config = resolve(config, seed=random_seed, steps_per_epoch=steps_per_epoch)
+    if config.validation_epochs:  # diffusers' flag, in epochs: the loop counts steps
+        run.event(events.CONFIG, f"validation_epochs {config.validation_epochs} = validation images every "
+                  f"{config.validation_steps} steps ({steps_per_epoch} steps per epoch).")
+    if ranks.is_main:
+        config.save_toml(run.paths.config)
 
     run.status("loading", step=0)
     bundle = load_model(config)
@@ -222,21 +233,16 @@ def setup(config: TrainConfig) -> Session:
     params = [p for g in groups for p in g["params"]]
     effective_batch = config.train_batch_size * config.gradient_accumulation_steps * ranks.count
     if ranks.several:
-        run.event("processes", f"Training on {ranks.count} processes ({ranks.kind}); effective batch "
+        run.event(events.PROCESSES, f"Training on {ranks.count} processes ({ranks.kind}); effective batch "
                   f"{effective_batch}.", processes=ranks.count)
     if config.scale_lr:
         for g in groups:
             g["lr"] *= effective_batch
     optimizer = make_optimizer(groups, config)
-    steps_per_epoch = math.ceil(len(sampler) / (config.gradient_accumulation_steps * ranks.count))
     max_steps = config.max_train_steps or config.num_train_epochs * steps_per_epoch
-    if config.validation_epochs:  # diffusers' flag, in epochs: the loop counts steps
-        config.validation_steps = config.validation_epochs * steps_per_epoch
-        run.event("config", f"validation_epochs {config.validation_epochs} = validation images every "
-                  f"{config.validation_steps} steps ({steps_per_epoch} steps per epoch).")
     lr_scheduler = make_lr_scheduler(optimizer, config, max_steps)
     if config.lr_warmup_steps >= max_steps and config.lr_scheduler not in ("constant", "plateau"):
-        run.event("config", f"lr_warmup_steps ({config.lr_warmup_steps}) is not shorter than the run ({max_steps} "
+        run.event(events.CONFIG, f"lr_warmup_steps ({config.lr_warmup_steps}) is not shorter than the run ({max_steps} "
                   "steps): the learning rate never reaches its peak; lower lr_warmup_steps.", console=True)
     *prepared, optimizer = ranks.prepare(*trained.values(), optimizer)
     trained = dict(zip(trained, prepared))
@@ -249,7 +255,7 @@ def setup(config: TrainConfig) -> Session:
     perceptual = None
     if config.perceptual_lambda > 0:
         perceptual = Perceptual(config, device, bundle, objective, data)
-        run.event("perceptual", perceptual.description, real_lpips=perceptual.real)
+        run.event(events.PERCEPTUAL, perceptual.description, real_lpips=perceptual.real)
         print(perceptual.description, file=sys.stderr)
     evaluator = Evaluator(config, bundle, objective, trained, amp, device, data, held_out, inputs)
     observers = make_observers(config, evaluator, perceptual) + run_observers(config, run, ranks)
@@ -257,9 +263,10 @@ def setup(config: TrainConfig) -> Session:
     ema = AdapterEMA(params, config.ema_decay, on_cpu=config.ema_on_cpu) if config.ema_decay > 0 else None
     # test-only hooks (STABLETUNE_FAULTS); installs nothing in a real run
     halfway = faults.arm(ranks.unwrap(trained["unet"]), params, optimizer, state)
+    lora_layers = tuple(layer for _, layer in run_lora_layers(trained, ranks.unwrap))
     return Session(config=config, ranks=ranks, run=run, bundle=bundle, objective=objective, data=data,
                    sampler=sampler, feed=feed, inputs=inputs, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                   params=params, trained=trained, amp=amp, max_steps=max_steps, state=state,
+                   params=params, trained=trained, lora_layers=lora_layers, amp=amp, max_steps=max_steps, state=state,
                    guards=tuple(make_guards(config)), observers=tuple(observers), validation_items=held_out,
                    perceptual=perceptual, ema=ema, evaluator=evaluator, checkpoint_halfway=halfway)
 
@@ -269,9 +276,9 @@ def run_observers(config: TrainConfig, run: RunWriter, ranks: Ranks) -> list[Obs
     if not ranks.is_main:
         return []
     observers: list[Observer] = []
-    log, note = make_tensorboard_log(config, run.paths.root)
+    log, note = make_tensorboard_log(config, run.paths)
     if note:
-        run.event("config", note)
+        run.event(events.CONFIG, note)
         print(f"note: {note}", file=sys.stderr)
     if log is not None:
         observers.append(log)
@@ -289,9 +296,9 @@ def enable_fast_attention(bundle: ModelBundle, config: TrainConfig, run: RunWrit
         import xformers  # noqa: F401
 
         bundle.unet.enable_xformers_memory_efficient_attention()
-        run.event("attention", "Using xformers memory-efficient attention.")
-    except Exception as exc:  # not installed, or no kernel for this device
-        run.event("attention", f"xformers is not usable here ({type(exc).__name__}); using PyTorch SDPA, which "
+        run.event(events.ATTENTION, "Using xformers memory-efficient attention.")
+    except (ImportError, ValueError, NotImplementedError, RuntimeError) as exc:  # not installed, or no kernel here
+        run.event(events.ATTENTION, f"xformers is not usable here ({type(exc).__name__}); using PyTorch SDPA, which "
                   "is as memory-efficient on PyTorch 2.", console=True)
 
 
@@ -305,7 +312,7 @@ def build_caches(config: TrainConfig, inputs: BatchInputs, data: DatasetView, ru
     own pixels: the same whether this run encoded it or found it cached, and the run's RNG is not touched.
     """
     bundle = inputs.bundle
-    folder = Path(config.output_dir) / "cache" if config.cache_latents_to_disk else None
+    folder = run.paths.cache if config.cache_latents_to_disk else None
     model_id = f"{Path(config.pretrained_model_name_or_path).resolve()}|{config.mixed_precision}"
     if config.cache_latents:
         run.status("caching", step=0)
@@ -319,8 +326,8 @@ def build_caches(config: TrainConfig, inputs: BatchInputs, data: DatasetView, ru
 
         encoded = inputs.latent_cache.build(data, encode, disable=not ranks.is_main)
         where = f" in {shared}" if shared else ""
-        run.event("latent_cache", f"Encoded {encoded} images and reused {inputs.latent_cache.reused} cached latents"
-                  f"{where}.", encoded=encoded, reused=inputs.latent_cache.reused,
+        run.event(events.LATENT_CACHE, f"Encoded {encoded} images and reused {inputs.latent_cache.reused} cached "
+                  f"latents{where}.", encoded=encoded, reused=inputs.latent_cache.reused,
                   folder=str(shared) if shared else None)
     if config.cache_text_embeddings:
         inputs.text_cache = EmbeddingCache(folder / "text" if folder else None, model_id=model_id)
@@ -330,7 +337,7 @@ def build_caches(config: TrainConfig, inputs: BatchInputs, data: DatasetView, ru
                                     text_cached=inputs.text_cache is not None)
     if off:
         offload(off.values(), ranks.device)
-        run.event("placement", f"{', '.join(off)} stay on the CPU after caching: their outputs are cached, so "
+        run.event(events.PLACEMENT, f"{', '.join(off)} stay on the CPU after caching: their outputs are cached, so "
                   f"only sampling brings them to {ranks.device}.", modules=list(off), device=str(ranks.device))
 
 
@@ -345,7 +352,7 @@ def make_guards(config: TrainConfig) -> list[Guard]:
     if config.oom_guard:
         guards.append(MemGuard(config.oom_retries))
     if config.nan_guard:
-        guards.append(NonFiniteGuard(config.nan_window, config.nan_max_bad, config.nan_lr_factor, config.min_lr))
+        guards.append(NonFiniteGuard.from_config(config))
     if config.mixed_precision == "fp16" and config.fp16_fallback:
         guards.append(PrecisionGuard(config.fp16_max_skips))
     if config.scale_weight_norms:

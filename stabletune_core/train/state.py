@@ -12,8 +12,8 @@ import torch
 from ..lora.inject import load_lora_state_dict, lora_state_dict
 from .amp import MixedPrecision
 from .ema import AdapterEMA
+from .lr_schedule import LearningRateSchedule
 from .ranks import Ranks
-from .schedule import LearningRateSchedule
 from .session import TrainState
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..data.dataset import BatchFeed
+from ..data.loader import BatchFeed
 from ..data.masks import batch_loss_mask
 from ..models.base import Objective
 from .amp import MixedPrecision

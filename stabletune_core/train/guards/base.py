@@ -1,18 +1,21 @@
 """The shape of a guard: a small object with one job, called at fixed points of every step.
 
-The loop calls, in order: `on_start` once (after resume); `before_optimizer_step` after the backward pass and
-clipping; `after_step` once the step is counted; `after_measuring` once the observers (validation loss,
-diagnostics) have put their numbers into the step's metrics. Every hook looks at a `GuardView` (a few read-only
-numbers, never the session) and returns verdicts (verdicts.py) that the loop carries out: a guard never
-changes the weights, the optimizer, the step counter or the run folder itself. A guard may add numbers to
-`metrics`. A guard's `state_dict` goes into every checkpoint, so a resumed run continues with the same state.
+The loop calls, in order: `on_start` once (after resume); `max_grad_norm` before clipping (the smallest answer
+is the step's clip threshold; None = no opinion); `on_out_of_memory` when the step's forward or backward ran out
+of memory (no verdict from any guard: the error ends the run); `before_optimizer_step` after the backward pass
+and clipping; `after_step` once the step is counted; `after_measuring` once the observers (validation loss,
+diagnostics) have put their numbers into the step's metrics; `on_end` once the last step is done. Every hook
+looks at a `GuardView` (a few read-only numbers and handles, never the session) and returns verdicts
+(verdicts.py) that the loop carries out: a guard never changes the weights, the optimizer, the step counter or
+the run folder itself, and keeps no live tensor of the run (a weight is named by its index in
+`view.lora_layers`). A guard may add numbers to `metrics`. A guard's `state_dict` goes into every checkpoint, so a
+resumed run continues with the same state.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
-import torch
-
+from ...lora.layers import LoraLayerView
 from .verdicts import Verdict
 
 Verdicts = Sequence[Verdict]
@@ -43,13 +46,20 @@ class GuardView(Protocol):
     def loss_scale(self) -> float | None: ...  # the GradScaler's scale (a device sync); None without one
 
     @property
-    def adapters(self) -> Mapping[str, torch.nn.Module]: ...  # the modules carrying LoRA layers, unwrapped
+    def lora_layers(self) -> Sequence[LoraLayerView]: ...  # every LoRA layer of the run, in a fixed order: read,
+    # never kept (the loop resolves a verdict's layer indices)
 
 
 class Guard:
     name = "guard"
 
     def on_start(self, view: GuardView) -> Verdicts:
+        return ()
+
+    def max_grad_norm(self, view: GuardView) -> float | None:
+        return None
+
+    def on_out_of_memory(self, view: GuardView, reason: str, tries: int) -> Verdicts:
         return ()
 
     def before_optimizer_step(self, view: GuardView, loss: float, grad_norm: float) -> Verdicts:
@@ -59,6 +69,9 @@ class Guard:
         return ()
 
     def after_measuring(self, view: GuardView, metrics: dict[str, Any]) -> Verdicts:
+        return ()
+
+    def on_end(self, view: GuardView) -> Verdicts:
         return ()
 
     def state_dict(self) -> dict[str, Any]:

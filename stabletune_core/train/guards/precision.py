@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ...runs import events
 from .base import Guard, GuardView, Verdicts
 from .verdicts import Event, SwitchPrecision
 
@@ -38,7 +39,7 @@ class PrecisionGuard(Guard):
     def on_start(self, view: GuardView) -> Verdicts:
         if self.switched_to and view.mixed_precision == "fp16":  # resumed after a fallback
             return (SwitchPrecision(self.switched_to, Event(
-                "precision", f"Continuing in {self.switched_to} as before the resume (fp16 overflowed).",
+                events.PRECISION, f"Continuing in {self.switched_to} as before the resume (fp16 overflowed).",
                 fields={"step": view.step})),)
         return ()
 
@@ -55,7 +56,7 @@ class PrecisionGuard(Guard):
         if not should_fall_back(self.streak, scale, self.max_skips):
             return ()
         target = fallback_precision()
-        event = Event("precision", f"fp16 kept overflowing ({self.streak} skipped steps in a row, loss scale "
+        event = Event(events.PRECISION, f"fp16 kept overflowing ({self.streak} skipped steps in a row, loss scale "
                       f"{scale:g}); continuing in {'bf16' if target == 'bf16' else 'fp32'}.",
                       fields={"step": view.step, "precision": target})
         self.switched_to = target

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
+from ...runs import events
 
 
 @dataclass(frozen=True)
@@ -100,25 +100,32 @@ class SwitchPrecision(Verdict):
 
 @dataclass(frozen=True)
 class ScaleWeights(Verdict):
-    """Multiply each tensor of `tensors` in place by its factor (max-norm regularisation of the LoRA update)."""
+    """Multiply both factors (down and up) of LoRA layer `layers[i]` (an index into `GuardView.lora_layers`) by
+    `factors[i]`, in place (max-norm regularisation of the LoRA update)."""
 
-    tensors: tuple[list[torch.Tensor], ...]
-    factors: tuple[list[float], ...]
+    layers: tuple[int, ...]
+    factors: tuple[float, ...]
 
 
 @dataclass(frozen=True)
 class SaveBest(Verdict):
-    """Save a checkpoint now, keep it from pruning as the best, and tell the guard where it went
-    (`remember_best`)."""
+    """Save a checkpoint at this step and keep it from pruning as the best."""
 
     reason: str = "best validation loss"
 
 
 @dataclass(frozen=True)
 class ProtectCheckpoint(Verdict):
-    """The best checkpoint (from a resumed guard state): pruning must keep it."""
+    """The checkpoint of step `step` is the best one (from a resumed guard state): pruning must keep it."""
 
-    path: Path | None
+    step: int | None
+
+
+@dataclass(frozen=True)
+class StopDiverged(Verdict):
+    """Training is not going anywhere (every step non-finite): fail the run with `message`."""
+
+    message: str
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,7 @@ class StopEarly(Verdict):
     best_value: float
 
     def event(self, best_lora: Path | None, best_checkpoint: Path | None) -> Event:
-        return Event("early_stop",
+        return Event(events.EARLY_STOP,
                      f"Stopped early at step {self.step}: validation loss {self.value:.5f} was above "
                      f"{self.factor} x the upper quartile of its best {self.window} evaluations "
                      f"({self.threshold:.5f}) {self.triggers} times since its best "

@@ -11,51 +11,38 @@ from typing import Any
 
 import torch
 
-from ...lora.layers import iter_lora_layers
 from .base import Guard, GuardView, Verdicts
 from .verdicts import ScaleWeights
-
-
-def lora_pairs(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-    """(down, up, scaling) of each peft LoRA layer under `module`, adapter 'default'."""
-    return [(layer.down, layer.up, layer.scaling) for layer in iter_lora_layers(module)]
-
-
-def update_norm(down: torch.Tensor, up: torch.Tensor, scaling: float) -> torch.Tensor:
-    """||scaling x up @ down||_F without forming the (out x in) product: tr((up^T up)(down down^T))."""
-    d = down.reshape(down.shape[0], -1).float()
-    u = up.reshape(up.shape[0], -1).float()
-    squared = ((u.T @ u) * (d @ d.T)).sum().clamp(min=0)
-    return squared.sqrt() * abs(scaling)
-
 
 class WeightNormGuard(Guard):
     name = "weight_norms"
 
     def __init__(self, max_norm: float) -> None:
         self.max_norm = max_norm
-        self.groups: list[tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = []
+        # (indices into view.lora_layers, |scaling| of each): the layers grouped by shape. Indices, not the
+        # tensors: the guard keeps no live weight of the run.
+        self.groups: list[tuple[list[int], torch.Tensor]] = []
 
     def on_start(self, view: GuardView) -> Verdicts:
-        """Group the LoRA pairs by shape, so each step is a few batched matmuls instead of one per module."""
-        by_shape: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
-        for module in view.adapters.values():
-            for down, up, scaling in lora_pairs(module):
-                by_shape.setdefault((down.shape, up.shape, down.device), []).append((down, up, scaling))
-        self.groups = [([d for d, _, _ in pairs], [u for _, u, _ in pairs],
-                        torch.tensor([abs(c) for _, _, c in pairs], device=pairs[0][0].device))
-                       for pairs in by_shape.values()]
+        """Group the LoRA layers by shape, so each step is a few batched matmuls instead of one per module."""
+        by_shape: dict[tuple, list[int]] = {}
+        layers = view.lora_layers
+        for i, layer in enumerate(layers):
+            by_shape.setdefault((layer.down.shape, layer.up.shape, layer.down.device), []).append(i)
+        self.groups = [(indices, torch.tensor([abs(layers[i].scaling) for i in indices],
+                                              device=layers[indices[0]].down.device))
+                       for indices in by_shape.values()]
         return ()
 
     @torch.no_grad()
     def after_step(self, view: GuardView, metrics: dict[str, Any]) -> Verdicts:
         if not self.groups:
             return ()
-        norms = []
-        for downs, ups, scalings in self.groups:
-            d = torch.stack([t.reshape(t.shape[0], -1) for t in downs]).float()  # (n, r, in)
-            u = torch.stack([t.reshape(t.shape[0], -1) for t in ups]).float()  # (n, out, r)
-            squared = (torch.bmm(u.transpose(1, 2), u) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
+        layers, norms = view.lora_layers, []
+        for indices, scalings in self.groups:
+            d = torch.stack([layers[i].down.reshape(layers[i].down.shape[0], -1) for i in indices]).float()
+            u = torch.stack([layers[i].up.reshape(layers[i].up.shape[0], -1) for i in indices]).float()
+            squared = (torch.bmm(u.transpose(1, 2), u) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))  # (n,)
             norms.append(squared.clamp(min=0).sqrt() * scalings)
         flat = torch.cat(norms)
         factors = (self.max_norm / flat.clamp(min=1e-12)).clamp(max=1.0).sqrt()
@@ -64,11 +51,5 @@ class WeightNormGuard(Guard):
         metrics["max_weight_norm"] = float(flat.max())
         if not scaled:
             return ()
-        tensors, per_tensor = [], []
-        offset = 0
-        for downs, ups, _ in self.groups:  # both factors of a pair get sqrt(max_norm / norm)
-            f = factors[offset:offset + len(downs)].tolist()
-            offset += len(downs)
-            tensors += [downs, ups]
-            per_tensor += [f, f]
-        return (ScaleWeights(tuple(tensors), tuple(per_tensor)),)
+        order = [i for indices, _ in self.groups for i in indices]  # the order of `flat`
+        return (ScaleWeights(tuple(order), tuple(factors.tolist())),)  # both factors of a pair: sqrt(max / norm)

@@ -22,20 +22,21 @@ from typing import Any, Iterator
 
 import torch
 
-from ..config import AUTO_SPLIT_MIN_IMAGES, AUTO_VALIDATION_SPLIT, ConfigError, TrainConfig
-from ..data.dataset import DatasetView, derive_seed
-from ..data.scan import DataItem, DatasetScan
-from ..models.base import Conditioning, ModelBundle, Objective
-from ..runs.jsonfiles import append_jsonl
-from .amp import MixedPrecision
-from .forward import predict, predict_and_loss
-from .guards.verdicts import Event
-from .inputs import BatchInputs
-from .noise import noised
-from .observers import NOTHING, Observation, Observer, ObserverView
-from .placement import on_device
+from ...config import AUTO_SPLIT_MIN_IMAGES, AUTO_VALIDATION_SPLIT, ConfigError, TrainConfig
+from ...data.examples import DatasetView
+from ...data.scan import DataItem, DatasetScan
+from ...data.seeds import derive_seed
+from ...models.base import Conditioning, ModelBundle, Objective
+from ...runs import events
+from ...runs.jsonfiles import append_jsonl
+from ..amp import MixedPrecision
+from ..forward import predict, predict_and_loss
+from ..guards.verdicts import Event
+from ..inputs import BatchInputs
+from ..noise import noised
+from .base import NOTHING, Observation, Observer, ObserverView
+from ..placement import on_device
 
-VAL_LOSS_FILE = "val_loss.jsonl"
 #: Noise bands of the validation loss: (metric key, lowest noise level in the band); a band ends where the next
 #: begins. On SD's 1000-step schedule: t < 250, 250 <= t < 750, t >= 750.
 NOISE_BANDS = (("val_loss_low_noise", 0.0), ("val_loss_mid_noise", 0.25), ("val_loss_high_noise", 0.75))
@@ -128,10 +129,9 @@ class Evaluator:
         The VAE (and the frozen text encoders) may wait on the CPU after caching (placement.py): they come to
         the training device for this and go back."""
         config, bundle = self.config, self.bundle
-        view = DatasetView(DatasetScan(Path(config.train_data_dir), list(items)), config.resolution,
-                           enable_bucket=config.enable_bucket, bucket_step=config.bucket_step,
-                           min_bucket_size=config.min_bucket_reso, max_bucket_size=config.max_bucket_reso,
-                           random_crop=False, flip_prob=0.0, seed=config.seed)
+        as_written = config.model_copy(update=dict(center_crop=True, random_flip=False, shuffle_caption=False,
+                                                   caption_dropout_rate=0.0, caption_tag_dropout_rate=0.0))
+        view = DatasetView(DatasetScan(Path(config.train_data_dir), list(items)), as_written)
         out = FixedSet(timesteps=timesteps.to(self.device))
         examples = [view.example(i, 0) for i in range(len(items))]
         with on_device([bundle.vae], self.device):
@@ -251,11 +251,6 @@ def noise_band(levels: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(levels, edges, right=True)
 
 
-def fixed_batch_loss(evaluator: Evaluator, batch: dict[str, Any], *, seed: int = 1234) -> float:
-    """`Evaluator.batch_loss`: the loss of one batch at fixed noise, to compare weights before and after."""
-    return evaluator.batch_loss(batch, seed=seed)
-
-
 # ---- the observer ----------------------------------------------------------------------------------------
 class ValidationLoss(Observer):
     """Every `validation_loss_every` steps: the fixed-set loss, into diagnostics/val_loss.jsonl and into the
@@ -285,7 +280,7 @@ class ValidationLoss(Observer):
 
     def described(self, step: int) -> Event:
         what = "held-out" if self.held_out else "training (not held out: this shows divergence, not overfitting)"
-        return Event("validation", f"Validation loss every {self.every} steps on {len(self.fixed)} {what} images "
+        return Event(events.VALIDATION, f"Validation loss every {self.every} steps on {len(self.fixed)} {what} images "
                      f"at timesteps {self.fixed.timesteps.tolist()} with fixed noise.",
                      fields=dict(step=step, held_out=self.held_out, paths=self.fixed.paths))
 
@@ -299,8 +294,8 @@ class ValidationLoss(Observer):
         start = time.perf_counter()
         measured = self.measure(view)
         self.history.append((view.step, measured.loss))
-        if view.diagnostics is not None:
-            append_jsonl(view.diagnostics / VAL_LOSS_FILE,
+        if view.run_paths is not None:
+            append_jsonl(view.run_paths.val_loss,
                          {"step": view.step, "val_loss": measured.loss, **measured.bands, "held_out": self.held_out,
                           "images": len(self.fixed), "timesteps": self.fixed.timesteps.tolist()})
         self.seconds += time.perf_counter() - start

@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..config import TrainConfig
-from .observers import NOTHING, Observation, Observer, ObserverView
+from ...config import TrainConfig
+from ...runs.layout import RunPaths
+from .base import NOTHING, Observation, Observer, ObserverView
 
 TENSORBOARD_PIN = "tensorboard==2.21.0"
 # The metrics of a step, by TensorBoard tag; anything else numeric goes under train/.
@@ -65,7 +66,7 @@ def tensorboard_available() -> bool:
     return True
 
 
-def make_tensorboard_log(config: TrainConfig, run_root: Path) -> tuple[TensorBoardLog | None, str | None]:
+def make_tensorboard_log(config: TrainConfig, paths: RunPaths) -> tuple[TensorBoardLog | None, str | None]:
     """(the log, None) when the config asks for TensorBoard and it is installed; otherwise (None, a sentence
     for the user, or None when nothing was asked)."""
     if config.report_to != "tensorboard":
@@ -73,4 +74,4 @@ def make_tensorboard_log(config: TrainConfig, run_root: Path) -> tuple[TensorBoa
     if not tensorboard_available():
         return None, (f"report_to=tensorboard needs the tensorboard package (pip install {TENSORBOARD_PIN}); "
                       "this run writes its metrics to metrics.jsonl only.")
-    return TensorBoardLog(run_root / "tensorboard"), None
+    return TensorBoardLog(paths.tensorboard), None

@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
-from ..config import TrainConfig
-from ..data.dataset import DatasetView
+from ..config import PATH_KNOBS, TrainConfig
+from ..data.examples import DatasetView
 from ..lora.export import export_kohya_lora
 from ..models.base import ModelBundle
+from ..runs import events
 from ..runs.writer import RunWriter
 from .amp import precision_dtype
 from .ranks import Ranks
@@ -37,7 +38,7 @@ def write_lora(name: str, *, step: int, epoch: int, max_steps: int, config: Trai
                              alpha=config.effective_lora_alpha, metadata=metadata,
                              dtype=precision_dtype(config.save_precision),
                              overwrite=True)  # RUN/output is this run's own: prepare_run_dir moved any other aside
-    run.event("exported", f"Wrote LoRA {path.name} at step {step}.", step=step, path=str(path))
+    run.event(events.EXPORTED, f"Wrote LoRA {path.name} at step {step}.", step=step, path=str(path))
     if config.export_diffusers_format:
         from ..lora.export import export_diffusers_lora
 
@@ -45,7 +46,7 @@ def write_lora(name: str, *, step: int, epoch: int, max_steps: int, config: Trai
         # replaces its earlier one, file by file through a rename, never a file outside the run.
         folder = run.paths.output / f"{name}_diffusers"
         written = export_diffusers_lora(folder, unet, encoders, bundle.family, overwrite=True)
-        run.event("exported", f"Wrote diffusers-format LoRA {folder.name}/{written.name} at step {step}.",
+        run.event(events.EXPORTED, f"Wrote diffusers-format LoRA {folder.name}/{written.name} at step {step}.",
                   step=step, path=str(written))
     return path
 
@@ -94,7 +95,7 @@ def shareable_config(config: TrainConfig) -> dict[str, Any]:
     folder is "."), never the absolute paths of the machine it was trained on; a hub id stays as it is."""
     values = config.model_dump(mode="json")
     run = Path(config.output_dir).expanduser().resolve()
-    for key in ("pretrained_model_name_or_path", "train_data_dir", "model_config_dir", "resume_from_checkpoint"):
+    for key in PATH_KNOBS:  # every knob the schema marks as a path of the user's machine
         value = values.get(key)
         if not value or value in ("auto", "latest"):
             continue

@@ -5,5 +5,5 @@ from __future__ import annotations
 #: sample_judge value -> "module:Observer class" that judges each set of validation images ("none": no judge).
 SAMPLE_JUDGES: dict[str, str | None] = {
     "none": None,
-    "toy_colors": "stabletune_core.train.sample_judge:ToyColorJudge",
+    "toy_colors": "stabletune_core.train.observers.sample_judge:ToyColorJudge",
 }

@@ -1,26 +1,20 @@
 """TrainConfig: every knob of a training run, typed, validated and documented once.
 
-The CLI flags, the TOML presets, the UI form and the validation messages all come
+The CLI flags (flags.py), the TOML presets (files.py), the UI form and the validation messages all come
 from the fields below. Adding a knob is one edit here. Field names follow
 diffusers' `train_text_to_image_lora.py` where that script has the knob, so a
-command written for it runs unchanged.
+command written for it runs unchanged. A knob that names a file or folder of the
+user's machine is marked `path=True`: a LoRA people share never carries those.
 
-This module never imports torch or gradio: the UI process reads it too.
+This package never imports torch or gradio: the UI process reads it too.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import re
-import shutil
-import tomllib
-from pathlib import Path
 from typing import Any, Literal, Optional
 
-import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .atomic import write_text_atomic
+from ..train.observers.judges import SAMPLE_JUDGES
 
 # Where a field lands in the UI and how its flags look.
 GROUPS = ("model", "data", "lora", "optimization", "precision", "guards", "validation", "diagnostics", "output")
@@ -35,10 +29,10 @@ class ConfigError(ValueError):
 
 
 def knob(default: Any, doc: str, group: str, *, aliases: tuple[str, ...] = (), ui: bool = True,
-         **limits: Any) -> Any:
-    """A documented field."""
-    return Field(default, description=doc, json_schema_extra={"group": group, "aliases": list(aliases), "ui": ui},
-                 **limits)
+         path: bool = False, **limits: Any) -> Any:
+    """A documented field. `path`: its value is a file or folder of the user's machine (or a hub id)."""
+    extra = {"group": group, "aliases": list(aliases), "ui": ui, **({"path": True} if path else {})}
+    return Field(default, description=doc, json_schema_extra=extra, **limits)
 
 
 #: The held-out split used when validation_split is left empty (overfitting needs unseen images to show).
@@ -53,29 +47,32 @@ TOY_DEMO_RATES = {"lora": (1e-3, 5e-4), "loha": (4e-3, 2e-3), "lokr": (1e-2, 5e-
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial", "plateau")
 
 
-class TrainConfig(BaseModel):
+class TrainConfigSchema(BaseModel):
+    """Every knob of a training run (TrainConfig, files.py, adds its TOML form)."""
+
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
     # ---- model ---------------------------------------------------------------------------------------
     pretrained_model_name_or_path: str = knob(
         "", "The base model: a diffusers folder, a single .safetensors checkpoint (A1111 style), or a hub id "
-        "(hub ids need internet the first time).", "model", aliases=("model",))
+        "(hub ids need internet the first time).", "model", aliases=("model",), path=True)
     model_family: Literal["auto", "sd1", "sd2", "sdxl"] = knob(
         "auto", "Model family. 'auto' detects it from the checkpoint.", "model")
     model_config_dir: Optional[str] = knob(
         None, "Config tree for a single-file checkpoint whose architecture is not a standard one; "
-        "normally left empty and the shipped config of the family is used.", "model")
+        "normally left empty and the shipped config of the family is used.", "model", path=True)
     local_files_only: bool = knob(
         True, "Never touch the network when loading the model.", "model")
 
     # ---- data ----------------------------------------------------------------------------------------
     train_data_dir: str = knob(
         "", "Folder of training images with same-name .txt captions; kohya 'N_name' subfolders repeat "
-        "their images N times.", "data", aliases=("dataset",))
+        "their images N times.", "data", aliases=("dataset",), path=True)
     reg_data_dir: Optional[str] = knob(
         None, "Folder of regularisation (class) images for prior preservation, with the same rules as "
         "train_data_dir (captions, 'N_name' repeats). Each epoch sees as many of them as instance images, cycled "
-        "to fill, mixed into the batches as kohya does. Empty = none.", "data")
+        "to fill, mixed into the batches as kohya does. Empty = none.", "data", path=True)
     prior_loss_weight: float = knob(1.0, "Weight of the regularisation images' loss (prior preservation); "
                                     "instance images keep weight 1.", "data", ge=0.0, le=100.0)
     caption_extension: str = knob(".txt", "Extension of the caption files next to the images.", "data")
@@ -240,7 +237,7 @@ class TrainConfig(BaseModel):
 
     # ---- checkpoints & output ------------------------------------------------------------------------
     output_dir: str = knob("./lora_output", "The run directory: config, metrics, samples, checkpoints and "
-                           "the LoRA go here.", "output", aliases=("run_dir",))
+                           "the LoRA go here.", "output", aliases=("run_dir",), path=True)
     output_name: str = knob("lora", "File name of the exported LoRA (without .safetensors).", "output")
     save_precision: Literal["fp16", "bf16", "fp32"] = knob("fp16", "Precision of the exported LoRA.", "output")
     export_diffusers_format: bool = knob(False, "Also write a diffusers/PEFT-format LoRA folder.", "output")
@@ -250,11 +247,11 @@ class TrainConfig(BaseModel):
                                                   ge=1)
     resume_from_checkpoint: Optional[str] = knob(
         None, "Continue a run: 'auto'/'latest' (newest good checkpoint in the run directory) or a checkpoint path.",
-        "output", aliases=("resume",))
+        "output", aliases=("resume",), path=True)
     allow_restart: bool = knob(False, "With resume_from_checkpoint auto: when the run's checkpoints exist but none "
                                "can be read, start over from step 0 instead of refusing.", "output")
     logging_steps: int = knob(1, "Write metrics every this many steps.", "output", ge=1)
-    report_to: str = knob(
+    report_to: Literal["jsonl", "tensorboard"] = knob(
         "jsonl", "Where metrics go besides metrics.jsonl (always written): 'jsonl' (nowhere else) or 'tensorboard' "
         "(event files under RUN/tensorboard: loss, lr, grad norm, memory, validation loss, sample images; open "
         "with `tensorboard --logdir RUN/tensorboard`). 'none' = jsonl, 'all' = tensorboard.", "output")
@@ -280,7 +277,7 @@ class TrainConfig(BaseModel):
     validation_ddim_eta: float = knob(0.0, "DDIM eta (0 = deterministic).", "validation", ge=0.0, le=1.0)
     validation_with_ema: bool = knob(True, "With ema_decay above 0: validation images show the EMA weights "
                                      "(off: the weights as trained).", "validation")
-    sample_judge: Literal["none", "toy_colors"] = knob(
+    sample_judge: Literal[tuple(SAMPLE_JUDGES)] = knob(  # type: ignore[valid-type]  (train/observers/judges.py)
         "none", "Score every set of validation images with a built-in judge. 'toy_colors': each image of a toy-world "
         "prompt ('a purple circle') must show the prompt's colour; the run ends with a learning summary (the demo).",
         "validation")
@@ -320,8 +317,9 @@ class TrainConfig(BaseModel):
                                  ge=1, le=256)
     validation_loss_every: int = knob(100, "Validation loss (fixed noise and timesteps) every this many steps "
                                       "(0 = off).", "validation", ge=0)
-    validation_timesteps: int = knob(2, "Fixed timesteps, evenly spread, at which each validation image is "
-                                     "measured.", "validation", ge=1, le=50)
+    validation_timesteps: int = knob(3, "Fixed timesteps, evenly spread, at which each validation image is "
+                                     "measured (3 and up put one in each noise band the metrics report: low, mid "
+                                     "and high noise).", "validation", ge=1, le=50)
     early_stopping: bool = knob(False, "Stop when validation loss rises clearly above its best (use with "
                                 "validation_split > 0); the best LoRA is exported next to the last.", "validation")
     early_stopping_window: int = knob(5, "Validation evaluations in the reference window around the best.",
@@ -360,7 +358,7 @@ class TrainConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TrainConfig":
+    def _consistent(self) -> "TrainConfigSchema":
         if self.use_8bit_adam and self.optimizer == "adamw":
             object.__setattr__(self, "optimizer", "adamw8bit")
         if self.min_bucket_reso > self.max_bucket_reso:
@@ -428,265 +426,7 @@ class TrainConfig(BaseModel):
                          "not the learned magnitudes.")
         return notes
 
-    # ---- TOML ----------------------------------------------------------------------------------------
-    def to_toml(self) -> str:
-        return tomli_w.dumps({k: v for k, v in self.model_dump().items() if v is not None})
 
-    def save_toml(self, path: Path | str) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, self.to_toml())
-
-    @classmethod
-    def from_toml(cls, path: Path | str, **overrides: Any) -> "TrainConfig":
-        return build_config({**read_toml(path), **overrides})
-
-
-def read_toml(path: Path | str) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError([f"Config file {path} does not exist; check the path."])
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([f"Config file {path} is not valid TOML ({exc}); fix the line it names."]) from exc
-    return resolve_aliases(data)
-
-
-# ---- validation messages -------------------------------------------------------------------------------
-def _sentence(error: dict[str, Any]) -> str:
-    field = ".".join(str(p) for p in error["loc"]) or "config"
-    value = error.get("input")
-    kind = error["type"]
-    ctx = error.get("ctx") or {}
-    if kind == "extra_forbidden":
-        return f"{field} is not a StableTune setting; check the spelling (python -m stabletune_core train --help)."
-    if kind == "greater_than_equal":
-        return f"{field} is {value!r} but must be at least {ctx['ge']}."
-    if kind == "greater_than":
-        return f"{field} is {value!r} but must be greater than {ctx['gt']}."
-    if isinstance(value, float) and value != value:
-        return f"{field} is not a number (NaN); give a number."
-    if kind == "less_than_equal":
-        return f"{field} is {value!r} but must be at most {ctx['le']}."
-    if kind == "less_than":
-        return f"{field} is {value!r} but must be less than {ctx['lt']}."
-    if kind == "literal_error":
-        return f"{field} is {value!r}; choose one of {ctx.get('expected')}."
-    if kind == "value_error":
-        message = str(ctx.get("error", error["msg"]))
-        return f"{message}." if field == "config" else f"{field}: {message}."
-    return f"{field} is {value!r}: {error['msg']}."
-
-
-def build_config(values: dict[str, Any]) -> TrainConfig:
-    """TrainConfig from plain values, with pydantic's errors turned into one sentence each."""
-    try:
-        return TrainConfig(**resolve_aliases(values))
-    except ValidationError as exc:
-        raise ConfigError([_sentence(e) for e in exc.errors()]) from None
-
-
-def resolve_aliases(values: dict[str, Any]) -> dict[str, Any]:
-    names = alias_table()
-    return {names.get(k.replace("-", "_"), k.replace("-", "_")): v for k, v in values.items()}
-
-
-def alias_table() -> dict[str, str]:
-    table = {}
-    for name, info in TrainConfig.model_fields.items():
-        for alias in (info.json_schema_extra or {}).get("aliases", []):
-            table[alias] = name
-    return table
-
-
-def _reg_dir_problems(config: TrainConfig, data: Path | None) -> list[str]:
-    """reg_data_dir must be a folder of its own: inside the training folder its images would be trained twice."""
-    if not config.reg_data_dir:
-        return []
-    reg = Path(config.reg_data_dir).expanduser()
-    if not reg.exists():
-        return [f"Regularisation folder {reg} does not exist; choose the folder of class images or leave "
-                "reg_data_dir empty."]
-    if not reg.is_dir():
-        return [f"Regularisation path {reg} is a file, not a folder; choose the folder of class images."]
-    if data is not None and data.is_dir() and reg.resolve().is_relative_to(data.resolve()):
-        return [f"Regularisation folder {reg} is inside the training folder {data} (or is it), so its images "
-                "would also train as instance images; move the class images to a folder of their own."]
-    return []
-
-
-def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
-    """Problems with the world outside the config (folders, files, disk), one sentence each.
-
-    Runs before any model loads so bad input costs no GPU time.
-    """
-    problems = []
-    data = Path(config.train_data_dir).expanduser() if config.train_data_dir else None
-    if data is None:
-        problems.append("train_data_dir is empty; choose the folder that holds your training images.")
-    elif not data.exists():
-        problems.append(f"Dataset folder {data} does not exist; choose the folder that holds your images.")
-    elif not data.is_dir():
-        problems.append(f"Dataset path {data} is a file, not a folder; choose the folder that holds your images.")
-    problems += _reg_dir_problems(config, data)
-    model = config.pretrained_model_name_or_path
-    if need_model:
-        if not model:
-            problems.append("pretrained_model_name_or_path is empty; point it at a checkpoint file or a "
-                            "diffusers folder.")
-        elif _looks_like_path(model) and not Path(model).expanduser().exists():
-            problems.append(f"Model {model} does not exist; point it at a .safetensors checkpoint or a diffusers "
-                            "folder.")
-        elif _looks_like_path(model):
-            problems += _model_problems(Path(model).expanduser())
-        elif not _looks_like_path(model) and config.local_files_only and not _in_hub_cache(model):
-            problems.append(f"Model '{model}' is not a local file or folder and is not in the local hub cache; "
-                            "download it once or set local_files_only=false with internet access.")
-    resume = config.resume_from_checkpoint
-    if resume and resume not in ("auto", "latest") and not Path(resume).expanduser().is_dir():
-        problems.append(f"resume_from_checkpoint: {resume} is not a checkpoint folder; give a folder "
-                        "RUN/checkpoints/step_NNNNNN, or --resume auto for the newest good one.")
-    out = Path(config.output_dir).expanduser()
-    problems += output_inside_dataset(out, data)
-    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
-    if out.exists() and not out.is_dir():
-        problems.append(f"Output path {out} is a file; choose a folder for the run.")
-    elif not probe.is_dir():
-        problems.append(f"Output folder {out} cannot be created: {probe} is a file, not a folder; choose another "
-                        "output_dir.")
-    elif not os.access(probe, os.W_OK):
-        problems.append(f"Cannot write to {probe}; choose an output folder you own.")
-    else:
-        free_mb = shutil.disk_usage(probe).free / 2**20
-        if free_mb < 200:
-            problems.append(f"Only {free_mb:.0f} MB free on the disk of {probe}; free some space (checkpoints "
-                            "need a few hundred MB).")
-    return problems
-
-
-def output_inside_dataset(out: Path, data: Path | None) -> list[str]:
-    """A run folder in the dataset would feed the run's own samples back as training images on resume."""
-    if data is None or not data.is_dir():
-        return []
-    out, data = out.resolve(), data.resolve()
-    if out == data or out.is_relative_to(data):
-        where = "is the dataset folder" if out == data else f"is inside the dataset folder {data}"
-        return [f"output_dir {out} {where}, so the run's samples would become training images; choose an "
-                "output folder outside it."]
-    return []
-
-
-PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
-
-
-def _model_problems(path: Path) -> list[str]:
-    """What is wrong with a local model path, read without loading it (the header of a .safetensors file, the
-    layout of a folder); checked before the dataset scan so a bad model path costs nothing."""
-    if path.is_dir():
-        if (path / "model_index.json").is_file() or (path / "unet").is_dir():
-            return []
-        return [f"Model folder {path} is not a diffusers model (no model_index.json, no unet/ folder); point at "
-                "the folder that holds model_index.json, or at a .safetensors checkpoint."]
-    suffix = path.suffix.lower()
-    if suffix in PICKLE_SUFFIXES:
-        return [f"Model {path.name} is a {suffix} pickle, which can run code when loaded, so StableTune does not "
-                "open it; convert it to .safetensors with a tool you trust and point at that file."]
-    if suffix != ".safetensors":
-        return [f"Model {path.name} is not a model StableTune can read; use a .safetensors checkpoint or a "
-                "diffusers folder."]
-    problem = _safetensors_problem(path)
-    return [f"Model {path.name} {problem}; download or convert it again."] if problem else []
-
-
-def _safetensors_problem(path: Path) -> str | None:
-    """Why a .safetensors file is unusable (None when its header and size agree): its first 8 bytes give the
-    header length, the JSON header gives the byte range of every tensor."""
-    import json
-    import struct
-
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            if size < 8:
-                return f"is not a safetensors file (only {size} bytes)"
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > min(size - 8, 100 * 2**20):
-                return "is not a safetensors file, or it is truncated (its header is cut off)"
-            header = json.loads(f.read(length))
-    except (OSError, ValueError) as exc:
-        return f"cannot be read as safetensors ({exc})"
-    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
-    if not ends:
-        return "holds no tensors"
-    missing = 8 + length + max(ends) - size
-    if missing > 0:
-        return f"is truncated ({missing / 2**20:.1f} MB missing at the end; an interrupted download?)"
-    return None
-
-
-def _looks_like_path(source: str) -> bool:
-    """Hub ids look like 'owner/name'; everything else is treated as a local path."""
-    if Path(source).expanduser().exists() or source.endswith((".safetensors", ".ckpt", ".pt")):
-        return True
-    return re.fullmatch(r"[\w.-]+/[\w.-]+", source) is None or source.startswith(".")
-
-
-def _in_hub_cache(repo_id: str) -> bool:
-    hub = Path(os.environ.get("HF_HUB_CACHE", Path(os.environ.get("HF_HOME", "~/.cache/huggingface")) / "hub"))
-    return (hub.expanduser() / f"models--{repo_id.replace('/', '--')}").exists()
-
-
-# ---- CLI flags generated from the fields ---------------------------------------------------------------
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field (`--name` and `--name-with-dashes` plus aliases); defaults stay unset so that
-    only flags the user typed override a config file."""
-    parser.add_argument("--config", help="TOML file (a preset or a saved config.toml) to start from.")
-    for name, info in TrainConfig.model_fields.items():
-        extra = info.json_schema_extra or {}
-        flags = _flag_names(name, extra.get("aliases", []))
-        # argparse formats help with %: a doc saying "90 %" would break --help
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
-                                  "help": (info.description or "").replace("%", "%%")}
-        annotation = info.annotation
-        origin = getattr(annotation, "__origin__", None)
-        args = getattr(annotation, "__args__", ())
-        if annotation is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif origin is list:
-            kwargs["nargs"] = "+"
-        else:
-            base = _base_type(annotation)
-            if base in (int, float):
-                kwargs["type"] = base
-            if getattr(base, "__origin__", None) is Literal or (origin is Literal):
-                kwargs["choices"] = list((base if getattr(base, "__origin__", None) is Literal else annotation).__args__)
-            elif args and type(None) in args:
-                kwargs["metavar"] = name.upper()
-        parser.add_argument(*flags, **kwargs)
-
-
-def _flag_names(name: str, aliases: list[str]) -> list[str]:
-    flags = []
-    for n in [name, *aliases]:
-        for spelled in (f"--{n}", f"--{n.replace('_', '-')}"):
-            if spelled not in flags:
-                flags.append(spelled)
-    return flags
-
-
-def _base_type(annotation: Any) -> Any:
-    args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
-    if getattr(annotation, "__origin__", None) is Literal:
-        return annotation
-    if len(args) == 1 and type(None) in getattr(annotation, "__args__", ()):
-        return args[0]
-    return annotation
-
-
-def config_from_args(namespace: argparse.Namespace) -> TrainConfig:
-    values = vars(namespace).copy()
-    base = read_toml(values.pop("config")) if values.get("config") else {}
-    values.pop("config", None)
-    fields = TrainConfig.model_fields
-    return build_config({**base, **{k: v for k, v in values.items() if k in fields}})
+#: The knobs whose values name files or folders of the user's machine (marked `path=True` above).
+PATH_KNOBS: tuple[str, ...] = tuple(name for name, info in TrainConfigSchema.model_fields.items()
+                                    if (info.json_schema_extra or {}).get("path"))

@@ -1,6 +1,6 @@
 """Learning-rate changes taken by guards, and the plateau mode (lr_scheduler=plateau, the seed's AdaLR).
 
-Lowering the rate for good is the run's schedule's own job (train/schedule.py: a factor per parameter group,
+Lowering the rate for good is the run's schedule's own job (train/lr_schedule.py: a factor per parameter group,
 saved with the schedule, so a resumed run keeps it); the guards only decide when and by how much.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ class PlateauGuard(Guard):
     """Lower the rate when validation loss stops improving: `patience` evaluations without a new best
     (by a relative margin of 1e-3) multiply it by `factor`, down to `min_lr`.
 
-    Validation loss comes from the validation observer (validation.py), which puts `val_loss` into the step's
+    Validation loss comes from the validation observer (validation_loss.py), which puts `val_loss` into the step's
     metrics on the steps it measures; this guard reads it after the observers ran.
     """
 

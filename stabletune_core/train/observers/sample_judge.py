@@ -5,9 +5,10 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from .guards.verdicts import Event
+from ...runs import events
+from ..guards.verdicts import Event
 from .judges import SAMPLE_JUDGES
-from .observers import NOTHING, Observation, Observer, ObserverView
+from .base import NOTHING, Observation, Observer, ObserverView
 
 
 def make_judge(name: str) -> Observer | None:
@@ -29,22 +30,22 @@ class ToyColorJudge(Observer):
     def on_samples(self, view: ObserverView, folder: Path, paths: list[Path]) -> Observation:
         if not paths:
             return NOTHING
-        from ..toy.judge import judge_samples
+        from ...toy.judge import judge_samples
 
         scores = judge_samples(folder)
         if self.first is None:
             self.first = scores
         self.last = scores
-        return Observation(events=(Event("sample_score", "Validation images showing their prompt's colour: " +
+        return Observation(events=(Event(events.SAMPLE_SCORE, "Validation images showing their prompt's colour: " +
                                          ", ".join(f"{color} {value:.0%}" for color, value in scores.items()) + ".",
                                          fields=dict(step=view.step, scores=scores)),))
 
     def on_end(self, view: ObserverView) -> Observation:
         if self.last is None:
             return NOTHING
-        from ..toy.judge import learning_summary
+        from ...toy.judge import learning_summary
 
         summary = (f"Learning summary (validation images showing their colour, first -> last sampling): "
                    f"{learning_summary(self.first, self.last)}.")
-        return Observation(events=(Event("learning", summary, console=True, fields=dict(step=view.step)),),
+        return Observation(events=(Event(events.LEARNING, summary, console=True, fields=dict(step=view.step)),),
                            summary=summary)

@@ -7,21 +7,21 @@ latest values instead would rise along with a slowly overfitting curve and never
 region, the rule reads "the loss is now clearly above where it was at its best", while a single noisy
 evaluation is absorbed by the patience.
 
-On every new best the guard asks the loop to save a resumable checkpoint, which pruning keeps. When the run
-ends (stopped here, or finished) it asks the loop to export the best adapter as `<output_name>_best.safetensors`
-next to the last one.
+On every new best the guard asks the loop to save a resumable checkpoint of that step, which pruning keeps (the
+guard remembers the step; the loop knows where its checkpoint is). When the run ends (stopped here, or finished)
+it asks the loop to export the best adapter as `<output_name>_best.safetensors` next to the last one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config import TrainConfig
-from .guards.base import Guard, GuardView, Verdicts
-from .guards.verdicts import Event, ExportBest, ProtectCheckpoint, Report, SaveBest, StopEarly, Verdict
+from ...config import TrainConfig
+from ...runs import events
+from .base import Guard, GuardView, Verdicts
+from .verdicts import Event, ExportBest, ProtectCheckpoint, Report, SaveBest, StopEarly, Verdict
 
 
 @dataclass
@@ -68,11 +68,10 @@ class EarlyStoppingGuard(Guard):
         self.patience = config.early_stopping_patience
         self.min_steps = config.early_stopping_min_steps
         self.history: list[tuple[int, float]] = []
-        self.best_checkpoint: str | None = None
-        self.best_step: int | None = None
+        self.best_step: int | None = None  # the step whose checkpoint is the best (saved when it was measured)
 
     def on_start(self, view: GuardView) -> Verdicts:
-        return (ProtectCheckpoint(Path(self.best_checkpoint) if self.best_checkpoint else None),)
+        return (ProtectCheckpoint(self.best_step),)
 
     def after_measuring(self, view: GuardView, metrics: dict[str, Any]) -> Verdicts:
         value = metrics.get("val_loss")
@@ -87,7 +86,7 @@ class EarlyStoppingGuard(Guard):
                 verdicts.append(SaveBest())
             elif judgement.triggered:
                 verdicts.append(Report(Event(
-                    "early_stopping_trigger",
+                    events.EARLY_STOPPING_TRIGGER,
                     f"Validation loss {value:.5f} at step {step} is above {self.factor} x the upper "
                     f"quartile of its best {self.window} evaluations ({judgement.threshold:.5f}); trigger "
                     f"{judgement.triggers} of {self.patience} since the best ({judgement.best_value:.5f} at "
@@ -102,15 +101,9 @@ class EarlyStoppingGuard(Guard):
             verdicts.append(ExportBest())
         return verdicts
 
-    def remember_best(self, folder: Path) -> None:
-        """The loop saved the checkpoint a SaveBest asked for into `folder`."""
-        self.best_checkpoint = str(folder)
-
     def state_dict(self) -> dict[str, Any]:
-        return {"history": [[step, value] for step, value in self.history],
-                "best_checkpoint": self.best_checkpoint or "", "best_step": self.best_step or 0}
+        return {"history": [[step, value] for step, value in self.history], "best_step": self.best_step or 0}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = [(int(step), float(value)) for step, value in state.get("history", [])]
-        self.best_checkpoint = state.get("best_checkpoint") or None
         self.best_step = int(state["best_step"]) if state.get("best_step") else None

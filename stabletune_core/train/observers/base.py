@@ -3,7 +3,7 @@
 An observer looks at an `ObserverView` (a few read-only numbers and handles, never the session) and returns an
 `Observation`: numbers for the step's metrics (the validation loss, which the plateau and early-stopping guards
 then read), events for events.jsonl, and at the end of a run a summary line; the loop writes them. An observer
-may write its own files under RUN/diagnostics/ (`view.diagnostics`, None on processes that write nothing).
+may write its own files under RUN/diagnostics/ (`view.run_paths`, None on processes that write nothing).
 What an observer needs beyond the view (the evaluator of the validation loss, the LPIPS term) it gets when it is
 made (setup). Its `state_dict` travels in every checkpoint next to the guards'.
 
@@ -19,7 +19,8 @@ from typing import Any, Mapping, Protocol
 
 import torch
 
-from .guards.verdicts import Event
+from ...runs.layout import RunPaths
+from ..guards.verdicts import Event
 
 
 class ObserverView(Protocol):
@@ -35,7 +36,7 @@ class ObserverView(Protocol):
     def micro_batch_size(self) -> int: ...
 
     @property
-    def diagnostics(self) -> Path | None: ...  # RUN/diagnostics on the process that writes the run, else None
+    def run_paths(self) -> RunPaths | None: ...  # RUN/'s files on the process that writes the run, else None
 
     @property
     def adapters(self) -> Mapping[str, torch.nn.Module]: ...  # the modules carrying LoRA layers, unwrapped

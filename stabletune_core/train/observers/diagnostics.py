@@ -21,16 +21,15 @@ from typing import Any, Mapping
 
 import torch
 
-from ..config import TrainConfig
-from ..lora.layers import run_lora_layers
-from ..lora.svd import Spectrum, block_of, detect_collapse, lora_factors, spectra
-from ..runs.jsonfiles import append_jsonl
-from .guards.verdicts import Event
-from .observers import NOTHING, Observation, Observer, ObserverView
-from .validation import Evaluator, FixedSet
+from ...config import TrainConfig
+from ...lora.layers import run_lora_layers
+from ...lora.svd import Spectrum, block_of, detect_collapse, lora_factors, spectra
+from ...runs import events
+from ...runs.jsonfiles import append_jsonl
+from ..guards.verdicts import Event
+from .base import NOTHING, Observation, Observer, ObserverView
+from .validation_loss import Evaluator, FixedSet
 
-SPECTRA_FILE = "spectra.jsonl"
-ACTIVATIONS_FILE = "activations.jsonl"
 NEAR_ZERO = 1e-3
 
 
@@ -55,32 +54,32 @@ class SpectralMonitor(Observer):
         if not self.every or view.step % self.every:
             return NOTHING
         start = time.perf_counter()
-        _, events = self.check(view)
+        _, said = self.check(view)
         self.seconds += time.perf_counter() - start
-        return Observation(events=events)
+        return Observation(events=said)
 
     def check(self, view: ObserverView) -> tuple[list[Spectrum], tuple[Event, ...]]:
         """The spectra (also appended to spectra.jsonl), and the collapse warning or recovery, if any."""
         found = all_spectra(view.adapters)
         step = view.step
-        if view.diagnostics is not None:
-            path = view.diagnostics / SPECTRA_FILE
+        if view.run_paths is not None:
+            path = view.run_paths.spectra
             for sp in found:
                 append_jsonl(path, {"step": step, **sp.as_record(), "block": block_of(sp.module)})
         collapse = detect_collapse(found, self.threshold)
-        events: tuple[Event, ...] = ()
+        said: tuple[Event, ...] = ()
         if collapse and not self.collapsed:
-            events = (Event("collapse", f"Rank collapse at step {step}: in {collapse.collapsed} of "
-                            f"{collapse.considered} LoRA modules the second singular value is under {self.threshold} "
-                            f"of the first; it starts in block {collapse.first_block} ({collapse.first_module}). "
-                            "Lower the learning rate or the rank, or raise alpha less.",
-                            fields=dict(step=step, module=collapse.first_module, block=collapse.first_block,
-                                        fraction=collapse.fraction)),)
+            said = (Event(events.COLLAPSE, f"Rank collapse at step {step}: in {collapse.collapsed} of "
+                          f"{collapse.considered} LoRA modules the second singular value is under {self.threshold} "
+                          f"of the first; it starts in block {collapse.first_block} ({collapse.first_module}). "
+                          "Lower the learning rate or the rank, or raise alpha less.",
+                          fields=dict(step=step, module=collapse.first_module, block=collapse.first_block,
+                                      fraction=collapse.fraction)),)
         elif self.collapsed and not collapse:
-            events = (Event("collapse_recovered", f"LoRA spectra recovered at step {step}: most modules have a "
-                            f"second direction above {self.threshold} again.", fields=dict(step=step)),)
+            said = (Event(events.COLLAPSE_RECOVERED, f"LoRA spectra recovered at step {step}: most modules have a "
+                          f"second direction above {self.threshold} again.", fields=dict(step=step)),)
         self.collapsed = collapse is not None
-        return found, events
+        return found, said
 
     def state_dict(self) -> dict[str, Any]:
         return {"collapsed": self.collapsed}
@@ -115,8 +114,8 @@ class ActivationMonitor(Observer):
             return NOTHING
         start = time.perf_counter()
         records = self.measure(view)
-        if view.diagnostics is not None:
-            path = view.diagnostics / ACTIVATIONS_FILE
+        if view.run_paths is not None:
+            path = view.run_paths.activations
             for record in records:
                 append_jsonl(path, {"step": view.step, **record})
         self.seconds += time.perf_counter() - start
@@ -165,8 +164,8 @@ class ActivationMonitor(Observer):
 def make_observers(config: TrainConfig, evaluator: Evaluator | None = None, perceptual: Any = None
                    ) -> list[Observer]:
     """The observers a config asks for, in order: validation loss, LPIPS report, spectra, activations."""
-    from .perceptual import PerceptualReport
-    from .validation import ValidationLoss
+    from ..perceptual import PerceptualReport
+    from .validation_loss import ValidationLoss
 
     observers: list[Observer] = []
     if config.validation_loss_every:

@@ -194,7 +194,7 @@ def test_diagnostics_read_spectra_and_warnings(tmp_path: Path) -> None:
             values = [spread ** (i * step / 100) for i in range(8)]
             append_jsonl(writer.paths.diagnostics / "spectra.jsonl", {"step": step, "module": module,
                                                                        "singular_values": values})
-    writer.event("rank_collapse", "down.attn.to_k effective rank fell below 2.", step=100)
+    writer.event("collapse", "down.attn.to_k effective rank fell below 2.", step=100)  # runs/events.py's kind
     reader = RunReader(tmp_path)
     records = diagnostics.spectra(reader)
     assert diagnostics.modules(records) == ["down.attn.to_k", "up.attn.to_q"]
@@ -203,7 +203,7 @@ def test_diagnostics_read_spectra_and_warnings(tmp_path: Path) -> None:
     assert diagnostics.heatmap(records, "up.attn.to_q") is not None
     assert diagnostics.heatmap(records, "missing") is None
     assert diagnostics.rank_lines(records) is not None
-    assert diagnostics.warnings(reader)[0][1] == "rank_collapse"
+    assert diagnostics.warnings(reader)[0][1] == "collapse"
     assert diagnostics.available(reader) == ["spectra.jsonl"]
 
 

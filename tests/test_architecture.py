@@ -115,7 +115,7 @@ GUARD_MODULES = sorted((TRAIN / "guards").glob("*.py"))
 def test_guards_never_save_export_or_move_the_step_counter(path: Path):
     tree = ast.parse(path.read_text(encoding="utf-8"))
     imported = imports_of(path)
-    for forbidden in ("loop", "state", "export", "checkpoint", "step", "setup"):
+    for forbidden in ("loop", "state", "lora_file", "checkpoint", "step", "setup", "session"):
         assert f"stabletune_core.train.{forbidden}" not in imported, f"{path.name} imports train/{forbidden}.py"
     for node in ast.walk(tree):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(

@@ -12,7 +12,7 @@ from .config import (ConfigError, TrainConfig, add_config_arguments, build_confi
                      read_toml)
 
 
-TOOLS = ("caption", "captions")
+TOOLS = ("caption", "captions", "doctor")
 
 
 class ShortErrorParser(argparse.ArgumentParser):

@@ -12,7 +12,7 @@ from .config import (ConfigError, TrainConfig, add_config_arguments, build_confi
                      read_toml)
 
 
-TOOLS = ("caption", "captions", "doctor")
+TOOLS = ("caption", "captions", "doctor", "merge", "extract")
 
 
 class ShortErrorParser(argparse.ArgumentParser):

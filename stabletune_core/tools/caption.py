@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -264,7 +264,7 @@ def merge_loras(loras: list[tuple[Path, float]], output: Path, *, rank: int | No
 
     if len(loras) < 2:
         raise refuse("Give two or more --lora files to merge into one (or --model to merge into a checkpoint).")
-    read: list[tuple[Path, float, dict[str, AdapterModule], dict[str, str]]] = []  # noqa: F821
+    read: list[tuple[Path, float, dict[str, AdapterModule], dict[str, str]]] = []
     families = set()
     for path, weight in loras:
         modules, metadata = read_adapter(path)

@@ -11,9 +11,9 @@ from .form import Form
 from .schema import load_schema
 from .session import RunHub
 from .settings import UISettings
-from .tabs import dataset, diagnostics, model, monitor, runs, samples, train
+from .tabs import dataset, diagnostics, model, monitor, runs, samples, tools, train
 
-TABS = (dataset, model, train, monitor, samples, diagnostics, runs)
+TABS = (dataset, model, train, monitor, samples, diagnostics, runs, tools)
 LIVE_TABS = (train, monitor, samples, diagnostics, runs)
 TITLE = "StableTune: LoRA training"
 

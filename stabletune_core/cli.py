@@ -5,10 +5,14 @@ import argparse
 import json
 import os
 import sys
+from importlib import import_module
 from pathlib import Path
 
 from .config import (ConfigError, TrainConfig, add_config_arguments, build_config, check_inputs, config_from_args,
                      read_toml)
+
+
+TOOLS = ("caption", "captions", "doctor", "merge", "extract")
 
 
 class ShortErrorParser(argparse.ArgumentParser):
@@ -66,11 +70,15 @@ def run_command(argv: list[str] | None = None) -> int:
 
     schema = commands.add_parser("schema", help="Print the TrainConfig JSON schema (for UIs).")
     schema.set_defaults()
+    for tool in TOOLS:  # stabletune_core/tools/: each adds its command and sets run_tool
+        import_module(f".tools.{tool}", __package__).add_parser(commands)
 
     raw = sys.argv[1:] if argv is None else argv
     ShortErrorParser.command = next((a for a in raw if not a.startswith("-")), "") if raw else ""
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "run_tool", None):
+            return args.run_tool(args)
         if args.command == "train":
             return run_train(config_from_args(args))
         if args.command == "preflight":

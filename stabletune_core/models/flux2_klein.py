@@ -303,6 +303,7 @@ class Flux2Klein:
     tokenizer_parts = ("tokenizer",)
     diffusers_pipeline_class = "Flux2KleinPipeline"
     diffusers_lora_layers_argument = "transformer_lora_layers"  # the save_lora_weights argument for the denoiser
+    diffusers_lora_key_names = "peft"  # lora_A / lora_B, as diffusers' Klein script saves (see lora/export.py)
 
     # ------------------------------------------------------------------ load
     def load(self, source: str | Path, *, local_files_only: bool = True, config_dir: str | Path | None = None,

@@ -96,20 +96,6 @@ def test_tiny_model_is_deterministic_from_its_seed():
     assert a["tokenizer"].get_vocab() == c["tokenizer"].get_vocab()
 
 
-def test_shipped_configs_are_the_real_klein_sizes():
-    """The transformer file of Klein 4B is 7,751,089,152 bytes of bf16 weights and 9B's 18,157,162,496 (the sizes
-    BFL's flux-2-klein-{4b,9b}.safetensors have): the shipped configs give exactly those parameter counts."""
-    from accelerate import init_empty_weights
-    from diffusers import Flux2Transformer2DModel
-
-    counts = {}
-    for variant, folder in SHIPPED_CONFIGS.items():
-        with init_empty_weights():
-            model = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(str(folder / "transformer")))
-        counts[variant] = sum(p.numel() for p in model.parameters())
-    assert counts == {"4b": 3_875_544_576, "9b": 9_078_581_248}
-
-
 # ---- item 1: bad input, one sentence each ------------------------------------------------------------------------
 def refused(source, **kw) -> str:
     with pytest.raises(ModelLoadError) as err:

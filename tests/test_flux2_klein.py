@@ -12,7 +12,7 @@ import torch
 
 from flux2_tools import one_sentence, tiny_klein_paths
 from stabletune_core.models import ModelLoadError, detect_family, get_family
-from stabletune_core.models.flux2_klein import (KLEIN_PROMPT, SHIPPED_CONFIGS, Distillation, detect_distillation)
+from stabletune_core.models.flux2_klein import KLEIN_PROMPT, Distillation, detect_distillation
 
 
 @pytest.fixture(scope="module")

@@ -229,12 +229,7 @@ def looks_like_klein(source: str | Path) -> bool:
 
 def _comfy_root(path: Path) -> Path | None:
     """The ComfyUI folder a model file lives in (the parent of its ``models/``), if it does."""
-    for parent in path.resolve().parents:
-        if parent.name == "models" and (parent.parent / "comfy").is_dir():
-            return parent.parent
-        if parent.name == "models":
-            return parent.parent
-    return None
+    return next((parent.parent for parent in path.resolve().parents if parent.name == "models"), None)
 
 
 def _find_text_encoder(transformer: Path, hidden: int) -> Path | None:
@@ -308,7 +303,7 @@ class Flux2Klein:
     # ------------------------------------------------------------------ load
     def load(self, source: str | Path, *, local_files_only: bool = True, config_dir: str | Path | None = None,
              torch_dtype: torch.dtype = torch.float32, text_encoder: str | Path | None = None,
-             tokenizer: str | Path | None = None, vae: str | Path | None = None, **_: Any) -> ModelBundle:
+             tokenizer: str | Path | None = None, vae: str | Path | None = None) -> ModelBundle:
         """A Klein diffusers folder (or hub id when allowed), or the BFL transformer file with its text encoder,
         VAE and tokenizer given or found where ComfyUI keeps them. Bad input raises ModelLoadError, one sentence."""
         from .sd1 import check_source

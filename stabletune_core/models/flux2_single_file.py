@@ -15,7 +15,7 @@ where diffusers has (scale, shift).
 from __future__ import annotations
 
 import re
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -188,8 +188,3 @@ def vae_from_ldm(state: dict[str, torch.Tensor], vae) -> dict[str, torch.Tensor]
         out[key] = value.reshape(like.shape) if conv else value
     return out
 
-
-def iter_prefixed(state: dict[str, torch.Tensor], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    for key, value in state.items():
-        if key.startswith(prefix):
-            yield key[len(prefix):], value

@@ -18,8 +18,16 @@ def add_lora(bundle: ModelBundle, config: TrainConfig) -> None:
     A target suffix that names no layer would silently train nothing there, so it is refused first
     (ConfigError, one sentence per suffix, with the closest real names).
     """
-    problems = unmatched_targets(bundle.unet, config.unet_lora_targets, "unet_lora_targets", "UNet")
-    if config.train_text_encoder:
+    targets = list(config.unet_lora_targets)
+    resolve = getattr(bundle.family, "lora_target_modules", None)  # a family whose suffixes also name containers
+    problems = unmatched_targets(bundle.unet, [t for t in targets if resolve is None or not resolve(bundle.unet, [t])],
+                                 "unet_lora_targets", getattr(bundle.family, "denoiser_name", "UNet"))
+    if resolve is not None:
+        targets = resolve(bundle.unet, targets)
+    if config.train_text_encoder and not bundle.family.text_encoder_lora_targets:
+        problems.append(f"train_text_encoder: the {bundle.family.display_name} text encoder stays frozen (LoRAs "
+                        "adapt its transformer only); turn train_text_encoder off.")
+    elif config.train_text_encoder:
         for i, encoder in enumerate(bundle.text_encoders):
             problems += unmatched_targets(encoder, bundle.family.text_encoder_lora_targets,
                                           "text_encoder_lora_targets", f"text encoder {i + 1}")
@@ -29,7 +37,7 @@ def add_lora(bundle: ModelBundle, config: TrainConfig) -> None:
     bundle.vae.requires_grad_(False)
     for encoder in bundle.text_encoders:
         encoder.requires_grad_(False)
-    bundle.unet.add_adapter(adapter_config(config, list(config.unet_lora_targets)))
+    bundle.unet.add_adapter(adapter_config(config, targets))
     adapted = [bundle.unet]
     if config.train_text_encoder:
         # peft's own injection makes the same modules as PreTrainedModel.add_adapter and does not depend on

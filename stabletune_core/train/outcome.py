@@ -107,7 +107,7 @@ def owns_status(config: Any) -> bool:
     is no status yet, an earlier failed attempt, or the run is being resumed.
 
     `config` may be the few fields that a config which failed to parse still gave (cli.run_command)."""
-    from ..config import output_inside_dataset
+    from ..config import output_inside_dataset, output_inside_reg_dir
 
     paths = RunPaths(Path(config.output_dir).expanduser())
     if paths.root.exists() and not paths.root.is_dir():
@@ -118,6 +118,9 @@ def owns_status(config: Any) -> bool:
     data_dir = getattr(config, "train_data_dir", None)
     if output_inside_dataset(paths.root, Path(data_dir).expanduser() if data_dir else None):
         return False  # the user's dataset: never write into it
+    reg_dir = getattr(config, "reg_data_dir", None)
+    if output_inside_reg_dir(paths.root, Path(reg_dir).expanduser() if reg_dir else None):
+        return False  # the user's class images: never write among them either
     if paths.root.is_dir() and not config.resume_from_checkpoint and not getattr(config, "overwrite_output_dir", 0):
         if isinstance(config, TrainConfig):
             from ..runs.earlier import earlier_run

@@ -167,7 +167,8 @@ def setup(config: TrainConfig) -> Session:
         run.event("config", note)
     set_seed(config.seed)
 
-    scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension)
+    scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension,
+                        masked_loss=config.masked_loss)
     for skipped in scan.skipped:
         run.event("data_skipped", f"Skipped {skipped.path}: {skipped.reason}", path=str(skipped.path))
     if scan.skipped:
@@ -181,7 +182,7 @@ def setup(config: TrainConfig) -> Session:
                   held_out=[str(item.path) for item in held_out])
     if config.reg_data_dir:  # after the split: held-out images are instance images only
         reg = scan_reg_images(Path(config.reg_data_dir), scan.total_with_repeats, config.default_caption,
-                              config.caption_extension)
+                              config.caption_extension, masked_loss=config.masked_loss)
         run.event("reg_images", f"Prior preservation: {len(reg.items)} regularisation image(s) from "
                   f"{config.reg_data_dir}, {reg.total_with_repeats} per epoch, loss weight {config.prior_loss_weight}.",
                   console=True)

@@ -98,6 +98,13 @@ def run_command(argv: list[str] | None = None) -> int:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
         return 2
+    except Exception as exc:  # every command keeps train's contract: one sentence (a full disk, a permission), or
+        from .train import outcome  # one "internal error" line with the traceback in a file; never a traceback
+
+        return outcome.report_failure(exc, None)
+    except KeyboardInterrupt:  # train and demo handle their own signals; the other commands write atomically
+        print(f"error: {args.command} interrupted; nothing was written.", file=sys.stderr)
+        return 130
     return 1
 
 
@@ -222,12 +229,21 @@ def run_export(checkpoint: Path, name: str | None) -> int:
     import shutil
     import tempfile
 
+    from .train.checkpoint import CheckpointError, verify_checkpoint
     from .train.export import export
     from .train.setup import setup
     from .train.state import resume
 
     checkpoint = checkpoint.resolve()
     run_dir = checkpoint.parent.parent
+    if not checkpoint.is_dir() or not (run_dir / "config.toml").is_file():
+        raise ConfigError([f"{checkpoint} is not a checkpoint folder of a run (RUN/checkpoints/step_NNNNNN, with "
+                           "RUN/config.toml); give one of a run's checkpoint folders."])
+    try:  # checked before any model loads, in the export's own words
+        verify_checkpoint(checkpoint)
+    except CheckpointError as exc:
+        raise ConfigError([f"Cannot export {checkpoint.name}: {str(exc).rstrip('.')}. Export another checkpoint "
+                           f"of the run ({checkpoint.parent})."]) from None
     values = read_toml(run_dir / "config.toml")
     with tempfile.TemporaryDirectory(prefix="stabletune-export-") as scratch:
         config = build_config({**values, "output_dir": scratch, "resume_from_checkpoint": str(checkpoint),
@@ -267,6 +283,12 @@ def run_inspect(path: Path) -> int:
         return 0
     from safetensors import safe_open
 
+    from .lora.resize import lora_file_problem
+
+    if not path.exists():
+        raise ConfigError([f"{path} does not exist; give a LoRA .safetensors file or a run folder."])
+    if problem := lora_file_problem(path):
+        raise ConfigError([problem])
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata() or {}
         keys = list(f.keys())

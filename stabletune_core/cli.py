@@ -121,6 +121,7 @@ def _raw_output_dir(args: argparse.Namespace) -> str | None:
 def run_train(config: TrainConfig) -> int:
     """Train, and end in a known state: finished (0), stopped by a signal (128 + signal), or failed with one
     sentence on stderr and in status.json (non-zero, see train/outcome.py). Never a traceback."""
+    from .runs import lock
     from .train import outcome, signals
 
     for note in config.notes():
@@ -131,6 +132,7 @@ def run_train(config: TrainConfig) -> int:
         problems = check_inputs(config)  # bad input answers in a second, before torch is even imported
         if problems:
             raise ConfigError(problems)
+        lock.hold(config.output_dir)  # one live trainer per run folder; a second start is refused, naming it
         from .train.loop import train  # torch loads only when there is something to train
 
         path = train(config)
@@ -143,6 +145,7 @@ def run_train(config: TrainConfig) -> int:
     finally:
         stop.restore()
         signals.ACTIVE = None
+        lock.release(config.output_dir)
     if path:
         print(f"LoRA written to {path}")
     return stop.exit_code

@@ -108,10 +108,13 @@ def owns_status(config: Any) -> bool:
 
     `config` may be the few fields that a config which failed to parse still gave (cli.run_command)."""
     from ..config import output_inside_dataset, output_inside_reg_dir
+    from ..runs.lock import holder
 
     paths = RunPaths(Path(config.output_dir).expanduser())
     if paths.root.exists() and not paths.root.is_dir():
         return False
+    if holder(paths.root):
+        return False  # a live trainer's folder (runs/lock.py): its status.json is that trainer's
     previous = read_json(paths.status) if paths.status.is_file() else None
     if previous and previous.get("pid") == os.getpid():
         return True  # this run's own folder: its metrics and samples are no earlier run

@@ -20,7 +20,7 @@ from ..data.dataset import DatasetView, EmbeddingCache, LatentCache, derive_seed
 from ..data.masks import masks_note
 from ..data.reg import merge_reg, scan_reg_images
 from ..data.scan import scan_dataset
-from ..lora.inject import add_lora, lora_parameters
+from ..lora.inject import adapter_mismatch, adapter_settings, add_lora, lora_parameters
 from ..models.base import ModelBundle
 from ..models.loading import load_model
 from ..runs.earlier import earlier_run
@@ -111,18 +111,33 @@ def find_resume_checkpoint(config: TrainConfig, report: Any) -> Checkpoint | Non
     if target not in ("auto", "latest"):  # check_inputs made sure it is a folder
         path = Path(target).expanduser()
         try:
-            return load_checkpoint(path)
+            checkpoint = load_checkpoint(path)
         except (CheckpointError, RuntimeError, OSError, ValueError) as exc:
             raise RunFailed(f"Cannot resume from {path}: {str(exc).rstrip('.')}. Choose another checkpoint folder, "
                             "or --resume auto for the newest good one.") from None
-    parent = RunWriter(config.output_dir, enabled=False).paths.checkpoints
-    bad: list[str] = []
-    checkpoint = latest_good_checkpoint(parent, report=lambda message: (bad.append(message), report(message)))
-    if checkpoint is None and bad and not config.allow_restart:
-        raise RunFailed(f"None of the {len(bad)} checkpoints in {parent} can be read ({bad[0].split(' Falling')[0]}"
-                        "); nothing was changed. Pass --allow_restart to start this run over from step 0 (the bad "
-                        "checkpoints are kept), or resume from a copy of a good checkpoint.")
+    else:
+        parent = RunWriter(config.output_dir, enabled=False).paths.checkpoints
+        bad: list[str] = []
+        checkpoint = latest_good_checkpoint(parent, report=lambda message: (bad.append(message), report(message)))
+        if checkpoint is None and bad and not config.allow_restart:
+            raise RunFailed(f"None of the {len(bad)} checkpoints in {parent} can be read ({bad[0].split(' Falling')[0]}"
+                            "); nothing was changed. Pass --allow_restart to start this run over from step 0 (the bad "
+                            "checkpoints are kept), or resume from a copy of a good checkpoint.")
+    if checkpoint is not None and (mismatch := adapter_mismatch(recorded_adapter_settings(checkpoint), config,
+                                                                checkpoint.path.name)):
+        raise ConfigError([mismatch])  # before config.toml or anything else of the run is written
     return checkpoint
+
+
+def recorded_adapter_settings(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The adapter settings a checkpoint was trained with: recorded in it, or for a checkpoint written before they
+    were, those of the run's config.toml beside it (empty when it cannot be read: nothing to compare)."""
+    if "adapter_settings" in checkpoint.state:
+        return checkpoint.state["adapter_settings"]
+    try:
+        return adapter_settings(TrainConfig.from_toml(checkpoint.path.parent.parent / "config.toml"))
+    except (ConfigError, OSError, ValueError):
+        return {}
 
 
 def weight_dtype_for(config: TrainConfig) -> torch.dtype:

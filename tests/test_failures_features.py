@@ -283,15 +283,20 @@ def test_a_second_trainer_on_a_live_run_folder_is_refused(tiny_model, shapes_dat
 def test_resume_with_other_adapter_settings_is_refused_and_changes_nothing(change, names, finished_run, tiny_model,
                                                                            shapes_dataset, tmp_path, user_files):
     run = copied_run(finished_run, tmp_path / "run")
-    kept = {k: v for k, v in tree_hash(run).items() if not k.endswith(("status.json", "events.jsonl"))}
+
+    def kept_files() -> dict[str, str]:  # all but the refusal's own status and event
+        return {k: v for k, v in tree_hash(run).items() if not k.endswith(("status.json", "events.jsonl"))}
+
+    kept = kept_files()
     before = user_files()
     flags = base_flags(tiny_model, shapes_dataset, run) + ["--resume", "auto", "--max_train_steps", "5"]
     result = train(flags + change)
     sentence = assert_failed(result, run, names[0], code=2, before=before, after=user_files())
     assert "internal error" not in sentence and all(name in sentence for name in names), sentence
-    assert {k: v for k, v in tree_hash(run).items() if not k.endswith(("status.json", "events.jsonl"))} == kept
+    assert kept_files() == kept  # config.toml too: `train --config RUN/config.toml --resume auto` still continues
     if change[0] == "--lora_rank":  # the run's own config still continues it, as it did before the refusal
-        result = train(["--config", str(run / "config.toml"), "--resume", "auto", "--max_train_steps", "4"])
+        result = train(["--config", str(run / "config.toml"), "--output_dir", str(run), "--resume", "auto",
+                        "--max_train_steps", "4"])  # (the copy's config.toml names the original's folder)
         assert result.returncode == 0, result.stderr[-3000:]
         assert status(run)["state"] == "finished" and status(run)["step"] == 4
 

@@ -38,13 +38,14 @@ class RunFailed(RuntimeError):
 
 
 def is_disk_full(exc: BaseException) -> bool:
-    """ENOSPC as an OSError, or as the RuntimeError torch.save / safetensors raise for it."""
+    """ENOSPC as an OSError, or as the RuntimeError torch.save raises for it, or the SafetensorError (not a
+    RuntimeError; matched by name, like OutOfMemoryStop) safetensors' save_file raises: the final export's."""
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
             return True
         text = str(exc)
-        if isinstance(exc, RuntimeError) and ("No space left" in text or "file write failed" in text
-                                               or "Disk quota" in text):
+        if (isinstance(exc, RuntimeError) or type(exc).__name__ == "SafetensorError") and (
+                "No space left" in text or "file write failed" in text or "Disk quota" in text):
             return True
         exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return False

@@ -40,6 +40,7 @@ from .placement import frozen_modules_to_offload, offload
 from .session import Session, TrainState
 from .step import encode_pixels, encode_text
 from .tensorboard import make_tensorboard_log
+from .threads import set_cpu_threads
 from .validation import split_validation
 
 
@@ -211,6 +212,9 @@ def setup(config: TrainConfig) -> Session:
 
     run.status("loading", step=0)
     bundle = load_model(config)
+    if accelerator.device.type == "cpu":  # torch's one thread per core is wrong for small models and busy machines
+        threads, sentence = set_cpu_threads(bundle.unet)
+        run.event("threads", sentence, console=True, threads=threads)
     if config.prediction_type:
         bundle.noise_scheduler.register_to_config(prediction_type=config.prediction_type)
     add_lora(bundle, config)

@@ -134,7 +134,7 @@ def test_masks_are_not_read_without_masked_loss(tiny_model, shapes_dataset, tmp_
 
 
 # ---- item 4: every command keeps the train command's contract ----------------------------------------------------
-def _kohya_lora(path: Path, *, nan: bool = False, up_rank: int = 4) -> Path:
+def _kohya_lora(path: Path, *, nan: bool = False, up_rank: int = 4, nan_alpha: bool = False) -> Path:
     """A small kohya-format LoRA file: two modules, rank 4 (a Linear and a conv)."""
     import torch
     from safetensors.torch import save_file
@@ -148,6 +148,8 @@ def _kohya_lora(path: Path, *, nan: bool = False, up_rank: int = 4) -> Path:
         tensors[f"{name}.alpha"] = torch.tensor(4.0)
     if nan:
         tensors["lora_unet_a_to_q.lora_up.weight"][0, 0] = float("nan")
+    if nan_alpha:
+        tensors["lora_unet_b_conv.alpha"] = torch.tensor(float("nan"))
     save_file(tensors, str(path), metadata={"ss_network_dim": "4", "ss_network_alpha": "4"})
     return path
 
@@ -174,6 +176,7 @@ def assert_one_sentence(result: subprocess.CompletedProcess, expected: str) -> s
 
 @pytest.mark.parametrize("case, expected", [
     ("nan", "NaN"),
+    ("nan-alpha", "NaN"),
     ("ranks", "rank"),
     ("folder", "is a folder"),
     ("read-only", "Cannot write"),
@@ -181,7 +184,8 @@ def assert_one_sentence(result: subprocess.CompletedProcess, expected: str) -> s
 def test_resize_refuses_a_bad_lora_in_one_sentence(case, expected, tmp_path):
     folder = tmp_path / "loras"
     folder.mkdir()
-    lora = _kohya_lora(folder / "mine.safetensors", nan=case == "nan", up_rank=8 if case == "ranks" else 4)
+    lora = _kohya_lora(folder / "mine.safetensors", nan=case == "nan", up_rank=8 if case == "ranks" else 4,
+                       nan_alpha=case == "nan-alpha")
     before = tree_hash(folder)
     target = folder if case == "folder" else lora
     if case == "read-only":
@@ -214,6 +218,17 @@ def test_export_of_a_corrupt_checkpoint_is_one_sentence(finished_run, tmp_path):
     sentence = assert_one_sentence(cli("export", str(checkpoint)), "step_000002")
     assert "sha256" in sentence and "--resume" not in sentence  # an export sentence, not the resume one
     assert tree_hash(run) == before
+
+
+def test_export_name_is_a_file_name_not_a_path(finished_run, tmp_path):
+    """--name '../x' wrote the LoRA outside the run folder; 'a/b' made a folder in RUN/output."""
+    run = copied_run(finished_run, tmp_path / "sub" / "run")
+    before = tree_hash(tmp_path)
+    for name in ("../../escaped", "a/b"):
+        sentence = assert_one_sentence(cli("export", str(run / "checkpoints" / "step_000002"), "--name", name),
+                                       "--name")
+        assert "internal error" not in sentence
+    assert tree_hash(tmp_path) == before
 
 
 # ---- item 5: one live trainer per run folder ----------------------------------------------------------------------
@@ -279,6 +294,8 @@ def test_a_second_trainer_on_a_live_run_folder_is_refused(tiny_model, shapes_dat
     (["--lora_rank", "8"], ["lora_rank", "4", "8"]),
     (["--network_type", "lokr"], ["network_type", "lora", "lokr"]),
     (["--use_dora"], ["use_dora"]),
+    (["--optimizer", "lion"], ["optimizer", "adamw", "lion"]),  # silently loaded AdamW's state into Lion
+    (["--optimizer", "adamw_schedulefree"], ["optimizer", "adamw", "adamw_schedulefree"]),  # KeyError
 ])
 def test_resume_with_other_adapter_settings_is_refused_and_changes_nothing(change, names, finished_run, tiny_model,
                                                                            shapes_dataset, tmp_path, user_files):
@@ -299,6 +316,53 @@ def test_resume_with_other_adapter_settings_is_refused_and_changes_nothing(chang
                         "--max_train_steps", "4"])  # (the copy's config.toml names the original's folder)
         assert result.returncode == 0, result.stderr[-3000:]
         assert status(run)["state"] == "finished" and status(run)["step"] == 4
+
+
+def test_resume_past_max_train_steps_is_refused(finished_run, tiny_model, shapes_dataset, tmp_path):
+    """The run is at step 3; --max_train_steps 2 trained nothing, rewrote the LoRA and ended 'finished' at step 3
+    of 2."""
+    run = copied_run(finished_run, tmp_path / "run")
+    lora = (run / "output" / "lora.safetensors").read_bytes()
+    result = train(base_flags(tiny_model, shapes_dataset, run) + ["--resume", "auto", "--max_train_steps", "2"])
+    sentence = assert_failed(result, run, "max_train_steps", code=2)
+    assert "step_000003" in sentence and "internal error" not in sentence
+    assert (run / "output" / "lora.safetensors").read_bytes() == lora
+
+
+# ---- beyond: a class image that cannot be read, a control.json that is not a command -----------------------------
+def test_an_unreadable_class_image_is_skipped_with_a_line(tiny_model, shapes_dataset, tmp_path):
+    """Unreadable training images were listed and said; unreadable class images were dropped without a word."""
+    reg = copy_dataset(shapes_dataset, tmp_path / "class")
+    (reg / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    run = tmp_path / "run"
+    result = train(base_flags(tiny_model, shapes_dataset, run) + ["--reg_data_dir", str(reg)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert any("broken.png" in line and "kip" in line for line in result.stderr.splitlines()), result.stderr[-3000:]
+    assert any("broken.png" in e["message"] for e in events(run) if e["kind"] == "data_skipped")
+
+
+def test_a_control_file_that_is_not_a_command_is_ignored_with_a_line(tiny_model, shapes_dataset, tmp_path):
+    """control.json holding a JSON string (or bytes that are not UTF-8) was an internal error mid-run, losing
+    every step since the last checkpoint."""
+    run = tmp_path / "run"
+    proc = _start(base_flags(tiny_model, shapes_dataset, run) + ["--max_train_steps", "100000"])
+    try:
+        _wait_for_training(run, proc)
+        for payload in (b'"sample"', b"\xff\xfe not text"):
+            (run / "control.json").write_bytes(payload)
+            deadline = time.time() + TIMEOUT
+            while (run / "control.json").exists() and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.05)
+        (run / "control.json").write_text(json.dumps({"command": "stop"}))
+        _, stderr = proc.communicate(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "internal error" not in stderr
+    assert sum("control.json" in line and "gnored" in line for line in stderr.splitlines()) == 2, stderr[-3000:]
+    final = status(run)
+    assert final["state"] == "stopped" and (run / "output" / "lora.safetensors").is_file()
+    assert (run / "checkpoints" / f"step_{final['step']:06d}" / "manifest.json").is_file()
 
 
 # ---- item 7: a full disk at the final export, a missing optional package ------------------------------------------

@@ -79,10 +79,10 @@ def lora_modules(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, tupl
         if up.shape[1] != down.shape[0]:
             raise ResizeError(f"{path.name} is damaged: '{name}' has a lora_down of rank {down.shape[0]} but a "
                               f"lora_up of rank {up.shape[1]}; export the LoRA again.")
-        if not (torch.isfinite(down).all() and torch.isfinite(up).all()):
+        alpha = tensors.get(f"{name}.{ALPHA}")
+        if not all(bool(torch.isfinite(t).all()) for t in (down, up, *([] if alpha is None else [alpha]))):
             raise ResizeError(f"{path.name} holds NaN or infinite values (first in '{name}'), so it has no rank to "
                               "keep; use a LoRA exported before the run went non-finite.")
-        alpha = tensors.get(f"{name}.{ALPHA}")
         modules[name] = (down, up, float(alpha) if alpha is not None else float(down.shape[0]))  # kohya: alpha=r
     if not modules:
         raise ResizeError(f"{path.name} holds no LoRA modules; give a kohya/A1111 LoRA file.")

@@ -229,10 +229,10 @@ def run_export(checkpoint: Path, name: str | None) -> int:
     import tempfile
 
     from .train.checkpoint import CheckpointError, verify_checkpoint
-    from .train.export import export
-    from .train.setup import setup
-    from .train.state import resume
 
+    if name is not None and (not name or any(c in name for c in '/\\:*?"<>|') or name.startswith(".")):
+        raise ConfigError([f"--name '{name}' is not a plain file name (the LoRA goes into the run's output folder); "
+                           "use letters, digits, '-' and '_'."])  # the rule output_name follows (config.py)
     checkpoint = checkpoint.resolve()
     run_dir = checkpoint.parent.parent
     if not checkpoint.is_dir() or not (run_dir / "config.toml").is_file():
@@ -243,6 +243,10 @@ def run_export(checkpoint: Path, name: str | None) -> int:
     except CheckpointError as exc:
         raise ConfigError([f"Cannot export {checkpoint.name}: {str(exc).rstrip('.')}. Export another checkpoint "
                            f"of the run ({checkpoint.parent})."]) from None
+    from .train.export import export  # the engine (diffusers, peft) loads only when the input is good
+    from .train.setup import setup
+    from .train.state import resume
+
     values = read_toml(run_dir / "config.toml")
     with tempfile.TemporaryDirectory(prefix="stabletune-export-") as scratch:
         config = build_config({**values, "output_dir": scratch, "resume_from_checkpoint": str(checkpoint),

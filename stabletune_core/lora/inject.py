@@ -59,12 +59,14 @@ def adapter_config(config: TrainConfig, targets: list[str]) -> PeftConfig:
 
 
 def adapter_settings(config: TrainConfig) -> dict[str, Any]:
-    """The settings that shape the adapter's tensors and what they mean: a checkpoint records them, and a resume
-    that asks for other ones is refused (`adapter_mismatch`) before anything is written."""
+    """The settings that shape the adapter's tensors and what they mean, and the optimizer whose state is kept for
+    them: a checkpoint records them, and a resume that asks for other ones is refused (`adapter_mismatch`) before
+    anything is written. (Another optimizer's state loaded as its own: Lion silently took AdamW's moments and
+    betas, Prodigy and schedule-free failed with a KeyError.)"""
     settings: dict[str, Any] = {"network_type": config.network_type, "use_dora": config.use_dora,
                                 "lora_rank": config.lora_rank, "lora_alpha": float(config.effective_lora_alpha),
                                 "unet_lora_targets": list(config.unet_lora_targets),
-                                "train_text_encoder": config.train_text_encoder}
+                                "train_text_encoder": config.train_text_encoder, "optimizer": config.optimizer}
     if config.network_type == "lokr":
         settings["lokr_factor"] = config.lokr_factor
     return settings
@@ -90,8 +92,8 @@ def adapter_mismatch(recorded: dict[str, Any], config: TrainConfig, checkpoint: 
     old = "; ".join(f"{key} {shown(recorded[key])}" for key in changed)
     new = "; ".join(f"{key} {shown(wanted[key])}" for key in changed)
     return (f"Cannot resume from {checkpoint}: it was trained with {old}, but this run asks for {new}; a "
-            "checkpoint's adapter cannot change shape, so resume with its values, or train with the new ones in "
-            "another --output_dir.")
+            "checkpoint's adapter and optimizer state only fit the settings they were trained with, so resume with "
+            "its values, or train with the new ones in another --output_dir.")
 
 
 #: Layer types peft can put a LoRA on (what a target suffix must name to train anything).

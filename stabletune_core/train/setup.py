@@ -127,6 +127,10 @@ def find_resume_checkpoint(config: TrainConfig, report: Any) -> Checkpoint | Non
     if checkpoint is not None and (mismatch := adapter_mismatch(recorded_adapter_settings(checkpoint), config,
                                                                 checkpoint.path.name)):
         raise ConfigError([mismatch])  # before config.toml or anything else of the run is written
+    if checkpoint is not None and config.max_train_steps and checkpoint.step > config.max_train_steps:
+        raise ConfigError([f"Cannot resume from {checkpoint.path.name} with max_train_steps {config.max_train_steps}: "
+                           f"the run is already at step {checkpoint.step}; pass a larger max_train_steps to train on, "
+                           "or export a checkpoint with `python -m stabletune_core export`."])
     return checkpoint
 
 

@@ -189,11 +189,7 @@ def setup(config: TrainConfig) -> Session:
 
     scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension,
                         masked_loss=config.masked_loss)
-    for skipped in scan.skipped:
-        run.event("data_skipped", f"Skipped {skipped.path}: {skipped.reason}", path=str(skipped.path))
-    if scan.skipped:
-        run.event("data_skipped", f"Skipped {len(scan.skipped)} unreadable image(s), e.g. {scan.skipped[0].path.name}: "
-                  f"{scan.skipped[0].reason} (all listed in events.jsonl).", console=True)
+    report_skipped(run, scan.skipped, "training")
     scan, held_out = split_validation(scan, config)  # held-out images never reach the sampler
     if held_out:
         how = "validation_split empty: automatic" if config.validation_split is None else "validation_split"
@@ -203,6 +199,7 @@ def setup(config: TrainConfig) -> Session:
     if config.reg_data_dir:  # after the split: held-out images are instance images only
         reg = scan_reg_images(Path(config.reg_data_dir), scan.total_with_repeats, config.default_caption,
                               config.caption_extension, masked_loss=config.masked_loss)
+        report_skipped(run, reg.skipped, "class")  # they were dropped without a word
         run.event("reg_images", f"Prior preservation: {len(reg.items)} regularisation image(s) from "
                   f"{config.reg_data_dir}, {reg.total_with_repeats} per epoch, loss weight {config.prior_loss_weight}.",
                   console=True)
@@ -287,6 +284,15 @@ def setup(config: TrainConfig) -> Session:
     build_caches(session)
     faults.arm(session)  # test-only hooks (STABLETUNE_FAULTS); installs nothing in a real run
     return session
+
+
+def report_skipped(run: RunWriter, skipped: list, kind: str) -> None:
+    """Every file a scan could not use as an event, and one console line for all of them."""
+    for entry in skipped:
+        run.event("data_skipped", f"Skipped {entry.path}: {entry.reason}", path=str(entry.path))
+    if skipped:
+        run.event("data_skipped", f"Skipped {len(skipped)} {kind} image(s) that cannot be used, e.g. "
+                  f"{skipped[0].path.name}: {skipped[0].reason} (all listed in events.jsonl).", console=True)
 
 
 def enable_fast_attention(bundle: ModelBundle, config: TrainConfig, run: RunWriter) -> None:

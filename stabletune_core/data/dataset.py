@@ -187,6 +187,7 @@ class DatasetView:
         tag_dropout: float = 0.0,
         seed: int = 0,
         cache_latents: bool = False,
+        masked_loss: bool = True,
     ) -> None:
         self.scan = scan
         self.items: list[DataItem] = list(scan.items)
@@ -202,6 +203,7 @@ class DatasetView:
         self.tag_dropout = tag_dropout
         self.seed = seed
         self.cache_latents = cache_latents
+        self.masked_loss = masked_loss  # off: mask files are never opened (a broken one cannot stop the run)
         self.notes: list[str] = list(scan.notes)  # what the scan decided from folder names (0_ folders)
         if cache_latents and random_crop:
             self.notes.append("Random crop is off because latents are cached: cached latents use a center crop.")
@@ -232,6 +234,7 @@ class DatasetView:
             tag_dropout=config.caption_tag_dropout_rate,
             seed=config.seed,
             cache_latents=config.cache_latents,
+            masked_loss=config.masked_loss,
         )
 
     @property
@@ -290,7 +293,8 @@ class DatasetView:
         out["original_size"] = original_size
         out["crop_top_left"] = crop_top_left
         out["target_size"] = (bucket[1], bucket[0])
-        out["loss_mask"] = load_loss_mask(item, bucket, self, epoch, index)  # None when the image has no mask
+        # None when the image has no mask or masking is off
+        out["loss_mask"] = load_loss_mask(item, bucket, self, epoch, index) if self.masked_loss else None
         return out
 
     def center_pixel_values(self, index: int) -> torch.Tensor:

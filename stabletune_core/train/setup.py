@@ -20,7 +20,7 @@ from ..data.dataset import DatasetView, EmbeddingCache, LatentCache, derive_seed
 from ..data.masks import masks_note
 from ..data.reg import merge_reg, scan_reg_images
 from ..data.scan import scan_dataset
-from ..lora.inject import add_lora, lora_parameters
+from ..lora.inject import adapter_mismatch, adapter_settings, add_lora, lora_parameters
 from ..models.base import ModelBundle
 from ..models.loading import load_model
 from ..runs.earlier import earlier_run
@@ -40,6 +40,7 @@ from .placement import frozen_modules_to_offload, offload
 from .session import Session, TrainState
 from .step import encode_pixels, encode_text
 from .tensorboard import make_tensorboard_log
+from .threads import set_cpu_threads
 from .validation import split_validation
 
 
@@ -111,18 +112,37 @@ def find_resume_checkpoint(config: TrainConfig, report: Any) -> Checkpoint | Non
     if target not in ("auto", "latest"):  # check_inputs made sure it is a folder
         path = Path(target).expanduser()
         try:
-            return load_checkpoint(path)
+            checkpoint = load_checkpoint(path)
         except (CheckpointError, RuntimeError, OSError, ValueError) as exc:
             raise RunFailed(f"Cannot resume from {path}: {str(exc).rstrip('.')}. Choose another checkpoint folder, "
                             "or --resume auto for the newest good one.") from None
-    parent = RunWriter(config.output_dir, enabled=False).paths.checkpoints
-    bad: list[str] = []
-    checkpoint = latest_good_checkpoint(parent, report=lambda message: (bad.append(message), report(message)))
-    if checkpoint is None and bad and not config.allow_restart:
-        raise RunFailed(f"None of the {len(bad)} checkpoints in {parent} can be read ({bad[0].split(' Falling')[0]}"
-                        "); nothing was changed. Pass --allow_restart to start this run over from step 0 (the bad "
-                        "checkpoints are kept), or resume from a copy of a good checkpoint.")
+    else:
+        parent = RunWriter(config.output_dir, enabled=False).paths.checkpoints
+        bad: list[str] = []
+        checkpoint = latest_good_checkpoint(parent, report=lambda message: (bad.append(message), report(message)))
+        if checkpoint is None and bad and not config.allow_restart:
+            raise RunFailed(f"None of the {len(bad)} checkpoints in {parent} can be read ({bad[0].split(' Falling')[0]}"
+                            "); nothing was changed. Pass --allow_restart to start this run over from step 0 (the bad "
+                            "checkpoints are kept), or resume from a copy of a good checkpoint.")
+    if checkpoint is not None and (mismatch := adapter_mismatch(recorded_adapter_settings(checkpoint), config,
+                                                                checkpoint.path.name)):
+        raise ConfigError([mismatch])  # before config.toml or anything else of the run is written
+    if checkpoint is not None and config.max_train_steps and checkpoint.step > config.max_train_steps:
+        raise ConfigError([f"Cannot resume from {checkpoint.path.name} with max_train_steps {config.max_train_steps}: "
+                           f"the run is already at step {checkpoint.step}; pass a larger max_train_steps to train on, "
+                           "or export a checkpoint with `python -m stabletune_core export`."])
     return checkpoint
+
+
+def recorded_adapter_settings(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The adapter settings a checkpoint was trained with: recorded in it, or for a checkpoint written before they
+    were, those of the run's config.toml beside it (empty when it cannot be read: nothing to compare)."""
+    if "adapter_settings" in checkpoint.state:
+        return checkpoint.state["adapter_settings"]
+    try:
+        return adapter_settings(TrainConfig.from_toml(checkpoint.path.parent.parent / "config.toml"))
+    except (ConfigError, OSError, ValueError):
+        return {}
 
 
 def weight_dtype_for(config: TrainConfig) -> torch.dtype:
@@ -167,12 +187,9 @@ def setup(config: TrainConfig) -> Session:
         run.event("config", note)
     set_seed(config.seed)
 
-    scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension)
-    for skipped in scan.skipped:
-        run.event("data_skipped", f"Skipped {skipped.path}: {skipped.reason}", path=str(skipped.path))
-    if scan.skipped:
-        run.event("data_skipped", f"Skipped {len(scan.skipped)} unreadable image(s), e.g. {scan.skipped[0].path.name}: "
-                  f"{scan.skipped[0].reason} (all listed in events.jsonl).", console=True)
+    scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension,
+                        masked_loss=config.masked_loss)
+    report_skipped(run, scan.skipped, "training")
     scan, held_out = split_validation(scan, config)  # held-out images never reach the sampler
     if held_out:
         how = "validation_split empty: automatic" if config.validation_split is None else "validation_split"
@@ -181,7 +198,8 @@ def setup(config: TrainConfig) -> Session:
                   held_out=[str(item.path) for item in held_out])
     if config.reg_data_dir:  # after the split: held-out images are instance images only
         reg = scan_reg_images(Path(config.reg_data_dir), scan.total_with_repeats, config.default_caption,
-                              config.caption_extension)
+                              config.caption_extension, masked_loss=config.masked_loss)
+        report_skipped(run, reg.skipped, "class")  # they were dropped without a word
         run.event("reg_images", f"Prior preservation: {len(reg.items)} regularisation image(s) from "
                   f"{config.reg_data_dir}, {reg.total_with_repeats} per epoch, loss weight {config.prior_loss_weight}.",
                   console=True)
@@ -195,6 +213,9 @@ def setup(config: TrainConfig) -> Session:
 
     run.status("loading", step=0)
     bundle = load_model(config)
+    if accelerator.device.type == "cpu":  # torch's one thread per core is wrong for small models and busy machines
+        threads, sentence = set_cpu_threads(bundle.unet)
+        run.event("threads", sentence, console=True, threads=threads)
     if config.prediction_type:
         bundle.noise_scheduler.register_to_config(prediction_type=config.prediction_type)
     add_lora(bundle, config)
@@ -263,6 +284,15 @@ def setup(config: TrainConfig) -> Session:
     build_caches(session)
     faults.arm(session)  # test-only hooks (STABLETUNE_FAULTS); installs nothing in a real run
     return session
+
+
+def report_skipped(run: RunWriter, skipped: list, kind: str) -> None:
+    """Every file a scan could not use as an event, and one console line for all of them."""
+    for entry in skipped:
+        run.event("data_skipped", f"Skipped {entry.path}: {entry.reason}", path=str(entry.path))
+    if skipped:
+        run.event("data_skipped", f"Skipped {len(skipped)} {kind} image(s) that cannot be used, e.g. "
+                  f"{skipped[0].path.name}: {skipped[0].reason} (all listed in events.jsonl).", console=True)
 
 
 def enable_fast_attention(bundle: ModelBundle, config: TrainConfig, run: RunWriter) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..lora.inject import load_lora_state_dict, lora_state_dict
+from ..lora.inject import adapter_settings, load_lora_state_dict, lora_state_dict
 from .checkpoint import CheckpointError, list_checkpoints, prune_checkpoints, save_checkpoint
 from .ema import AdapterEMA
 from .outcome import RunFailed
@@ -49,7 +49,8 @@ def save(s: Session, reason: str) -> Path | None:
     state = {"train": s.state.as_dict(), "optimizer": s.optimizer.state_dict(),
              "lr_scheduler": s.lr_scheduler.state_dict(), "scaler": s.amp.state_dict(), "rng": rng_state(s),
              "guards": {g.name: g.state_dict() for g in [*s.guards, *s.observers]},  # observers' too
-             "ema": s.ema.state_dict() if s.ema else {}}
+             "ema": s.ema.state_dict() if s.ema else {},
+             "adapter_settings": adapter_settings(s.config)}  # a resume with other ones is refused (setup.py)
     try:
         folder = save_checkpoint(s.run.paths.checkpoint(s.state.step), s.state.step, adapter, state,
                                  halfway=s.checkpoint_halfway)

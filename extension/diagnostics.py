@@ -124,6 +124,13 @@ def activation_heatmap(records: list[dict[str, Any]], stat: str = "var") -> Figu
                        cmap="magma")
 
 
+def val_loss_records(reader: RunReader) -> list[dict[str, Any]]:
+    """diagnostics/val_loss.jsonl: {"step", "val_loss"} and, where the engine measures them, its noise bands
+    (`val_loss_low_noise`, `val_loss_mid_noise`, `val_loss_high_noise`)."""
+    return [{k: v for k, v in r.items() if k == "step" or k.startswith("val_loss")}
+            for r in reader.diagnostics(VAL_LOSS_FILE) if isinstance(r.get("step"), int)]
+
+
 def val_loss_points(reader: RunReader) -> list[tuple[int, float]]:
     points = []
     for r in reader.diagnostics(VAL_LOSS_FILE):

@@ -49,7 +49,7 @@ def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
     reader = ctx.hub.reader(run) if run else None
     metrics = reader.metrics() if reader else []
     events = reader.events() if reader else []
-    val = diagnostics.val_loss_points(reader) if reader else []
+    val = diagnostics.val_loss_records(reader) if reader else []
     key = (str(run), len(metrics), len(events), len(val))
     if seen.get("monitor") == key:  # nothing new: send nothing, the browser keeps its plots
         return [unchanged()] * 6

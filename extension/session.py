@@ -38,7 +38,10 @@ class RunHub:
         self.attached = Path(path) if path else None
 
     def attach_default(self) -> Path | None:
-        """Re-attach after a restart: the newest live run, else the newest run, else nothing."""
+        """Re-attach after a restart: the newest live run, else the newest run, else nothing. A run whose folder
+        is gone (deleted here or by hand) is not followed any more."""
+        if self.attached is not None and not self.attached.is_dir():
+            self.attached = None
         if self.attached is None:
             runs = self.runs()
             live = [r for r in runs if r.alive]
@@ -52,10 +55,19 @@ class RunHub:
             self._readers.pop(Path(path), None)  # a restarted run rewrites its files: read them afresh
         self.attached = Path(path)
 
+    def forget(self, path: Path) -> None:
+        """A deleted run: no reader, no process of ours, not the default any more."""
+        path = Path(path)
+        with self._lock:
+            self._readers.pop(path, None)
+            self._procs.pop(path, None)
+        if self.attached == path:
+            self.attached = None
+
     def status(self, path: Path | None = None) -> dict[str, Any]:
         """status.json plus what only this UI knows: the engine is still importing, or exited early."""
         reader = self.reader(path)
-        if reader is None:
+        if reader is None or not reader.paths.root.is_dir():  # nothing attached, or its folder was deleted
             return {"state": "none"}
         status = reader.status()
         process = self._procs.get(reader.paths.root)

@@ -60,7 +60,8 @@ def _live(blocks: gr.Blocks, ctx: UIContext, after_restore: Any) -> None:
 
     def refresh(state: dict[str, Any], label: str | None, *values: Any) -> list[Any]:
         state = dict(state or {})
-        state["run"] = ctx.run_path(label) or ctx.hub.attach_default()
+        state["label"] = label  # what this browser's run dropdown shows now
+        state["run"] = ctx.followed(label)
         result: list[Any] = []
         for tab, start, count in spans:
             result.extend(tab.refresh(ctx, state, *values[start - 2:start - 2 + count]))

@@ -71,3 +71,101 @@ def test_monitor_draws_the_validation_loss_the_engine_logs_with_its_noise_bands(
     assert set(long["series"]) == {"loss", "loss (EMA)", "validation loss", "validation loss, low noise (t < 250)",
                                    "validation loss, mid noise (250-750)", "validation loss, high noise (t ≥ 750)"}
     assert sorted(long[long["series"] == "validation loss"]["step"]) == [2, 4]
+
+
+def raw_form(ctx, **values) -> list:
+    """What the browser sends for the whole form: the defaults as widgets show them, with `values`."""
+    from extension.form import display_value
+
+    shown = {n: display_value(f, f["default"]) for n, f in ctx.form.fields.items()}
+    shown.update(values)
+    return [shown[n] for n in ctx.form.names]
+
+
+def stopped_run(ctx, name: str) -> Path:
+    writer = RunWriter(ctx.settings.runs_dir / name)
+    writer.status("stopped", step=3, max_steps=3)
+    return writer.paths.root
+
+
+def shown_after(value: str | None, *updates: dict) -> str | None:
+    """The dropdown's value once the browser has applied `updates` in this order."""
+    for change in updates:
+        value = change.get("value", value)
+    return value
+
+
+def test_start_is_followed_even_when_a_refresh_tick_read_the_old_run(ui, tiny_model: Path, shapes_dataset: Path) -> None:
+    """Issue 25.2: a refresh tick whose inputs were read before Start (the dropdown still showed the old run)
+    and whose reply lands after Start's must not switch the page back to the old run: the run picker, status,
+    and Stop/Pause follow the run that was started."""
+    from extension.tabs import train as train_tab
+
+    old = stopped_run(ui, "older-run")
+    time.sleep(0.05)
+    tick = {"label": "older-run", "run": ui.followed("older-run")}
+    train_tab.refresh(ui, tick)  # the page has drawn the old run
+    raw = raw_form(ui, pretrained_model_name_or_path=str(tiny_model), train_data_dir=str(shapes_dataset),
+                   output_dir=str(ui.settings.runs_dir / "started-run"), resolution=64, bucket_step=8,
+                   min_bucket_reso=32, max_bucket_reso=128, max_train_steps=500, validation_prompt="",
+                   save_steps=1000)
+    message, _, start_dropdown, *_ = train_tab._start(ui, *raw)
+    try:
+        assert message.startswith("Started **started-run**"), message
+        assert start_dropdown["value"] == "started-run"
+        late_tick = train_tab.refresh(ui, tick)  # inputs read before Start, answered after it
+        assert shown_after("older-run", start_dropdown, late_tick[2]) == "started-run", late_tick[2]
+        assert "started-run" in late_tick[2]["choices"]
+        seen = {"label": "started-run", "run": ui.followed("started-run")}
+        line, _, dropdown, _, *buttons = train_tab.refresh(ui, seen)
+        enabled = dict(zip(train_tab.BUTTONS, (b.get("interactive") for b in buttons)))
+        assert line.startswith("**started-run**") and "value" not in dropdown
+        assert enabled["stop"] and enabled["pause"] and not enabled["start"]
+    finally:
+        process = ui.hub._procs[ui.settings.runs_dir / "started-run"]
+        process.terminate()
+        process.wait(120)
+    assert old.is_dir()
+
+
+def test_deleting_the_followed_run_leaves_no_failed_ghost_in_this_or_a_new_page(ui) -> None:
+    """Issue 25.3: a run this UI started, that stopped cleanly (engine exit 0), is deleted while a page follows
+    it: that page moves to another run, a new page does not pick it, and nothing calls it failed."""
+    from extension.tabs import runs as runs_tab, train as train_tab
+
+    stopped_run(ui, "kept-run")
+    time.sleep(0.05)
+    doomed = stopped_run(ui, "doomed-run")
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    ui.hub.started(doomed, finished)  # this UI started it; its engine exited 0 after writing `stopped`
+    page = {"label": "doomed-run", "run": ui.followed("doomed-run")}
+    assert train_tab.refresh(ui, page)[0].startswith("**doomed-run**: **stopped**")
+
+    message, *_ = runs_tab._delete(ui, "doomed-run", True)
+    assert message.startswith("Deleted **doomed-run**") and not doomed.exists()
+    page = {"label": "doomed-run", "run": ui.followed("doomed-run")}  # the next tick of the same page
+    line, _, dropdown, *_ = train_tab.refresh(ui, page)
+    assert "failed" not in line and "doomed-run" not in line, line
+    assert dropdown["value"] != "doomed-run" and "doomed-run" not in dropdown["choices"]
+    fresh = {"label": None, "run": ui.followed(None)}  # a new browser
+    line, _, dropdown, *_ = train_tab.refresh(ui, fresh)
+    assert "failed" not in line and "doomed-run" not in line and "doomed-run" not in dropdown["choices"]
+    assert ui.hub.status(doomed) == {"state": "none"}
+
+
+def test_runs_tab_dropdown_lists_new_runs_with_the_table(ui) -> None:
+    """Issue 25.7: the Runs tab's table refreshes itself; its run dropdown must change at the same tick (a run
+    made after the page was built is in both), and a deleted choice is cleared."""
+    from extension.tabs import runs as runs_tab
+
+    assert ui.parts["runs.choice"] in runs_tab.live_outputs(ui)
+    seen: dict = {}
+    runs_tab.refresh(ui, seen, None)
+    stopped_run(ui, "made-later")
+    table, choice = runs_tab.refresh(ui, seen, None)
+    assert "made-later" in list(table["run"]) and "made-later" in choice["choices"] and "value" not in choice
+    assert runs_tab.refresh(ui, seen, "made-later") == [{"__type__": "update"}] * 2  # nothing new: nothing sent
+    runs_tab._delete(ui, "made-later", True)
+    table, choice = runs_tab.refresh(ui, seen, "made-later")
+    assert "made-later" not in choice["choices"] and choice["value"] is None

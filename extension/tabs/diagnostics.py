@@ -71,7 +71,7 @@ def figures(ctx: UIContext, run: Any, module: str | None, stat: str | None) -> l
 
 
 def _resize(ctx: UIContext, label: str | None, rank: Any) -> str:
-    run = ctx.run_path(label) or ctx.hub.attach_default()
+    run = ctx.followed(label)
     return resize_offer.resize(ctx.settings.engine_python, resize_offer.run_lora(run), rank)
 
 
@@ -80,7 +80,7 @@ def wire(ctx: UIContext) -> None:
     outputs = [p[k] for k in OUTPUTS]
     for control in ("diag.module", "diag.stat"):
         listen(user_change(p[control]),
-               lambda m, s, run: [*figures(ctx, ctx.run_path(run) or ctx.hub.attach_default(), m, s)[:-1],
+               lambda m, s, run: [*figures(ctx, ctx.followed(run), m, s)[:-1],
                                   unchanged()],  # a rank the user typed stays while they browse modules
                [p["diag.module"], p["diag.stat"], p["train.run"]], outputs)
     listen(p["diag.resize"].click, lambda label, rank: _resize(ctx, label, rank), [p["train.run"], p["diag.resize_rank"]],

@@ -24,7 +24,7 @@ def build(ctx: UIContext) -> None:
 
 
 def _show(ctx: UIContext, view: str, label: str | None = None) -> Any:
-    run = ctx.run_path(label) or ctx.hub.attach_default()
+    run = ctx.followed(label)
     reader = ctx.hub.reader(run) if run else None
     if reader is None:
         return update(value=[])

@@ -38,7 +38,10 @@ def build(ctx: UIContext) -> None:
                                 "existing run's folder gets a -2, -3 ... suffix (use Resume to continue it).")
         with make(gr.Column, scale=2):
             p["train.run"] = make(gr.Dropdown, label="Attached run (status, plots and samples follow it)",
-                                  choices=ctx.run_labels(), value=None, elem_id="train-run")
+                                  choices=ctx.run_labels(), value=None, elem_id="train-run",
+                                  # checked by ctx.followed, not by Gradio: its copy of the choices may lag a tick
+                                  # behind a run that was just started or deleted, and would refuse the event
+                                  allow_custom_value=True)
     with gr.Row():
         p["train.start"] = make(gr.Button, value="Start training", variant="primary", elem_id="train-start")
         for command, label in CONTROLS:
@@ -84,17 +87,17 @@ def free_run_dir(path: Path) -> Path:
     return Path(f"{path}-{n}")
 
 
-def _launch(ctx: UIContext, values: dict[str, Any]) -> str:
-    """Write the config into the run folder and spawn the engine; the message for the user."""
+def _launch(ctx: UIContext, values: dict[str, Any]) -> tuple[str, Path | None]:
+    """Write the config into the run folder and spawn the engine: (the message for the user, the run started)."""
     try:
         run_dir = write_run_config(values, ctx.settings.engine_python)
         host_note = ctx.settings.before_start(run_dir) if ctx.settings.before_start else None  # WebUI: unload
         process = spawn(run_dir, ctx.settings.engine_python, ctx.settings.num_processes)
     except LaunchError as exc:
-        return "**Not started:**\n\n" + "\n".join(f"- ⚠ {p}" for p in exc.problems)
+        return "**Not started:**\n\n" + "\n".join(f"- ⚠ {p}" for p in exc.problems), None
     ctx.hub.started(run_dir, process)
     return (f"Started **{ctx.run_label(run_dir)}** (engine pid {process.pid}); log in {RunPaths(run_dir).log}."
-            + (f"\n\n{host_note}" if host_note else ""))
+            + (f"\n\n{host_note}" if host_note else "")), run_dir
 
 
 def _start(ctx: UIContext, *raw: Any) -> list[Any]:
@@ -103,22 +106,24 @@ def _start(ctx: UIContext, *raw: Any) -> list[Any]:
         return [f"⚠ **{ctx.run_label(live)}** is still running; stop it first (one run per machine).",
                 unchanged(), unchanged(), *ctx.form.updates({}), *(unchanged() for _ in accordions(ctx))]
     values, problems, notes = check(ctx, raw)
+    started = None
     if not problems:
         name = values.get("output_name") or "lora"
         wanted = Path(values.get("output_dir") or "").expanduser()
         if not values.get("output_dir") or str(wanted) in (".", "lora_output", "./lora_output"):
             wanted = ctx.settings.runs_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
         values["output_dir"] = str(free_run_dir(wanted.resolve()))
-        message = _launch(ctx, values)
+        message, started = _launch(ctx, values)
     else:
         message = problems_text(problems, notes, ctx.form)
-    return [message, update(value=values.get("output_dir", "")) if not problems else unchanged(),
-            update(choices=ctx.run_labels(), value=ctx.run_label(ctx.hub.attached)),
+    # The page follows the run it started: its dropdown says so (a refresh tick never sets it back, see refresh).
+    follow = update(choices=ctx.run_labels(started), value=ctx.run_label(started)) if started else unchanged()
+    return [message, update(value=values.get("output_dir", "")) if not problems else unchanged(), follow,
             *ctx.form.problem_updates(problems), *group_marks(ctx, problems)]
 
 
 def _control(ctx: UIContext, command: str, label: str | None = None) -> str:
-    run = ctx.run_path(label) or ctx.hub.attach_default()
+    run = ctx.followed(label)
     if run is None or not ctx.hub.is_live(run):
         return "⚠ No live run is attached; start one or attach a running one in **Runs**."
     ctx.hub.reader(run).send(command)
@@ -126,7 +131,7 @@ def _control(ctx: UIContext, command: str, label: str | None = None) -> str:
 
 
 def _continue_run(ctx: UIContext, label: str | None = None) -> list[Any]:
-    run = ctx.run_path(label) or ctx.hub.attach_default()
+    run = ctx.followed(label)
     if run is None:
         return ["⚠ Attach a run first (dropdown above or the **Runs** tab).", unchanged(), unchanged()]
     if ctx.hub.is_live(run):
@@ -137,8 +142,8 @@ def _continue_run(ctx: UIContext, label: str | None = None) -> list[Any]:
     with open(config, "rb") as f:
         values = tomllib.load(f)
     values.update(resume_from_checkpoint="auto", output_dir=str(run))
-    return [_launch(ctx, values), update(choices=ctx.run_labels(run), value=ctx.run_label(run)),
-            status_now(ctx, run)]
+    message, _ = _launch(ctx, values)
+    return [message, update(choices=ctx.run_labels(run), value=ctx.run_label(run)), status_now(ctx, run)]
 
 
 def status_now(ctx: UIContext, run: Path | None) -> str:
@@ -168,6 +173,24 @@ def wire(ctx: UIContext) -> None:
     listen(user_change(p["train.run"]), lambda label: _attach(ctx, label), [p["train.run"]], [p["train.message"]])
 
 
+def run_dropdown(ctx: UIContext, seen: dict[str, Any], run: Path | None, key: str) -> Any:
+    """The update a refresh tick sends to this browser's run dropdown: new choices when runs came or went, and
+    a value only when the dropdown shows no run that exists (nothing chosen yet, or a deleted run).
+
+    Never the value the browser sent: a tick's inputs are read before a Start (or a choice) lands and its reply
+    may arrive after it, so sending the followed run back would switch the page to the old run again."""
+    labels = ctx.run_labels(run)
+    changes: dict[str, Any] = {}
+    if labels != seen.get(key):
+        seen[key] = labels
+        changes["choices"] = labels
+    shown = seen.get("label")
+    if ctx.run_label(run) != shown and ctx.run_path(shown) != run:
+        changes["value"] = ctx.run_label(run)
+        changes.setdefault("choices", labels)
+    return update(**changes) if changes else unchanged()
+
+
 BUTTONS = ("start", "pause", "resume", "save", "sample", "stop", "continue_run")
 
 
@@ -178,11 +201,7 @@ def live_outputs(ctx: UIContext) -> list[Any]:
 
 def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
     run = ctx.run_of(seen)
-    labels = ctx.run_labels(run)
-    dropdown = unchanged()
-    if (labels, run) != seen.get("train.runs"):
-        seen["train.runs"] = (labels, run)
-        dropdown = update(choices=labels, value=ctx.run_label(run))
+    dropdown = run_dropdown(ctx, seen, run, "train.runs")
     if run is None:
         status, line, log, has_checkpoint = {"state": "none"}, status_line("", {"state": "none"}, None), "", False
     else:

@@ -105,6 +105,10 @@ def summary(frame: pd.DataFrame) -> str:
     """One line under the plots: how many points, and the newest values."""
     if frame.empty or "loss" not in frame or frame["loss"].isna().all():
         return "No metrics yet: the plots fill in once training logs its first step."
+    if frame["loss"].notna().sum() == 1:  # a line needs two points: say what the one point is
+        first = frame.dropna(subset=["loss"]).iloc[0]
+        return (f"1 logged step · step {int(first['step'])} · loss {first['loss']:.4g} (the charts draw their lines "
+                "from the second logged step)")
     last = frame.dropna(subset=["loss"]).iloc[-1]
     parts = [f"{len(frame)} logged steps", f"step {int(last['step'])}", f"loss {last['loss']:.4g}",
              f"EMA {last['loss_ema']:.4g}"]

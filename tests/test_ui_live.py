@@ -12,9 +12,6 @@ from pathlib import Path
 import pytest
 
 from extension import plots
-from extension.form import Form
-from extension.schema import load_schema
-from extension.session import RunHub
 from stabletune_core.runs.layout import RunPaths
 from stabletune_core.runs.writer import RunWriter
 

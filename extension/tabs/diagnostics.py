@@ -22,16 +22,19 @@ def build(ctx: UIContext) -> None:
     p = ctx.parts
     p["diag.info"] = make(gr.Markdown, value=EMPTY, elem_id="diag-info")
     with gr.Row():
+        # Plots carry their own titles; a Gradio label would sit on top of them (show_label=False).
         p["diag.val"] = make(gr.Plot, label="Validation loss (best and early-stopping triggers marked)",
-                             elem_id="diag-val")
+                             show_label=False, elem_id="diag-val")
     with gr.Row():
         p["diag.module"] = make(gr.Dropdown, label="Module (singular values)", choices=[], value=None, scale=4)
         p["diag.stat"] = make(gr.Radio, label="Activation statistic", choices=list(diagnostics.ACTIVATION_STATS),
                               value="var", scale=2)
     with gr.Row():
-        p["diag.heatmap"] = make(gr.Plot, label="Singular values over steps")
-        p["diag.rank"] = make(gr.Plot, label="Effective rank (module x step)", elem_id="diag-rank")
-    p["diag.activations"] = make(gr.Plot, label="Activation statistics (module x step)", elem_id="diag-activations")
+        p["diag.heatmap"] = make(gr.Plot, label="Singular values over steps", show_label=False,
+                                 elem_id="diag-heatmap")
+        p["diag.rank"] = make(gr.Plot, label="Effective rank (module x step)", show_label=False, elem_id="diag-rank")
+    p["diag.activations"] = make(gr.Plot, label="Activation statistics (module x step)", show_label=False,
+                                 elem_id="diag-activations")
     p["diag.warnings"] = make(gr.Dataframe, label="Collapse warnings", headers=["step", "kind", "message"],
                               interactive=False, wrap=True)
     p["diag.suggest"] = make(gr.Markdown, value="", elem_id="diag-suggest")

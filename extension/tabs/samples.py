@@ -6,7 +6,7 @@ from typing import Any
 import gradio as gr
 
 from .. import samples
-from ..compat import listen, make, unchanged, update, user_change
+from ..compat import file_url, listen, make, unchanged, update, user_change
 from ..context import UIContext
 
 TITLE = "Samples"
@@ -16,20 +16,18 @@ def build(ctx: UIContext) -> None:
     p = ctx.parts
     p["samples.view"] = make(gr.Dropdown, label="Show", choices=[samples.ALL], value=samples.ALL,
                              elem_id="samples-view")
-    gr.Markdown("Each row is one validation step; each column keeps its prompt and seed, so you see the same "
-                "picture change as the LoRA learns. Pick one prompt/seed above to see it across all steps in a row.")
-    p["samples.gallery"] = make(gr.Gallery, label="Validation images (newest step first)", columns=4, height="auto",
-                                object_fit="contain", show_label=True, preview=False,
-                                elem_id="samples-gallery")
+    gr.Markdown("Each row is one validation step, newest first; each column keeps its prompt and seed, so you see "
+                "the same picture change as the LoRA learns. Pick one prompt/seed above to see it across all steps "
+                "in a row. Click an image to open it whole.")
+    p["samples.gallery"] = make(gr.HTML, value=samples.grid_html_empty(), elem_id="samples-gallery")
 
 
 def _show(ctx: UIContext, view: str, label: str | None = None) -> Any:
     run = ctx.followed(label)
     reader = ctx.hub.reader(run) if run else None
     if reader is None:
-        return update(value=[])
-    items, columns = samples.gallery(reader, view)
-    return update(value=items, columns=columns)
+        return update(value=samples.grid_html_empty())
+    return update(value=samples.grid_html(reader, view, file_url))
 
 
 def wire(ctx: UIContext) -> None:
@@ -54,7 +52,7 @@ def refresh(ctx: UIContext, seen: dict[str, Any], view: str) -> list[Any]:
         return [unchanged(), unchanged()]
     seen["samples"] = key
     if reader is None:
-        return [update(choices=[samples.ALL], value=samples.ALL), update(value=[])]
+        return [update(choices=[samples.ALL], value=samples.ALL), update(value=samples.grid_html_empty())]
     choices = samples.choices(reader)
     view = view if view in choices else samples.ALL
     return [update(choices=choices, value=view), _show(ctx, view, str(run))]

@@ -10,8 +10,7 @@ import gradio as gr
 
 from ..compat import listen, make, unchanged, update, user_change
 from ..context import UIContext
-from ..eta import with_eta
-from ..status import status_line
+from ..status import run_status, status_line, stop_state
 from .model import accordions, check, group_marks, problems_text
 from stabletune_core.launch import LaunchError, spawn, write_run_config
 from stabletune_core.runs.layout import RunPaths
@@ -70,11 +69,13 @@ def progress_bar(status: dict[str, Any]) -> str:
 
 
 def buttons_for(status: dict[str, Any], has_checkpoint: bool) -> dict[str, bool]:
-    """Which Train buttons make sense in this state (the others are disabled)."""
+    """Which Train buttons make sense in this state (the others are disabled). Once a stop is asked for, only
+    Stop stays: the engine reads one command at a time, and a later one would replace the stop."""
     live = bool(status.get("alive"))
-    paused = status.get("state") == "paused"
-    return {"start": not live, "pause": live and not paused, "resume": live and paused, "save": live,
-            "sample": live, "stop": live, "continue_run": not live and has_checkpoint}
+    paused = status.get("state") == "paused" or bool(status.get("paused"))
+    steer = live and not status.get("stop")
+    return {"start": not live, "pause": steer and not paused, "resume": steer and paused, "save": steer,
+            "sample": steer, "stop": live, "continue_run": not live and has_checkpoint}
 
 
 def free_run_dir(path: Path) -> Path:
@@ -94,7 +95,7 @@ def _launch(ctx: UIContext, values: dict[str, Any]) -> tuple[str, Path | None]:
         host_note = ctx.settings.before_start(run_dir) if ctx.settings.before_start else None  # WebUI: unload
         process = spawn(run_dir, ctx.settings.engine_python, ctx.settings.num_processes)
     except LaunchError as exc:
-        return "**Not started:**\n\n" + "\n".join(f"- ⚠ {p}" for p in exc.problems), None
+        return "**Not started:**\n\n" + "\n".join(f"- ⚠ {ctx.form.labelled(p)}" for p in exc.problems), None
     ctx.hub.started(run_dir, process)
     return (f"Started **{ctx.run_label(run_dir)}** (engine pid {process.pid}); log in {RunPaths(run_dir).log}."
             + (f"\n\n{host_note}" if host_note else "")), run_dir
@@ -114,19 +115,27 @@ def _start(ctx: UIContext, *raw: Any) -> list[Any]:
             wanted = ctx.settings.runs_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
         values["output_dir"] = str(free_run_dir(wanted.resolve()))
         message, started = _launch(ctx, values)
+        if notes:
+            message += "\n\n" + problems_text([], notes, ctx.form, started=True)
     else:
         message = problems_text(problems, notes, ctx.form)
     # The page follows the run it started: its dropdown says so (a refresh tick never sets it back, see refresh).
     follow = update(choices=ctx.run_labels(started), value=ctx.run_label(started)) if started else unchanged()
     return [message, update(value=values.get("output_dir", "")) if not problems else unchanged(), follow,
-            *ctx.form.problem_updates(problems), *group_marks(ctx, problems)]
+            *ctx.form.problem_updates(problems, notes), *group_marks(ctx, problems)]
 
 
 def _control(ctx: UIContext, command: str, label: str | None = None) -> str:
     run = ctx.followed(label)
     if run is None or not ctx.hub.is_live(run):
         return "⚠ No live run is attached; start one or attach a running one in **Runs**."
-    ctx.hub.reader(run).send(command)
+    reader = ctx.hub.reader(run)
+    if command != "stop" and stop_state(reader.paths.control, reader.events()):
+        return f"⚠ {ctx.run_label(run)} is stopping; **{command}** was not sent (it would replace the stop)."
+    reader.send(command)
+    if command == "stop":
+        return (f"⏹ **Stop requested** for {ctx.run_label(run)}: the engine saves a checkpoint and the LoRA, then "
+                "stops (after the step, or the validation images, it is making now).")
     return f"Sent **{command}** to {ctx.run_label(run)}; the engine acts on it after the current step."
 
 
@@ -150,9 +159,7 @@ def status_now(ctx: UIContext, run: Path | None) -> str:
     """The run's status line right away (not at the next refresh)."""
     if run is None:
         return status_line("", {"state": "none"}, None)
-    reader = ctx.hub.reader(run)
-    events = reader.events()
-    status = with_eta(ctx.hub.status(run), reader.metrics(), events)
+    status, events = run_status(ctx.hub, run)
     return status_line(ctx.run_label(run), status, events[-1] if events else None)
 
 
@@ -165,9 +172,10 @@ def wire(ctx: UIContext) -> None:
     p, form = ctx.parts, ctx.form
     listen(p["train.start"].click, lambda *raw: _start(ctx, *raw), form.inputs,
            [p["train.message"], form.components["output_dir"], p["train.run"], *form.inputs, *accordions(ctx)])
-    for command, _ in CONTROLS:
-        listen(p[f"train.{command}"].click, lambda label, c=command: _control(ctx, c, label), [p["train.run"]],
-               [p["train.message"]])
+    for command, _ in CONTROLS:  # the status line answers at once (a stop shows as requested), not at the next tick
+        listen(p[f"train.{command}"].click,
+               lambda label, c=command: [_control(ctx, c, label), status_now(ctx, ctx.followed(label))],
+               [p["train.run"]], [p["train.message"], p["train.status"]])
     listen(p["train.continue_run"].click, lambda label: _continue_run(ctx, label), [p["train.run"]],
            [p["train.message"], p["train.run"], p["train.status"]])
     listen(user_change(p["train.run"]), lambda label: _attach(ctx, label), [p["train.run"]], [p["train.message"]])
@@ -206,8 +214,7 @@ def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
         status, line, log, has_checkpoint = {"state": "none"}, status_line("", {"state": "none"}, None), "", False
     else:
         reader = ctx.hub.reader(run)
-        events = reader.events()
-        status = with_eta(ctx.hub.status(run), reader.metrics(), events)  # the speed without paused time
+        status, events = run_status(ctx.hub, run)  # the speed without paused time, a pending stop, images made
         line = status_line(ctx.run_label(run), status, events[-1] if events else None)
         note = ctx.settings.run_note(run) if ctx.settings.run_note else None
         line += f"\n\n{note}" if note else ""

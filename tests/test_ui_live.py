@@ -166,3 +166,179 @@ def test_runs_tab_dropdown_lists_new_runs_with_the_table(ui) -> None:
     runs_tab._delete(ui, "made-later", True)
     table, choice = runs_tab.refresh(ui, seen, "made-later")
     assert "made-later" not in choice["choices"] and choice["value"] is None
+
+
+# ---- a stop asked for while the engine makes validation images (25.4), the first chart point (25.5) ------------
+def slow_sampling_run(ctx, tiny_model: Path, shapes_dataset: Path, name: str, **overrides) -> Path:
+    """A run on the tiny model whose step-0 validation images take a while (12 images, 20 denoising steps each),
+    started as the Train tab starts one: config.toml written, the engine spawned in its own process."""
+    from stabletune_core.launch import spawn, write_run_config
+
+    values = dict(pretrained_model_name_or_path=str(tiny_model), train_data_dir=str(shapes_dataset),
+                  output_dir=str(ctx.settings.runs_dir / name), resolution=64, bucket_step=8, min_bucket_reso=32,
+                  max_bucket_reso=128, train_batch_size=4, max_train_steps=8, lora_rank=4, save_steps=1000, seed=3,
+                  validation_prompt="a red circle | a blue square | a green triangle", num_validation_images=4,
+                  validation_inference_steps=20, validation_steps=1000, validation_loss_every=0, logging_steps=1)
+    values.update(overrides)
+    run = write_run_config(values)
+    ctx.hub.started(run, spawn(run))
+    return run
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def step0_images(run: Path) -> int:
+    folder = RunPaths(run).sample_dir(0)
+    return len(list(folder.glob("*.png"))) if folder.is_dir() else 0
+
+
+def state_of(run: Path) -> str:
+    try:
+        return json.loads(RunPaths(run).status.read_text()).get("state", "")
+    except (OSError, ValueError):
+        return ""
+
+
+@pytest.fixture(scope="module")
+def stopped_while_sampling(ui, tiny_model: Path, shapes_dataset: Path) -> dict:
+    """Stop clicked (the Train tab's handler) while the engine makes its step-0 validation images."""
+    from extension.tabs import train as train_tab
+
+    run = slow_sampling_run(ui, tiny_model, shapes_dataset, "stop-while-sampling")
+    process = ui.hub._procs[run]
+    try:
+        wait_for(lambda: state_of(run) == "sampling" and step0_images(run) >= 1, 240, "the step-0 images")
+        clicked = {"images": step0_images(run), "at": time.time()}
+        message = train_tab._control(ui, "stop", "stop-while-sampling")
+        line = train_tab.status_now(ui, run)  # what the click puts on the page, not a later tick
+        buttons = [b.get("interactive") for b in train_tab.refresh(ui, {"run": run})[4:]]  # the next tick's
+        process.wait(300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return {"run": run, "message": message, "line": line, "buttons": dict(zip(train_tab.BUTTONS, buttons)),
+            "clicked": clicked, "ended": time.time(), "state": state_of(run), "made": step0_images(run), "due": 12}
+
+
+def test_stop_while_sampling_shows_stop_requested_at_once(stopped_while_sampling: dict) -> None:
+    """Issue 25.4 (UI half): the moment Stop is clicked during the validation images, the page says a stop is
+    pending and why it waits, and offers nothing that would replace the stop (the engine reads one command)."""
+    done = stopped_while_sampling
+    assert done["message"].startswith("⏹ **Stop requested**"), done["message"]
+    assert "**Stop requested**: waiting for the engine (it is making validation images now)" in done["line"]
+    assert "validation images" in done["line"] and "/12" in done["line"], done["line"]
+    assert done["buttons"] == {"start": False, "pause": False, "resume": False, "save": False, "sample": False,
+                               "stop": True, "continue_run": False}
+    assert done["state"] == "stopped"
+
+
+@pytest.mark.xfail(strict=True, reason="engine half of issue 25.4: make_validation_images must check for a stop "
+                   "between images (train/sampling.py, train/loop.py); lands after the engine refactor")
+def test_stop_while_sampling_is_honoured_between_images(stopped_while_sampling: dict) -> None:
+    """Issue 25.4 (engine half): a stop asked for during the step-0 images ends the sampling at the next image:
+    the run stops with the images made so far, not after all 12 (minutes on a loaded machine)."""
+    done = stopped_while_sampling
+    assert done["state"] == "stopped"
+    assert done["made"] <= done["clicked"]["images"] + 1 < done["due"], done
+
+
+@pytest.fixture(scope="module")
+def first_points(ui, tiny_model: Path, shapes_dataset: Path) -> dict:
+    """A run with slow step-0 images: what Monitor says while they are made, and when the first metric lands."""
+    from extension.tabs import monitor
+
+    run = slow_sampling_run(ui, tiny_model, shapes_dataset, "first-points", max_train_steps=4)
+    process = ui.hub._procs[run]
+    try:
+        wait_for(lambda: state_of(run) == "sampling" and step0_images(run) >= 1, 240, "the step-0 images")
+        summary = monitor.refresh(ui, {"run": run})[0]
+        assert process.wait(300) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    events = [json.loads(line) for line in RunPaths(run).events.read_text().splitlines()]
+    images_done = next(e["time"] for e in events if e["kind"] == "samples" and e.get("step") == 0)
+    first_metric = json.loads(RunPaths(run).metrics.read_text().splitlines()[0])
+    return {"summary": summary, "images_done": images_done, "first_metric": first_metric}
+
+
+def test_monitor_says_what_the_engine_does_before_its_first_point(first_points: dict) -> None:
+    """Issue 25.5 (UI half): while the step-0 images are made, Monitor's empty charts say why, and how far."""
+    summary = first_points["summary"]
+    assert summary.startswith("No metrics yet") and "making the step-0 validation images (" in summary, summary
+    assert " of 12) before it trains" in summary
+
+
+@pytest.mark.xfail(strict=True, reason="engine half of issue 25.5: the first training step must not wait for the "
+                   "step-0 validation images (train/loop.py); lands after the engine refactor")
+def test_first_metric_is_logged_before_the_step0_images_are_done(first_points: dict) -> None:
+    """Issue 25.5 (engine half): training metrics reach metrics.jsonl (and so the charts) while the step-0 images
+    are still being made, not after them."""
+    assert first_points["first_metric"]["time"] < first_points["images_done"], first_points
+
+
+# ---- the learning summary after a resume (25.9) --------------------------------------------------------------------
+def test_train_tab_shows_the_summary_the_engine_recorded(ui) -> None:
+    """Issue 25.9 (UI half): the Train tab shows the learning summary the engine wrote, from status.json or, when a
+    later process rewrote status.json without it, from its newest `learning` event (never reworded here)."""
+    from extension.tabs import train as train_tab
+
+    writer = RunWriter(ui.settings.runs_dir / "summarised")
+    writer.event("learning", "Learning summary (as the engine words it): purple 0 % -> 100 %.", step=20)
+    writer.event("checkpoint", "Saved checkpoint at step 20 (asked from the UI).", step=20)  # a later event
+    writer.status("finished", step=20, max_steps=20)  # no `summary` field in this status.json
+    line = train_tab.refresh(ui, {"run": writer.paths.root})[0]
+    assert "Learning summary (as the engine words it): purple 0 % -> 100 %." in line
+    writer.status("finished", step=20, max_steps=20, summary="Written in status.json.")
+    assert "Written in status.json." in train_tab.refresh(ui, {"run": writer.paths.root})[0]
+
+
+@pytest.mark.xfail(strict=True, reason="engine half of issue 25.9: the learning summary must be computed from the "
+                   "run's step-0 and last sampling folders (train/loop.py), not from this process's first sampling; "
+                   "lands after the engine refactor")
+def test_summary_after_resume_counts_from_the_runs_step0_sampling(ui, toy_cache: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25.9 (engine half): a toy run stopped after its step-8 sampling and continued with the Train tab's
+    "Resume run from checkpoint" ends with a summary that counts from step 0 (purple 0 % -> ...), not from the
+    first sampling after the resume (purple already learnt there)."""
+    from extension.tabs import train as train_tab
+    from stabletune_core.demo import demo_config
+    from stabletune_core.launch import spawn
+    from stabletune_core.toy.judge import judge_samples, learning_summary
+
+    monkeypatch.setenv("STABLETUNE_CACHE", str(toy_cache))  # the toy model and its dataset, for this process and
+    run = ui.settings.runs_dir / "resumed-toy"  # the engines it spawns
+    config = demo_config(run, max_train_steps=24).model_copy(update=dict(
+        output_dir=str(run), learning_rate=1e-2, text_encoder_lr=5e-3, lr_warmup_steps=0, validation_steps=8,
+        save_steps=8, num_validation_images=1, validation_inference_steps=10, validation_loss_every=0,
+        validation_prompt="a purple circle | a purple square | a purple triangle | a red circle"))
+    config.save_toml(RunPaths(run).config)
+    first = spawn(run)
+    try:
+        wait_for(lambda: any('"sample_score"' in line and '"step":8' in line
+                             for line in (RunPaths(run).events.read_text().splitlines()
+                                          if RunPaths(run).events.exists() else [])), 300, "the step-8 sampling")
+        RunPaths(run).control.write_text('{"command": "stop"}')
+        assert first.wait(300) == 130 or state_of(run) == "stopped"
+    finally:
+        if first.poll() is None:
+            first.kill()
+    message, *_ = train_tab._continue_run(ui, "resumed-toy")
+    assert message.startswith("Started **resumed-toy**"), message
+    second = ui.hub._procs[run]
+    try:
+        assert second.wait(300) == 0, RunPaths(run).log.read_text()[-2000:]
+    finally:
+        if second.poll() is None:
+            second.kill()
+    folders = sorted(p for p in RunPaths(run).samples.glob("step_*") if list(p.glob("*.png")))
+    step0, after_resume, last = folders[0], folders[2], folders[-1]
+    assert (step0.name, after_resume.name, last.name) == ("step_000000", "step_000016", "step_000024")
+    assert judge_samples(after_resume) != judge_samples(step0)  # else this test could not tell the two apart
+    summary = json.loads(RunPaths(run).status.read_text())["summary"]
+    assert learning_summary(judge_samples(step0), judge_samples(last)) in summary, summary

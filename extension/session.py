@@ -20,6 +20,7 @@ class RunHub:
         self._readers: dict[Path, RunReader] = {}
         self._procs: dict[Path, subprocess.Popen] = {}
         self._lock = threading.Lock()  # Gradio calls handlers from worker threads
+        self.announced: set[str] = set()  # queue runs the host was told about (tabs/queue.announce_started)
 
     def runs(self) -> list[RunSummary]:
         return find_runs(self.runs_dir)

@@ -12,13 +12,14 @@ from .form import Form
 from .schema import load_schema
 from .session import RunHub
 from .settings import UISettings
-from .tabs import dataset, diagnostics, model, monitor, runs, samples, train
+from .tabs import dataset, diagnostics, model, monitor, queue, runs, samples, train
+from stabletune_core import runqueue
 
 DEMO_TEXT = ("**New here? Try the demo:** a tiny model that draws coloured shapes learns a colour it has never seen "
              "(purple) from 12 drawn pictures, in about two minutes on a CPU, with nothing to download. The button "
              "fills in the form; then click **Start training** in the Train tab.")
-TABS = (dataset, model, train, monitor, samples, diagnostics, runs)
-LIVE_TABS = (train, monitor, samples, diagnostics, runs)
+TABS = (dataset, model, train, queue, monitor, samples, diagnostics, runs)
+LIVE_TABS = (train, queue, monitor, samples, diagnostics, runs)
 TITLE = "StableTune: LoRA training"
 # The page's own rules (field errors, sample rows, tables): given to gr.Blocks on Gradio 3/4 and to launch() on
 # Gradio 6 (app.py), which moved it there; a WebUI also loads this file by itself.
@@ -55,6 +56,19 @@ def make_tab(title: str) -> Any:
     return compat.make(gr.Tab, label=title, elem_id="tab-" + title.split()[0].lower())
 
 
+def follow_queue(ctx: UIContext, state: dict[str, Any], run: Path | None) -> Path | None:
+    """`run`, or the queue's next run: a page that followed a queue run while it trained follows the queue on to
+    the run it starts next. A run chosen by hand afterwards is left alone."""
+    running = runqueue.read(ctx.settings.runs_dir).running()
+    now = Path(running.run) if running is not None and running.run else None
+    followed = Path(state["queue_run"]) if state.get("queue_run") else None
+    if now is not None and followed is not None and run == followed and now != followed:
+        run = now  # the run this page watched has ended and the queue moved on
+    if now is not None and run == now:
+        state["queue_run"] = str(now)
+    return run
+
+
 def _live(blocks: gr.Blocks, ctx: UIContext, after_restore: Any) -> None:
     """One periodic refresh for every live tab; a per-browser `seen` state lets each tab skip sending
     what the browser already shows. Each browser follows its own run: the one its Train dropdown shows
@@ -72,7 +86,7 @@ def _live(blocks: gr.Blocks, ctx: UIContext, after_restore: Any) -> None:
     def refresh(state: dict[str, Any], label: str | None, *values: Any) -> list[Any]:
         state = dict(state or {})
         state["label"] = label  # what this browser's run dropdown shows now
-        state["run"] = ctx.followed(label)
+        state["run"] = follow_queue(ctx, state, ctx.followed(label))
         result: list[Any] = []
         for tab, start, count in spans:
             result.extend(tab.refresh(ctx, state, *values[start - 2:start - 2 + count]))

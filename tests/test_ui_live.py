@@ -14,6 +14,7 @@ import pytest
 from extension import plots
 from stabletune_core.runs.layout import RunPaths
 from stabletune_core.runs.writer import RunWriter
+from ui_tools import raw_form
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +69,6 @@ def test_monitor_draws_the_validation_loss_the_engine_logs_with_its_noise_bands(
     assert set(long["series"]) == {"loss", "loss (EMA)", "validation loss", "validation loss, low noise (t < 250)",
                                    "validation loss, mid noise (250-750)", "validation loss, high noise (t ≥ 750)"}
     assert sorted(long[long["series"] == "validation loss"]["step"]) == [2, 4]
-
-
-def raw_form(ctx, **values) -> list:
-    """What the browser sends for the whole form: the defaults as widgets show them, with `values`."""
-    from extension.form import display_value
-
-    shown = {n: display_value(f, f["default"]) for n, f in ctx.form.fields.items()}
-    shown.update(values)
-    return [shown[n] for n in ctx.form.names]
 
 
 def stopped_run(ctx, name: str) -> Path:

@@ -2,7 +2,6 @@
 and watch its status line and log."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,8 @@ from ..compat import listen, make, unchanged, update, user_change
 from ..context import UIContext
 from ..status import run_status, status_line, stop_state
 from .model import accordions, check, group_marks, problems_text
-from stabletune_core.launch import LaunchError, spawn, write_run_config
+from stabletune_core import runqueue
+from stabletune_core.launch import LaunchError, write_run_config
 from stabletune_core.runs.layout import RunPaths
 from stabletune_core.runs.reader import log_tail
 
@@ -48,6 +48,7 @@ def build(ctx: UIContext) -> None:
                                          elem_id=f"train-{command}")
         p["train.continue_run"] = make(gr.Button, value="Resume run from checkpoint",
                                        elem_id="train-resume-run")
+        p["train.enqueue"] = make(gr.Button, value="Add to queue", elem_id="train-enqueue")  # wired in tabs/queue
     p["train.progress"] = make(gr.HTML, value=progress_bar({"state": "none"}), elem_id="train-progress")
     p["train.message"] = make(gr.Markdown, value=LIVE_STATES_TEXT, elem_id="train-message")
     with make(gr.Accordion, label="Engine log (train.log, last lines)", open=False):
@@ -78,24 +79,24 @@ def buttons_for(status: dict[str, Any], has_checkpoint: bool) -> dict[str, bool]
             "sample": steer, "stop": live, "continue_run": not live and has_checkpoint}
 
 
-def free_run_dir(path: Path) -> Path:
-    """`path`, or path-2, path-3 ...: starting never overwrites an earlier run (resume continues one)."""
-    if not (RunPaths(path).config.exists() or RunPaths(path).status.exists()):
-        return path
-    n = 2
-    while RunPaths(Path(f"{path}-{n}")).config.exists() or RunPaths(Path(f"{path}-{n}")).status.exists():
-        n += 1
-    return Path(f"{path}-{n}")
+free_run_dir = runqueue.free_run_dir  # starting never overwrites an earlier run (resume continues one)
 
 
 def _launch(ctx: UIContext, values: dict[str, Any]) -> tuple[str, Path | None]:
     """Write the config into the run folder and spawn the engine: (the message for the user, the run started)."""
     try:
+        busy = runqueue.busy_trainer(ctx.settings.runs_dir)
+        if busy is not None and busy.resolve() != Path(values.get("output_dir") or "").expanduser().resolve():
+            raise runqueue.QueueError(f"{busy.name} is still training; one run at a time on this machine (stop it "
+                                      "first, or add this one to the queue).")
         run_dir = write_run_config(values, ctx.settings.engine_python)
         host_note = ctx.settings.before_start(run_dir) if ctx.settings.before_start else None  # WebUI: unload
-        process = spawn(run_dir, ctx.settings.engine_python, ctx.settings.num_processes)
+        process = runqueue.start_trainer(ctx.settings.runs_dir, run_dir, ctx.settings.engine_python,
+                                         ctx.settings.num_processes)  # one trainer at a time, the queue's too
     except LaunchError as exc:
         return "**Not started:**\n\n" + "\n".join(f"- ⚠ {ctx.form.labelled(p)}" for p in exc.problems), None
+    except runqueue.QueueError as exc:
+        return f"⚠ **Not started:** {exc}", None
     ctx.hub.started(run_dir, process)
     return (f"Started **{ctx.run_label(run_dir)}** (engine pid {process.pid}); log in {RunPaths(run_dir).log}."
             + (f"\n\n{host_note}" if host_note else "")), run_dir
@@ -109,11 +110,7 @@ def _start(ctx: UIContext, *raw: Any) -> list[Any]:
     values, problems, notes = check(ctx, raw)
     started = None
     if not problems:
-        name = values.get("output_name") or "lora"
-        wanted = Path(values.get("output_dir") or "").expanduser()
-        if not values.get("output_dir") or str(wanted) in (".", "lora_output", "./lora_output"):
-            wanted = ctx.settings.runs_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        values["output_dir"] = str(free_run_dir(wanted.resolve()))
+        values["output_dir"] = str(runqueue.new_run_dir(values, ctx.settings.runs_dir))
         message, started = _launch(ctx, values)
         if notes:
             message += "\n\n" + problems_text([], notes, ctx.form, started=True)

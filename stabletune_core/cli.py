@@ -66,8 +66,9 @@ def run_command(argv: list[str] | None = None) -> int:
 
     schema = commands.add_parser("schema", help="Print the TrainConfig JSON schema (for UIs).")
     schema.set_defaults()
-    from . import runqueue
+    from . import grid, runqueue
     runqueue.add_parser(commands)
+    grid.add_parser(commands)
 
     raw = sys.argv[1:] if argv is None else argv
     ShortErrorParser.command = next((a for a in raw if not a.startswith("-")), "") if raw else ""
@@ -87,6 +88,8 @@ def run_command(argv: list[str] | None = None) -> int:
             return run_resize(Path(args.lora), args.rank, args.energy)
         if args.command == "queue":
             return runqueue.run_cli(args)
+        if args.command == "grid":
+            return grid.run_cli(args)
         if args.command == "schema":
             print(json.dumps(TrainConfig.model_json_schema(), indent=1))
             return 0

@@ -50,7 +50,7 @@ def numbers(text: str, kind: type, what: str) -> tuple[str | None, str | None]:
                      f"{'7, 8' if kind is int else DEFAULT_STRENGTHS}; got '{text}'."
     if not values:
         return None, f"{what} is empty; give at least one, e.g. {'7' if kind is int else DEFAULT_STRENGTHS}."
-    return ",".join(str(v) for v in values), None
+    return ",".join(f"{v:g}" for v in values), None
 
 
 def command(engine_python: str, run: Path, checkpoints: list[str], strengths: str, seeds: str | None,

@@ -5,9 +5,11 @@ no browser is downloaded. Screenshots of every tab go to test-artifacts/ui/.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -121,7 +123,9 @@ def test_demo_start_monitor_samples_stop_and_start_again(app_url) -> None:
 
             open_tab(page, "Train")
             page.locator("#train-stop").click()
-            wait_text(page, "#train-message", "Sent stop", 30)
+            wait_text(page, "#train-message", "Stop requested", 30)
+            # Issue 25.4: the status line says so at once (the click answers with it), not minutes later.
+            page.locator("#train-status").filter(has_text="Stop").first.wait_for(timeout=5_000)
             deadline = time.time() + ENGINE_WAIT_S
             while run_dir_state(run) not in ("stopped", "finished", "failed") and time.time() < deadline:
                 time.sleep(1)
@@ -164,6 +168,77 @@ def test_demo_start_monitor_samples_stop_and_start_again(app_url) -> None:
     checkpoints = [c for c in (run / "checkpoints").glob("step_*") if (c / "manifest.json").exists()]
     assert checkpoints, "Stop must save a checkpoint"
     assert list((run / "output").glob("*.safetensors")), "Stop must export the LoRA"
+
+
+QUEUED = {"max_train_steps": "20", "validation_steps": "10", "save_steps": "10", "validation_inference_steps": "10",
+          "num_validation_images": "1"}
+
+
+def test_queue_trains_two_runs_one_after_another_then_a_grid_compares_checkpoints(app_url) -> None:
+    """Issue 25.12/25.13 end to end: Try the demo, add the form to the queue twice (the second at another learning
+    rate), the two runs train one after another while the page follows the queue, then the Samples tab renders a
+    grid of the second run's checkpoints x strengths beside the base image, saved as a PNG in the run."""
+    url, runs = app_url
+    with sync_api.sync_playwright() as p:
+        browser = launch_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors = watch_console(page)
+        try:
+            page.goto(url)
+            page.locator("#try-demo").click()
+            wait_text(page, "#demo-message", "The demo is filled in", 240)  # the first click builds the toy model
+            open_tab(page, "Model & hyperparameters")
+            for name, value in QUEUED.items():
+                set_field(page, name, value)
+            open_tab(page, "Train")
+            page.locator("#train-enqueue").click()
+            wait_text(page, "#train-message", "Queued #1", 120)
+            open_tab(page, "Model & hyperparameters")
+            set_field(page, "learning_rate", "0.002")
+            open_tab(page, "Train")
+            page.locator("#train-enqueue").click()
+            wait_text(page, "#train-message", "Queued #2", 120)
+            shoot(page, "queue-1-added")
+
+            open_tab(page, "Queue")
+            wait_text(page, "#queue-table", "running", ENGINE_WAIT_S)
+            shoot(page, "queue-2-running")
+            wait_text(page, "#queue-status", "Queue: done", 2 * ENGINE_WAIT_S)
+            shoot(page, "queue-3-done")
+            queue = json.loads((runs / ".queue" / "queue.json").read_text())["entries"]
+            assert [(Path(e["run"]).name, e["state"]) for e in queue] == [("demo", "finished"),
+                                                                          ("demo-2", "finished")], queue
+            assert queue[0]["ended_at"] <= queue[1]["started_at"]  # one after the other, never two at once
+            rates = [tomllib.loads((runs / n / "config.toml").read_text())["learning_rate"] for n in ("demo", "demo-2")]
+            assert rates == [0.001, 0.002]
+
+            open_tab(page, "Train")  # the page followed the queue on to its second run
+            wait_text(page, "#train-status strong", "demo-2", 30)
+            open_tab(page, "Samples")
+            page.locator("#samples-checkpoints .token").first.wait_for(timeout=30_000)  # the newest one, chosen
+            for step in ("step 10", "step 20"):
+                if step not in page.locator("#samples-checkpoints .token").all_inner_texts():
+                    page.locator("#samples-checkpoints input").first.click()
+                    page.get_by_role("option", name=step, exact=True).click()
+                    page.keyboard.press("Escape")
+            assert sorted(page.locator("#samples-checkpoints .token").all_inner_texts()) == ["step 10", "step 20"]
+            strengths = page.locator("#samples-strengths textarea, #samples-strengths input").first
+            strengths.fill("0, 1")
+            strengths.press("Tab")
+            page.locator("#samples-render").click()
+            wait_text(page, "#samples-grid-message", "Rendering", 30)
+            page.locator("#samples-grid img").first.wait_for(timeout=ENGINE_WAIT_S * 1000)
+            shoot(page, "queue-4-grid")
+        finally:
+            shoot(page, "queue-last")
+            browser.close()
+    made = list((runs / "demo-2" / "grids").glob("*.png"))
+    assert len(made) == 1, list((runs / "demo-2" / "grids").iterdir())
+    meta = json.loads(made[0].with_suffix(".json").read_text())
+    assert meta["state"] == "finished" and meta["checkpoints"] == ["step_000010", "step_000020"]
+    assert meta["strengths"] == [0.0, 1.0] and {c["checkpoint"] for c in meta["cells"]} == {None, "step_000010",
+                                                                                            "step_000020"}
+    assert not [e for e in errors if "vega" in e.lower() or "1.797" in e or "translate" in e], errors
 
 
 def test_reload_keeps_form_and_tab_and_each_browser_follows_its_own_run(tmp_path: Path) -> None:

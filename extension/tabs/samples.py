@@ -115,7 +115,11 @@ def _refresh_grids(seen: dict[str, Any], run: Path | None, reader: Any, choice: 
     new_run = seen.get("grids", (None,))[0] != str(run)
     before = set(seen.get("grids.finished", []))
     seen["grids"], seen["grids.finished"] = key, finished
-    picks = update(choices=checkpoints, value=checkpoints[-1:]) if new_run else update(choices=checkpoints)
+    if checkpoints and seen.get("grids.picked") != str(run):  # the newest checkpoint, once per run, as a start
+        seen["grids.picked"] = str(run)
+        picks = update(choices=checkpoints, value=checkpoints[-1:])
+    else:
+        picks = update(choices=checkpoints, value=[]) if new_run else update(choices=checkpoints)
     seeds = update(value=grids.run_seeds(run)) if new_run and run else unchanged()
     landed = [name for name in finished if name not in before]
     if landed or new_run or (choice and choice not in finished):

@@ -149,3 +149,28 @@ def test_the_queue_survives_a_ui_restart_and_the_page_follows_it(tmp_path: Path,
     assert follow_queue(restarted, page, runs / "queued") == runs / "next"
     assert follow_queue(restarted, page, runs / "queued") == runs / "queued"  # chosen by hand: left alone
     RunWriter(runs / "next").status("stopped", step=1)
+
+
+def test_queue_tab_moves_removes_and_holds(tmp_path: Path, tiny_model: Path, shapes_dataset: Path) -> None:
+    """The Queue tab's buttons on waiting entries, and Hold: the worker then starts nothing (entries keep waiting)."""
+    from extension.settings import UISettings
+    from extension.tabs import queue as queue_tab
+    from extension.ui import build_ui
+
+    runs = tmp_path / "runs"
+    ui = build_ui(UISettings(runs_dir=runs)).stabletune_context
+    for name in ("a", "b", "c"):
+        runqueue.add(runs, tiny_values(tiny_model, shapes_dataset, output_name=name))
+    status, table, entry = queue_tab.refresh(ui, {})
+    assert entry["choices"] == ["#1 a-1", "#2 b-2", "#3 c-3"] and status.startswith("**Queue:** not running")
+    message, chooser = queue_tab._move(ui, "#3 c-3", -1)
+    assert message == "Moved #3 c-3 up." and chooser["choices"] == ["#1 a-1", "#3 c-3", "#2 b-2"]
+    assert queue_tab._move(ui, "#1 a-1", 1)[1]["choices"] == ["#3 c-3", "#1 a-1", "#2 b-2"]
+    message, chooser = queue_tab._remove(ui, "#1 a-1")
+    assert message.startswith("Removed #1 **a-1**") and chooser["choices"] == ["#3 c-3", "#2 b-2"]
+    assert queue_tab._remove(ui, None)[0] == "Choose a waiting entry first."
+    assert queue_tab._hold(ui).startswith("The queue starts nothing")
+    said: list[str] = []
+    assert runqueue.run_worker(runs, say=said.append) == 0 and said == ["queue: nothing left to start."]
+    assert [e.state for e in runqueue.read(runs).entries] == ["waiting", "waiting"]
+    assert queue_tab.status_text(ui).startswith("**Queue:** held — click **Run the queue**")

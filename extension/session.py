@@ -39,15 +39,17 @@ class RunHub:
         self.attached = Path(path) if path else None
 
     def attach_default(self) -> Path | None:
-        """Re-attach after a restart: the newest live run, else the newest run, else nothing. A run whose folder
-        is gone (deleted here or by hand) is not followed any more."""
+        """What a page that chose no run follows: the newest live run (one the queue started, too), else the run
+        this UI started or attached last, else the newest run, else nothing. A run whose folder is gone (deleted
+        here or by hand) is not followed any more."""
         if self.attached is not None and not self.attached.is_dir():
             self.attached = None
-        if self.attached is None:
-            runs = self.runs()
-            live = [r for r in runs if r.alive]
-            chosen = (live or runs or [None])[0]
-            self.attached = chosen.path if chosen else None
+        runs = self.runs()
+        live = [r.path for r in runs if r.alive]
+        if live and self.attached not in live:
+            self.attached = live[0]
+        elif self.attached is None and runs:
+            self.attached = runs[0].path
         return self.attached
 
     def started(self, path: Path, process: subprocess.Popen) -> None:

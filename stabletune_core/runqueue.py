@@ -230,11 +230,16 @@ def start_trainer(runs_dir: Path | str, run_dir: Path, engine_python: str = sys.
     Resume go through here, under the queue's lock, as the queue's worker does. Raises QueueError naming the run
     that trains."""
     with locked(folder(runs_dir) / "lock"):
-        busy = busy_trainer(runs_dir)
-        if busy is not None and Path(busy).resolve() != Path(run_dir).resolve():
-            raise QueueError(f"{Path(busy).name} is still training; one run at a time on this machine (stop it "
-                             "first, or add this one to the queue).")
+        refuse_if_busy(runs_dir, run_dir)
         return _spawn_recorded(runs_dir, run_dir, engine_python, num_processes)
+
+
+def refuse_if_busy(runs_dir: Path | str, run_dir: Path | str) -> None:
+    """QueueError naming the run that trains now, unless no trainer is alive (or it is `run_dir`'s own)."""
+    busy = busy_trainer(runs_dir)
+    if busy is not None and Path(busy).resolve() != Path(run_dir).expanduser().resolve():
+        raise QueueError(f"{Path(busy).name} is still training; one run at a time on this machine (stop it first, "
+                         "or add this one to the queue).")
 
 
 def _spawn_recorded(runs_dir: Path | str, run_dir: Path, engine_python: str, num_processes: int) -> subprocess.Popen:

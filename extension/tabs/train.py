@@ -85,10 +85,7 @@ free_run_dir = runqueue.free_run_dir  # starting never overwrites an earlier run
 def _launch(ctx: UIContext, values: dict[str, Any]) -> tuple[str, Path | None]:
     """Write the config into the run folder and spawn the engine: (the message for the user, the run started)."""
     try:
-        busy = runqueue.busy_trainer(ctx.settings.runs_dir)
-        if busy is not None and busy.resolve() != Path(values.get("output_dir") or "").expanduser().resolve():
-            raise runqueue.QueueError(f"{busy.name} is still training; one run at a time on this machine (stop it "
-                                      "first, or add this one to the queue).")
+        runqueue.refuse_if_busy(ctx.settings.runs_dir, values.get("output_dir") or "")  # before a folder is made
         run_dir = write_run_config(values, ctx.settings.engine_python)
         host_note = ctx.settings.before_start(run_dir) if ctx.settings.before_start else None  # WebUI: unload
         process = runqueue.start_trainer(ctx.settings.runs_dir, run_dir, ctx.settings.engine_python,
@@ -178,16 +175,17 @@ def wire(ctx: UIContext) -> None:
     listen(user_change(p["train.run"]), lambda label: _attach(ctx, label), [p["train.run"]], [p["train.message"]])
 
 
-def run_dropdown(ctx: UIContext, seen: dict[str, Any], run: Path | None, key: str) -> Any:
-    """The update a refresh tick sends to this browser's run dropdown: new choices when runs came or went, and
-    a value only when the dropdown shows no run that exists (nothing chosen yet, or a deleted run).
+def run_dropdown(ctx: UIContext, seen: dict[str, Any], run: Path | None) -> Any:
+    """The update a refresh tick sends to this browser's run dropdown: new choices when runs came or went, and a
+    value only when the page follows another run than the dropdown shows (nothing chosen yet, a deleted run, the
+    queue moved on to its next run; see ui._live).
 
     Never the value the browser sent: a tick's inputs are read before a Start (or a choice) lands and its reply
     may arrive after it, so sending the followed run back would switch the page to the old run again."""
     labels = ctx.run_labels(run)
     changes: dict[str, Any] = {}
-    if labels != seen.get(key):
-        seen[key] = labels
+    if labels != seen.get("train.runs"):
+        seen["train.runs"] = labels
         changes["choices"] = labels
     shown = seen.get("label")
     if ctx.run_label(run) != shown and ctx.run_path(shown) != run:
@@ -206,7 +204,7 @@ def live_outputs(ctx: UIContext) -> list[Any]:
 
 def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
     run = ctx.run_of(seen)
-    dropdown = run_dropdown(ctx, seen, run, "train.runs")
+    dropdown = run_dropdown(ctx, seen, run)
     if run is None:
         status, line, log, has_checkpoint = {"state": "none"}, status_line("", {"state": "none"}, None), "", False
     else:

@@ -174,3 +174,9 @@ def test_queue_tab_moves_removes_and_holds(tmp_path: Path, tiny_model: Path, sha
     assert runqueue.run_worker(runs, say=said.append) == 0 and said == ["queue: nothing left to start."]
     assert [e.state for e in runqueue.read(runs).entries] == ["waiting", "waiting"]
     assert queue_tab.status_text(ui).startswith("**Queue:** held — click **Run the queue**")
+    # A host without pydantic 2 (AUTOMATIC1111) adds through the engine's Python: the same entry, the same checks.
+    added = queue_tab._add_through_engine(ui, tiny_values(tiny_model, shapes_dataset, output_name="d"))
+    assert added == {"id": 4, "name": "d-4"} and runqueue.read(runs).entries[-1].state == "waiting"
+    with pytest.raises(LaunchError) as bad:
+        queue_tab._add_through_engine(ui, tiny_values(tiny_model, shapes_dataset, lora_rank=0))
+    assert bad.value.problems == ["lora_rank is 0 but must be at least 1."]

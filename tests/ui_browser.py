@@ -159,10 +159,18 @@ def wait_text(page, selector: str, text: str, timeout_s: float) -> None:
 
 
 def choose(page, selector: str, option: str) -> None:
-    """Pick `option` in the Gradio dropdown at `selector`."""
-    page.locator(f"{selector} input").first.click()
-    page.get_by_role("option", name=option, exact=True).click()
-    page.locator(f"{selector} input").first.press("Tab")
+    """Pick `option` in the Gradio dropdown at `selector` as a user types it: the list filters to it, Enter takes
+    it, and the list is closed (Gradio 6 may leave a list open over its input when its tab is shown again, and
+    re-render its options under the pointer while the page refreshes)."""
+    box = page.locator(f"{selector} input").first
+    if box.get_attribute("aria-expanded") == "true":
+        box.press("Escape")
+    box.click()
+    box.fill(option)
+    box.press("Enter")  # the first option the typed text leaves (the whole name: that one)
+    if box.get_attribute("aria-expanded") == "true":
+        box.press("Escape")
+    box.press("Tab")
 
 
 def followed_run(page) -> str:

@@ -89,7 +89,7 @@ def _enqueue(ctx: UIContext, *raw: Any) -> list[Any]:
         except LaunchError as exc:
             problems = exc.problems
     if problems:
-        return ["**Not queued:**\n\n" + problems_text(problems, notes, ctx.form).split("\n\n", 1)[-1],
+        return ["**Not queued:**\n\n" + "\n".join(f"- ⚠ {ctx.form.labelled(p)}" for p in problems),
                 *ctx.form.problem_updates(problems, notes), *group_marks(ctx, problems)]
     started = runqueue.start_worker(ctx.settings.runs_dir, ctx.settings.engine_python, ctx.settings.num_processes)
     message = f"Queued #{entry['id']} **{entry['name']}**. {started} (Queue tab: order, remove, state.)"
@@ -109,7 +109,7 @@ def add_entry(ctx: UIContext, values: dict[str, Any]) -> dict[str, Any]:
     return {"id": entry.id, "name": entry.name}
 
 
-def _add_through_engine(ctx: UIContext, values: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - A1111
+def _add_through_engine(ctx: UIContext, values: dict[str, Any]) -> dict[str, Any]:
     import json
     import subprocess
 

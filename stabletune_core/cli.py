@@ -12,7 +12,9 @@ from .config import (ConfigError, TrainConfig, add_config_arguments, build_confi
                      read_toml)
 
 
-TOOLS = ("caption", "captions", "doctor", "merge", "extract")
+#: Commands that live in their own module: each `add_parser(commands)` adds its parser and sets `run_tool`.
+COMMAND_MODULES = ("tools.caption", "tools.captions", "tools.doctor", "tools.merge", "tools.extract", "runqueue",
+                   "grid")
 
 
 class ShortErrorParser(argparse.ArgumentParser):
@@ -70,8 +72,8 @@ def run_command(argv: list[str] | None = None) -> int:
 
     schema = commands.add_parser("schema", help="Print the TrainConfig JSON schema (for UIs).")
     schema.set_defaults()
-    for tool in TOOLS:  # stabletune_core/tools/: each adds its command and sets run_tool
-        import_module(f".tools.{tool}", __package__).add_parser(commands)
+    for module in COMMAND_MODULES:
+        import_module(f".{module}", __package__).add_parser(commands)
 
     raw = sys.argv[1:] if argv is None else argv
     ShortErrorParser.command = next((a for a in raw if not a.startswith("-")), "") if raw else ""

@@ -87,14 +87,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from extension import compat
     from extension.settings import UISettings
-    from extension.ui import build_ui
+    from extension.ui import STYLE, build_ui
 
     settings = UISettings(runs_dir=Path(args.runs_dir), engine_python=args.engine_python,
                           model_dirs=[Path(d) for d in args.model_dir], num_processes=args.num_processes,
                           refresh_seconds=args.refresh_seconds)
     blocks = build_ui(settings)
     blocks.queue()  # live updates need the queue on Gradio 3.x; later versions have it on already
-    compat.make(blocks.launch, **options)
+    # Gradio 6 takes the page's CSS at launch (older ones got it in gr.Blocks, and ignore it here).
+    compat.make(blocks.launch, css=STYLE, **options)
 
 
 if __name__ == "__main__":

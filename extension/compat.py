@@ -48,9 +48,7 @@ TICK_JS = """() => {
   }
   return [];
 }"""
-TICK_CSS = (f"#{TICK_ID} {{ display: none !important; }}\n"  # also in style.css, which a WebUI loads
-            ".stabletune-field-error { outline: 2px solid #d9534f; border-radius: 6px; }\n"
-            ".stabletune-field-error [data-testid='block-info'], .stabletune-field-error .info { color: #d9534f; }")
+TICK_CSS = f"#{TICK_ID} {{ display: none !important; }}\n"  # also in style.css
 
 
 def every(blocks: gr.Blocks, seconds: float, fn: Callable, inputs: Any, outputs: Any) -> None:
@@ -67,6 +65,18 @@ def every(blocks: gr.Blocks, seconds: float, fn: Callable, inputs: Any, outputs:
     tick = make(gr.Button, value="refresh", elem_id=TICK_ID, elem_classes=[TICK_ID])
     listen(tick.click, fn, inputs, outputs, show_progress="hidden", queue=False)
     listen(blocks.load, None, None, None, _js=TICK_JS % (TICK_ID, int(seconds * 1000)))
+
+
+# The route a page loads a local file from (a folder the app allows: the runs folder): /gradio_api/file= since
+# Gradio 5, /file= before. Relative, so a WebUI served under a sub-path (or a share link) finds it too.
+FILE_ROUTE = "gradio_api/file=" if GRADIO_VERSION >= (5, 0) else "file="
+
+
+def file_url(path: Any) -> str:
+    """The address of a local file for an <img> or a link in gr.HTML."""
+    from urllib.parse import quote
+
+    return FILE_ROUTE + quote(str(path))
 
 
 def unchanged() -> Any:

@@ -36,6 +36,12 @@ class UIContext:
         run = (seen or {}).get(RUN_KEY)
         return Path(run) if run else self.hub.attach_default()
 
+    def followed(self, label: str | None) -> Path | None:
+        """The run a browser whose run dropdown shows `label` follows: that run while its folder exists, else
+        (nothing chosen, or the run was deleted) the hub's default."""
+        run = self.run_path(label)
+        return run if run is not None and run.is_dir() else self.hub.attach_default()
+
     def run_path(self, label: str | None) -> Path | None:
         if not label:
             return None
@@ -44,7 +50,8 @@ class UIContext:
 
     def run_labels(self, current: Path | None = None) -> list[str]:
         labels = [self.run_label(r.path) for r in self.hub.runs()]
-        attached = self.run_label(current or self.hub.attached)
+        current = current or self.hub.attached
+        attached = self.run_label(current) if current is not None and Path(current).is_dir() else None
         if attached and attached not in labels:
             labels.insert(0, attached)
         return labels

@@ -64,18 +64,22 @@ def heatmap(records: list[dict[str, Any]], module: str | None) -> Figure | None:
         grid[: len(r["sv"]), col] = np.log10(np.maximum(r["sv"], 1e-12))
     figure = Figure(figsize=(8, 3.5), layout="constrained")
     axes = figure.add_subplot()
-    image = axes.imshow(grid, aspect="auto", origin="lower", interpolation="nearest", cmap="viridis",
-                        extent=(*step_extent([r["step"] for r in rows]), -0.5, width - 0.5))
+    image = axes.pcolormesh(step_edges([r["step"] for r in rows]), np.arange(width + 1) - 0.5,
+                            np.ma.masked_invalid(grid), cmap="viridis")
     figure.colorbar(image, ax=axes, label="log10 singular value")
     axes.set(title=f"Singular values of {module}", xlabel="step", ylabel="index")
     return figure
 
 
-def step_extent(steps: list[int]) -> tuple[float, float]:
-    """x limits that give every step a column, also when there is only one step."""
+def step_edges(steps: list[int]) -> np.ndarray:
+    """Column edges for measurements at `steps`, which need not be evenly spaced (the last one is where the run
+    ended): halfway between neighbours, and the axis runs from the first step to the last, not past them. A
+    single step gets a column one step wide."""
     steps = sorted(set(steps))
-    half = (steps[-1] - steps[0]) / max(len(steps) - 1, 1) / 2 if len(steps) > 1 else 0.5
-    return steps[0] - half, steps[-1] + half
+    if len(steps) == 1:
+        return np.array([steps[0] - 0.5, steps[0] + 0.5])
+    middle = [(a + b) / 2 for a, b in zip(steps, steps[1:])]
+    return np.array([steps[0], *middle, steps[-1]], dtype=float)
 
 
 def module_grid(records: list[dict[str, Any]], value: str, title: str, label: str,
@@ -92,8 +96,9 @@ def module_grid(records: list[dict[str, Any]], value: str, title: str, label: st
         grid[names.index(r["module"]), steps.index(int(r["step"]))] = float(r[value])
     figure = Figure(figsize=(9, 1.2 + 0.16 * len(names)), layout="constrained")
     axes = figure.add_subplot()
-    image = axes.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap,
-                        extent=(*step_extent(steps), len(names) - 0.5, -0.5))
+    image = axes.pcolormesh(step_edges(steps), np.arange(len(names) + 1) - 0.5, np.ma.masked_invalid(grid),
+                            cmap=cmap)
+    axes.invert_yaxis()  # the first module on top, as it is listed
     axes.set_yticks(range(len(names)), [short_name(n) for n in names], fontsize=6)
     figure.colorbar(image, ax=axes, label=label)
     axes.set(title=title, xlabel="step")
@@ -120,6 +125,13 @@ def activations(reader: RunReader) -> list[dict[str, Any]]:
 def activation_heatmap(records: list[dict[str, Any]], stat: str = "var") -> Figure | None:
     return module_grid(records, stat, f"Activation {ACTIVATION_STATS.get(stat, stat)} per module", stat,
                        cmap="magma")
+
+
+def val_loss_records(reader: RunReader) -> list[dict[str, Any]]:
+    """diagnostics/val_loss.jsonl: {"step", "val_loss"} and, where the engine measures them, its noise bands
+    (`val_loss_low_noise`, `val_loss_mid_noise`, `val_loss_high_noise`)."""
+    return [{k: v for k, v in r.items() if k == "step" or k.startswith("val_loss")}
+            for r in reader.diagnostics(VAL_LOSS_FILE) if isinstance(r.get("step"), int)]
 
 
 def val_loss_points(reader: RunReader) -> list[tuple[int, float]]:

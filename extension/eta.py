@@ -38,6 +38,17 @@ def paused_spans(events: list[dict[str, Any]], now: float | None = None) -> list
     return spans
 
 
+def paused_now(events: list[dict[str, Any]]) -> bool:
+    """Is the run inside a pause (a `pause` with no `resume_run` or restart after it)? A paused run that
+    renders "Sample now" reports the state `sampling`, and is still paused."""
+    for event in reversed(events):
+        if event.get("kind") == PAUSE:
+            return True
+        if event.get("kind") in (CONTINUE, *RESTARTS):
+            return False
+    return False
+
+
 def _overlap(spans: list[tuple[float, float]], start: float, end: float) -> float:
     return sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
 

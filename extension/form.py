@@ -7,6 +7,7 @@ registry so every event can take "the whole config" as its inputs.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Iterable
 
 import gradio as gr
@@ -15,7 +16,28 @@ from .compat import GRADIO_VERSION, make, update
 
 # Shown for an optional choice left empty ("use the model's own").
 UNSET = "(default)"
-ERROR_CLASS = "stabletune-field-error"  # red frame and text (compat.TICK_CSS / style.css)
+ERROR_CLASS = "stabletune-field-error"  # red frame and text (style.css)
+WARNING_CLASS = "stabletune-field-warning"  # amber: valid, but probably not what was meant
+
+# Fields whose values come in multiples (config.py refuses a resolution that is not a multiple of 8), and floats
+# whose useful steps are finer than their default's magnitude suggests (a decay of 0.999 moves by 0.001).
+STEP_OVERRIDES = {"resolution": 8, "bucket_step": 8, "min_bucket_reso": 8, "max_bucket_reso": 8,
+                  "ema_decay": 0.001, "adam_beta1": 0.01, "adam_beta2": 0.001}
+
+
+def step_for(field: dict[str, Any]) -> float:
+    """The step of a number field's arrows: one decade below its default (a learning rate of 1e-4 moves by 1e-5,
+    a weight of 1.0 by 0.1); a float that defaults to 0 moves by a hundredth of its range's decade."""
+    if field["name"] in STEP_OVERRIDES:
+        return STEP_OVERRIDES[field["name"]]
+    if field["type"] == "int":
+        return 1
+    default, high = field.get("default"), field.get("max")
+    if isinstance(default, (int, float)) and default:
+        return float(f"1e{math.floor(math.log10(abs(default))) - 1}")
+    if isinstance(high, (int, float)) and high > 0:
+        return float(f"1e{math.floor(math.log10(high)) - 2}")
+    return 0.01
 
 
 def range_text(field: dict[str, Any]) -> str:
@@ -78,7 +100,7 @@ class Form:
             choices = ([UNSET] if field["optional"] else []) + list(field["choices"])
             component = make(gr.Dropdown, choices=choices, **common)
         elif kind in ("int", "float") and not field["optional"]:
-            component = make(gr.Number, precision=0 if kind == "int" else None, **common)
+            component = make(gr.Number, precision=0 if kind == "int" else None, step=step_for(field), **common)
         else:  # text, lists and optional numbers: a textbox, where empty means "not set"
             component = make(gr.Textbox, lines=1, **common)
         self.components[field["name"]] = component
@@ -102,10 +124,15 @@ class Form:
         """Typed config values from the components' raw values, and one sentence per unparseable one."""
         values, problems = {}, []
         for name, value in zip(self.names, raw):
+            field = self.fields[name]
             try:
-                values[name] = self.parse(self.fields[name], value)
+                values[name] = self.parse(field, value)
             except ValueError:
-                problems.append(f"{name} is {value!r} but must be a number.")
+                problems.append(f"{name} is {value!r}: enter a {'whole ' if field['type'] == 'int' else ''}number.")
+                continue
+            if values[name] is None and field["type"] in ("int", "float") and not field["optional"]:
+                # A number box the browser could not read (letters typed into it) arrives empty.
+                problems.append(f"{name} is empty: enter a {'whole ' if field['type'] == 'int' else ''}number.")
         return values, problems
 
     @staticmethod
@@ -140,11 +167,22 @@ class Form:
         return {n: v for n, v in values.items() if v != self.fields[n]["default"] and v is not None}
 
     def labelled(self, problem: str) -> str:
-        """The problem as the form shows it: the field named by its label, e.g. "LoRA rank (lora_rank) is 0"."""
+        """The problem in the form's words: the field it starts with named by its label ("Learning rate is empty:
+        enter a number."), other settings it mentions by theirs, and pydantic's phrases as advice."""
         name = field_of(problem, self.names)
         if name and problem.startswith(name):
-            return f"{self.fields[name]['label']} ({name}){problem[len(name):]}"
-        return problem
+            problem = self.fields[name]["label"] + problem[len(name):]
+        for pattern, advice in _PLAIN_WORDS:
+            problem = pattern.sub(advice, problem)
+        return _SNAKE_NAME.sub(lambda m: self.mid_label(m.group(0)), problem)
+
+    def mid_label(self, name: str) -> str:
+        """A setting named inside a sentence: its label, lower case unless it starts with a name (LoRA, VAE)."""
+        if name not in self.fields:
+            return name
+        label = self.fields[name]["label"]
+        first = label.split(" ", 1)[0]
+        return label if first[1:].lower() != first[1:] or first.isupper() else label[0].lower() + label[1:]
 
     def problem_fields(self, problems: list[str]) -> dict[str, list[str]]:
         by_field: dict[str, list[str]] = {}
@@ -154,20 +192,41 @@ class Form:
                 by_field.setdefault(name, []).append(self.labelled(problem))
         return by_field
 
-    def problem_updates(self, problems: list[str]) -> list[Any]:
-        """Each problem next to its field, shown as an error (red frame, ⚠); other fields get their doc back.
+    def problem_updates(self, problems: list[str], warnings: list[str] = ()) -> list[Any]:
+        """Each problem next to its field, shown as an error (red frame and text, ⚠); each warning as a warning
+        (amber, it does not block); other fields get their doc back.
 
         Problems start with the field name (config.py's contract); the first matching name wins.
         """
         by_field = self.problem_fields(problems)
+        warned = self.problem_fields(warnings)
         styled = GRADIO_VERSION >= (4, 0)  # Gradio 3.41 cannot restyle a component by update
 
         def one(name: str) -> Any:
-            bad = name in by_field
-            info = "⚠ " + " ".join(by_field[name]) if bad else self.info.get(name) or info_text(self.fields[name])
-            return update(info=info, **({"elem_classes": [ERROR_CLASS] if bad else []} if styled else {}))
+            if name in by_field:
+                info, classes = "⚠ " + " ".join(by_field[name]), [ERROR_CLASS]
+            elif name in warned:
+                info, classes = "⚠ " + " ".join(warned[name]), [WARNING_CLASS]
+            else:
+                info, classes = self.info.get(name) or info_text(self.fields[name]), []
+            return update(info=info, **({"elem_classes": classes} if styled else {}))
 
         return [one(n) for n in self.names]
+
+
+# pydantic's own words (what config.py passes on for a value it has no sentence of its own for) -> advice.
+_PLAIN_WORDS = [
+    (re.compile(r" is None: Input should be a valid (number|integer)[^.]*\."),
+     lambda m: " is empty: enter a " + ("whole number." if m.group(1) == "integer" else "number.")),
+    (re.compile(r" is None: Input should be a valid [^.]*\."), lambda m: " is empty: fill it in."),
+    (re.compile(r": Input should be a valid number[^.]*\."), lambda m: ": enter a number."),
+    (re.compile(r": Input should be a valid integer[^.]*\."), lambda m: ": enter a whole number."),
+    (re.compile(r": Input should be a valid boolean[^.]*\."), lambda m: ": tick or untick it."),
+    (re.compile(r": Input should be a valid string[^.]*\."), lambda m: ": enter text."),
+    (re.compile(r": Input should be a valid list[^.]*\."), lambda m: ": enter values separated by commas."),
+]
+# A setting's name inside a sentence (snake_case, never a flag: "--resume auto" stays as typed).
+_SNAKE_NAME = re.compile(r"(?<![-\w/.])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w/])")
 
 
 # check_inputs() speaks of the world ("Dataset folder X does not exist"), not of field names.

@@ -11,7 +11,10 @@ EMA_SPAN = 20  # logged points; smooths per-step noise while still following a f
 
 # plot name -> (title, y axis title, [(metrics key, series label)])
 PLOTS: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
-    "loss": ("Loss", "loss", [("loss", "loss"), ("loss_ema", "loss (EMA)"), ("val_loss", "validation loss")]),
+    "loss": ("Loss", "loss", [("loss", "loss"), ("loss_ema", "loss (EMA)"), ("val_loss", "validation loss"),
+                              ("val_loss_low_noise", "validation loss, low noise (t < 250)"),
+                              ("val_loss_mid_noise", "validation loss, mid noise (250-750)"),
+                              ("val_loss_high_noise", "validation loss, high noise (t ≥ 750)")]),
     "lr": ("Learning rate", "learning rate", [("lr", "learning rate")]),
     "grad": ("Gradient norm", "norm", [("grad_norm", "grad norm"), ("clip_threshold", "clip threshold")]),
     "memory": ("Memory", "MB", [("vram_allocated_mb", "VRAM allocated"), ("vram_reserved_mb", "VRAM reserved"),
@@ -34,14 +37,23 @@ def metrics_frame(metrics: list[dict[str, Any]]) -> pd.DataFrame:
     return frame
 
 
-def with_val_loss(frame: pd.DataFrame, points: list[tuple[int, float]]) -> pd.DataFrame:
-    """The validation loss (diagnostics/val_loss.jsonl) as a `val_loss` column beside the training loss."""
-    if not points:
+def with_val_loss(frame: pd.DataFrame, records: list[dict[str, Any]] | list[tuple[int, float]]) -> pd.DataFrame:
+    """The validation loss of diagnostics/val_loss.jsonl (records with `step`, `val_loss` and maybe its noise
+    bands, or (step, value) pairs) beside the training loss, in the columns metrics.jsonl uses for it.
+
+    The engine writes `val_loss` (and its bands) into metrics.jsonl too, on the steps it logs: a value there
+    and one from the file are the same measurement, so they fill each other's gaps in one column."""
+    if not records:
         return frame
-    val = pd.DataFrame(points, columns=["step", "val_loss"])
+    rows = [r if isinstance(r, dict) else {"step": r[0], "val_loss": r[1]} for r in records]
+    val = metrics_frame(rows).drop(columns=["loss_ema"], errors="ignore")
+    val = val[[c for c in val.columns if c == "step" or c.startswith("val_loss")]]
     if frame.empty:
         return val
-    return frame.merge(val, on="step", how="outer").sort_values("step")
+    merged = frame.merge(val, on="step", how="outer", suffixes=("", "__file")).sort_values("step")
+    for column in [c for c in merged.columns if c.endswith("__file")]:
+        merged[column[:-len("__file")]] = merged[column[:-len("__file")]].combine_first(merged.pop(column))
+    return merged.reset_index(drop=True)
 
 
 def thin(frame: pd.DataFrame, max_points: int = MAX_POINTS) -> pd.DataFrame:
@@ -93,6 +105,10 @@ def summary(frame: pd.DataFrame) -> str:
     """One line under the plots: how many points, and the newest values."""
     if frame.empty or "loss" not in frame or frame["loss"].isna().all():
         return "No metrics yet: the plots fill in once training logs its first step."
+    if frame["loss"].notna().sum() == 1:  # a line needs two points: say what the one point is
+        first = frame.dropna(subset=["loss"]).iloc[0]
+        return (f"1 logged step · step {int(first['step'])} · loss {first['loss']:.4g} (the charts draw their lines "
+                "from the second logged step)")
     last = frame.dropna(subset=["loss"]).iloc[-1]
     parts = [f"{len(frame)} logged steps", f"step {int(last['step'])}", f"loss {last['loss']:.4g}",
              f"EMA {last['loss_ema']:.4g}"]

@@ -1,9 +1,11 @@
-"""Validation images laid out for comparison: one row per step, one column per prompt/seed."""
+"""Validation images laid out for comparison: one row per step, one column per prompt/seed, as an HTML table."""
 from __future__ import annotations
 
+import html
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 from stabletune_core.runs.reader import RunReader
 
@@ -40,19 +42,51 @@ def choices(reader: RunReader) -> list[str]:
     return [ALL, *seen.values()]
 
 
-def gallery(reader: RunReader, view: str = ALL) -> tuple[list[tuple[str, str]], int]:
-    """(items, columns), newest step first (the images the user is waiting for). ALL: rows are steps,
-    columns prompts x seeds, so each column is one prompt and seed over time. One key: that image at
-    every step, side by side. Every image is captioned with its step, prompt and seed."""
+THUMB = 160  # px: the widest an image is shown in the table (a click opens it whole)
+
+
+def grid_html(reader: RunReader, view: str, url: Callable[[Path], str]) -> str:
+    """The validation images as an HTML table: one row per step (newest first), one column per prompt and seed,
+    each column headed by its whole prompt and seed, each row by its step. One key: that image at every step,
+    in one row. `url` turns an image path into the address the browser loads it from (compat.file_url)."""
     steps = list(reversed(reader.sample_steps()))
+    if not steps:
+        return grid_html_empty()
     if view and view != ALL:
         key = view.split(":", 1)[0]
-        items = [(str(img), f"step {step} · {describe(img)[1]}") for step, images in steps for img in images
-                 if img.stem == key]
-        return items, max(1, min(len(items), 6))
-    items = [(str(img), f"step {step} · {describe(img)[1]}") for step, images in steps for img in images]
-    columns = max((len(images) for _, images in steps), default=1)
-    return items, max(1, min(columns, 8))
+        cells = [(step, img) for step, images in steps for img in images if img.stem == key]
+        heads = "".join(f"<th>step {step}</th>" for step, _ in cells)
+        row = "".join(f"<td>{_image(url, img, f'step {step} · {describe(img)[1]}')}</td>" for step, img in cells)
+        title = html.escape(describe(cells[0][1])[1]) if cells else ""
+        return _table(f"<caption>{title}</caption><tr>{heads}</tr><tr>{row}</tr>", len(cells), header=False)
+    keys: dict[str, str] = {}
+    for _, images in steps:
+        for img in images:
+            keys.setdefault(img.stem, describe(img)[1])
+    order = sorted(keys)
+    head = '<tr><th class="step"></th>' + "".join(f"<th>{html.escape(keys[k])}</th>" for k in order) + "</tr>"
+    rows = []
+    for step, images in steps:
+        by_key = {img.stem: img for img in images}
+        cells = "".join(f"<td>{_image(url, by_key[k], f'step {step} · {keys[k]}') if k in by_key else ''}</td>"
+                        for k in order)
+        rows.append(f'<tr><th scope="row" class="step">step {step}</th>{cells}</tr>')
+    return _table(head + "".join(rows), len(order), header=True)
+
+
+def grid_html_empty() -> str:
+    return '<p class="stabletune-empty">No validation images yet: they appear here after the first sampling.</p>'
+
+
+def _image(url: Callable[[Path], str], path: Path, caption: str) -> str:
+    address, text = html.escape(url(path), quote=True), html.escape(caption, quote=True)
+    return f'<a href="{address}" target="_blank"><img src="{address}" alt="{text}" title="{text}" loading="lazy"></a>'
+
+
+def _table(body: str, columns: int, *, header: bool) -> str:
+    """A table no wider than its images need (THUMB px each, plus the step column), shrinking to the page."""
+    width = columns * (THUMB + 8) + (90 if header else 0)
+    return (f'<div class="stabletune-samples"><table style="width: min(100%, {width}px)">{body}</table></div>')
 
 
 def signature(reader: RunReader) -> tuple:

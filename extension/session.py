@@ -20,6 +20,7 @@ class RunHub:
         self._readers: dict[Path, RunReader] = {}
         self._procs: dict[Path, subprocess.Popen] = {}
         self._lock = threading.Lock()  # Gradio calls handlers from worker threads
+        self.announced: set[str] = set()  # queue runs the host was told about (tabs/queue.announce_started)
 
     def runs(self) -> list[RunSummary]:
         return find_runs(self.runs_dir)
@@ -38,12 +39,17 @@ class RunHub:
         self.attached = Path(path) if path else None
 
     def attach_default(self) -> Path | None:
-        """Re-attach after a restart: the newest live run, else the newest run, else nothing."""
-        if self.attached is None:
-            runs = self.runs()
-            live = [r for r in runs if r.alive]
-            chosen = (live or runs or [None])[0]
-            self.attached = chosen.path if chosen else None
+        """What a page that chose no run follows: the newest live run (one the queue started, too), else the run
+        this UI started or attached last, else the newest run, else nothing. A run whose folder is gone (deleted
+        here or by hand) is not followed any more."""
+        if self.attached is not None and not self.attached.is_dir():
+            self.attached = None
+        runs = self.runs()
+        live = [r.path for r in runs if r.alive]
+        if live and self.attached not in live:
+            self.attached = live[0]
+        elif self.attached is None and runs:
+            self.attached = runs[0].path
         return self.attached
 
     def started(self, path: Path, process: subprocess.Popen) -> None:
@@ -52,10 +58,19 @@ class RunHub:
             self._readers.pop(Path(path), None)  # a restarted run rewrites its files: read them afresh
         self.attached = Path(path)
 
+    def forget(self, path: Path) -> None:
+        """A deleted run: no reader, no process of ours, not the default any more."""
+        path = Path(path)
+        with self._lock:
+            self._readers.pop(path, None)
+            self._procs.pop(path, None)
+        if self.attached == path:
+            self.attached = None
+
     def status(self, path: Path | None = None) -> dict[str, Any]:
         """status.json plus what only this UI knows: the engine is still importing, or exited early."""
         reader = self.reader(path)
-        if reader is None:
+        if reader is None or not reader.paths.root.is_dir():  # nothing attached, or its folder was deleted
             return {"state": "none"}
         status = reader.status()
         process = self._procs.get(reader.paths.root)

@@ -1,6 +1,7 @@
 """build_ui(settings) -> gr.Blocks: the whole StableTune UI, for app.py and for a WebUI's on_ui_tabs."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -11,11 +12,18 @@ from .form import Form
 from .schema import load_schema
 from .session import RunHub
 from .settings import UISettings
-from .tabs import dataset, diagnostics, model, monitor, runs, samples, train
+from .tabs import dataset, diagnostics, model, monitor, queue, runs, samples, tools, train
+from stabletune_core import runqueue
 
-TABS = (dataset, model, train, monitor, samples, diagnostics, runs)
-LIVE_TABS = (train, monitor, samples, diagnostics, runs)
+DEMO_TEXT = ("**New here? Try the demo:** a tiny model that draws coloured shapes learns a colour it has never seen "
+             "(purple) from 12 drawn pictures, in about two minutes on a CPU, with nothing to download. The button "
+             "fills in the form; then click **Start training** in the Train tab.")
+TABS = (dataset, model, train, queue, monitor, samples, diagnostics, runs, tools)
+LIVE_TABS = (train, queue, monitor, samples, diagnostics, runs)
 TITLE = "StableTune: LoRA training"
+# The page's own rules (field errors, sample rows, tables): given to gr.Blocks on Gradio 3/4 and to launch() on
+# Gradio 6 (app.py), which moved it there; a WebUI also loads this file by itself.
+STYLE = (Path(__file__).resolve().parent.parent / "style.css").read_text(encoding="utf-8")
 
 
 def build_ui(settings: UISettings | None = None) -> gr.Blocks:
@@ -24,9 +32,13 @@ def build_ui(settings: UISettings | None = None) -> gr.Blocks:
     groups, fields = load_schema()
     ctx = UIContext(settings=settings, hub=RunHub(settings.runs_dir), form=Form(fields), groups=groups)
     ctx.hub.attach_default()
-    with compat.make(gr.Blocks, title=TITLE, analytics_enabled=False, css=compat.TICK_CSS) as blocks:
+    with compat.make(gr.Blocks, title=TITLE, analytics_enabled=False, css=STYLE) as blocks:
         gr.Markdown(f"## {TITLE}\nRuns are saved in `{settings.runs_dir}`. Training runs in its own process: "
                     "closing this page or restarting the UI does not stop it.")
+        with gr.Row(equal_height=True):  # what a first-time user needs first: a run that works, no download
+            ctx.parts["demo.try"] = compat.make(gr.Button, value="▶ Try the demo", variant="primary", scale=1,
+                                                elem_id="try-demo")
+            ctx.parts["demo.message"] = compat.make(gr.Markdown, value=DEMO_TEXT, elem_id="demo-message")
         with compat.make(gr.Tabs, elem_id="stabletune-tabs"):
             for tab in TABS:
                 with make_tab(tab.TITLE):
@@ -42,6 +54,19 @@ def build_ui(settings: UISettings | None = None) -> gr.Blocks:
 
 def make_tab(title: str) -> Any:
     return compat.make(gr.Tab, label=title, elem_id="tab-" + title.split()[0].lower())
+
+
+def follow_queue(ctx: UIContext, state: dict[str, Any], run: Path | None) -> Path | None:
+    """`run`, or the queue's next run: a page that followed a queue run while it trained follows the queue on to
+    the run it starts next. A run chosen by hand afterwards is left alone."""
+    running = runqueue.read(ctx.settings.runs_dir).running()
+    now = Path(running.run) if running is not None and running.run else None
+    followed = Path(state["queue_run"]) if state.get("queue_run") else None
+    if now is not None and followed is not None and run == followed and now != followed:
+        run = now  # the run this page watched has ended and the queue moved on
+    if now is not None and run == now:
+        state["queue_run"] = str(now)
+    return run
 
 
 def _live(blocks: gr.Blocks, ctx: UIContext, after_restore: Any) -> None:
@@ -60,7 +85,8 @@ def _live(blocks: gr.Blocks, ctx: UIContext, after_restore: Any) -> None:
 
     def refresh(state: dict[str, Any], label: str | None, *values: Any) -> list[Any]:
         state = dict(state or {})
-        state["run"] = ctx.run_path(label) or ctx.hub.attach_default()
+        state["label"] = label  # what this browser's run dropdown shows now
+        state["run"] = follow_queue(ctx, state, ctx.followed(label))
         result: list[Any] = []
         for tab, start, count in spans:
             result.extend(tab.refresh(ctx, state, *values[start - 2:start - 2 + count]))

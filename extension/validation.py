@@ -13,8 +13,29 @@ from typing import Any
 from stabletune_core.launch import ask_engine
 
 
+#: A LoRA trains at about 1e-5 to 1e-3 with every optimizer but prodigy (which wants 1.0); above this a learning
+#: rate is a typo or a blow-up waiting to happen (the field accepts up to 1.0, so the check alone lets it pass).
+SANE_LEARNING_RATE = 1e-2
+LEARNING_RATE_FIELDS = ("learning_rate", "text_encoder_lr")
+
+
+def warnings(values: dict[str, Any]) -> list[str]:
+    """Valid values a user almost surely did not mean, one sentence each, starting with the field's name."""
+    if values.get("optimizer") == "prodigy":
+        return []  # config.notes() speaks for prodigy's learning rate
+    found = []
+    for name in LEARNING_RATE_FIELDS:
+        rate = values.get(name)
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > SANE_LEARNING_RATE:
+            found.append(f"{name} {rate:g} is far above what LoRA training uses (about 1e-5 to 1e-3; above "
+                         f"{SANE_LEARNING_RATE:g} a run usually blows up into NaN); check the number (only the prodigy "
+                         "optimizer wants 1.0).")
+    return found
+
+
 def validate(values: dict[str, Any], engine_python: str) -> tuple[list[str], list[str]]:
-    """(problems, notes): problems block the start; notes (valid but doubtful settings) are only shown."""
+    """(problems, notes): problems block the start; notes (valid but doubtful settings: this UI's warnings and
+    the engine's notes) are only shown, each beside its field."""
     try:
         from stabletune_core.config import ConfigError, build_config, check_inputs
     except ImportError:
@@ -30,7 +51,7 @@ def validate(values: dict[str, Any], engine_python: str) -> tuple[list[str], lis
         problems, notes = check_inputs(config), config.notes()
     if not problems:
         problems = dataset_problems(values, engine_python)
-    return problems, notes
+    return problems, warnings(values) + notes
 
 
 def world_problems(values: dict[str, Any], problems: list[str], build_config: Any, check_inputs: Any,

@@ -5,10 +5,16 @@ import argparse
 import json
 import os
 import sys
+from importlib import import_module
 from pathlib import Path
 
 from .config import (ConfigError, TrainConfig, add_config_arguments, build_config, check_inputs, config_from_args,
                      read_toml)
+
+
+#: Commands that live in their own module: each `add_parser(commands)` adds its parser and sets `run_tool`.
+COMMAND_MODULES = ("tools.caption", "tools.captions", "tools.doctor", "tools.merge", "tools.extract", "runqueue",
+                   "grid")
 
 
 class ShortErrorParser(argparse.ArgumentParser):
@@ -66,11 +72,15 @@ def run_command(argv: list[str] | None = None) -> int:
 
     schema = commands.add_parser("schema", help="Print the TrainConfig JSON schema (for UIs).")
     schema.set_defaults()
+    for module in COMMAND_MODULES:
+        import_module(f".{module}", __package__).add_parser(commands)
 
     raw = sys.argv[1:] if argv is None else argv
     ShortErrorParser.command = next((a for a in raw if not a.startswith("-")), "") if raw else ""
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "run_tool", None):
+            return args.run_tool(args)
         if args.command == "train":
             return run_train(config_from_args(args))
         if args.command == "preflight":
@@ -98,6 +108,13 @@ def run_command(argv: list[str] | None = None) -> int:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
         return 2
+    except Exception as exc:  # every command keeps train's contract: one sentence (a full disk, a permission), or
+        from .train import outcome  # one "internal error" line with the traceback in a file; never a traceback
+
+        return outcome.report_failure(exc, None)
+    except KeyboardInterrupt:  # train and demo handle their own signals; the other commands write atomically
+        print(f"error: {args.command} interrupted; nothing was written.", file=sys.stderr)
+        return 130
     return 1
 
 
@@ -114,6 +131,7 @@ def _raw_output_dir(args: argparse.Namespace) -> str | None:
 def run_train(config: TrainConfig) -> int:
     """Train, and end in a known state: finished (0), stopped by a signal (128 + signal), or failed with one
     sentence on stderr and in status.json (non-zero, see train/outcome.py). Never a traceback."""
+    from .runs import lock
     from .train import outcome, signals
 
     for note in config.notes():
@@ -124,6 +142,7 @@ def run_train(config: TrainConfig) -> int:
         problems = check_inputs(config)  # bad input answers in a second, before torch is even imported
         if problems:
             raise ConfigError(problems)
+        lock.hold(config.output_dir)  # one live trainer per run folder; a second start is refused, naming it
         from .train.loop import train  # torch loads only when there is something to train
 
         path = train(config)
@@ -136,6 +155,7 @@ def run_train(config: TrainConfig) -> int:
     finally:
         stop.restore()
         signals.ACTIVE = None
+        lock.release(config.output_dir)
     if path:
         print(f"LoRA written to {path}")
     return stop.exit_code
@@ -190,12 +210,8 @@ def run_preflight(config: TrainConfig) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     from .demo import demo_config
 
-    # The toy model is so small that torch spends its time dispatching, not computing: one thread ran the
-    # demo in 1.4 CPU-minutes where two threads took 6.6 on 2 cores. A user's own setting wins.
-    if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        if "torch" in sys.modules:
-            sys.modules["torch"].set_num_threads(1)
+    # The toy model is so small that one CPU thread is fastest (1.4 CPU-minutes where two threads took 6.6 on 2
+    # cores): every CPU run now chooses its threads so (train/threads.py), the demo included.
     config = demo_config(Path(args.output_dir), max_train_steps=args.max_train_steps, resume=args.resume,
                          network_type=args.network_type)
     kind = {"lora": "A LoRA", "loha": "A LoHa", "lokr": "A LoKr"}[config.network_type]
@@ -219,19 +235,32 @@ def run_export(checkpoint: Path, name: str | None) -> int:
     import tempfile
 
     from .runs.layout import RunPaths
-    from .train.loop import export, resume
+    from .train.checkpoint import CheckpointError, verify_checkpoint
+
+    if name is not None and (not name or any(c in name for c in '/\\:*?"<>|') or name.startswith(".")):
+        raise ConfigError([f"--name '{name}' is not a plain file name (the LoRA goes into the run's output folder); "
+                           "use letters, digits, '-' and '_'."])  # the rule output_name follows (config/schema.py)
+    checkpoint = checkpoint.resolve()
+    paths = RunPaths(checkpoint.parent.parent)
+    if not checkpoint.is_dir() or not paths.config.is_file():
+        raise ConfigError([f"{checkpoint} is not a checkpoint folder of a run (RUN/checkpoints/step_NNNNNN, with "
+                           "RUN/config.toml); give one of a run's checkpoint folders."])
+    try:  # checked before any model loads, in the export's own words
+        verify_checkpoint(checkpoint)
+    except CheckpointError as exc:
+        raise ConfigError([f"Cannot export {checkpoint.name}: {str(exc).rstrip('.')}. Export another checkpoint "
+                           f"of the run ({checkpoint.parent})."]) from None
+    from .train.loop import export, resume  # the engine (diffusers, peft) loads only when the input is good
     from .train.setup import setup
 
-    checkpoint = checkpoint.resolve()
-    run_dir = checkpoint.parent.parent
-    values = read_toml(RunPaths(run_dir).config)
+    values = read_toml(paths.config)
     with tempfile.TemporaryDirectory(prefix="stabletune-export-") as scratch:
         config = build_config({**values, "output_dir": scratch, "resume_from_checkpoint": str(checkpoint),
                                "validation_prompt": "", "perceptual_lambda": 0.0, "early_stopping": False})
         session = setup(config)
         resume(session)
         name = name or f"{config.output_name}_step{session.state.step:06d}"
-        target = run_dir / "output" / f"{name}.safetensors"
+        target = paths.output / f"{name}.safetensors"
         if target.exists():
             raise ConfigError([f"{target} already exists; pass --name to write the LoRA under another name."])
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -263,6 +292,12 @@ def run_inspect(path: Path) -> int:
         return 0
     from safetensors import safe_open
 
+    from .lora.resize import lora_file_problem
+
+    if not path.exists():
+        raise ConfigError([f"{path} does not exist; give a LoRA .safetensors file or a run folder."])
+    if problem := lora_file_problem(path):
+        raise ConfigError([problem])
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata() or {}
         keys = list(f.keys())

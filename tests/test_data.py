@@ -456,6 +456,7 @@ def test_view_from_config_maps_kohya_names(tmp_path: Path) -> None:
         caption_tag_dropout_rate=0.0,
         seed=1,
         cache_latents=True,
+        masked_loss=True,
     )
     view = DatasetView(scan_dataset(make_view_dataset(tmp_path)), config)
     assert view.buckets == [(64, 64)] and set(view.item_buckets) == {(64, 64)}

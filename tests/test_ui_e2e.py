@@ -6,168 +6,32 @@ no browser is downloaded. Screenshots of every tab go to test-artifacts/ui/.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from stabletune_core.runs.jsonfiles import write_json_atomic
+from ui_browser import (ROOT, choose, drawn, fake_live_run, field_value, followed_run, launch_browser, open_tab,
+                        require_browser, run_dir_state, serve_app, set_field, settle, shoot, sync_api, tab_open,
+                        wait_text, watch_console)
 from ui_tools import require
-from stabletune_core.runs.writer import RunWriter
 
-CHROMIUM = Path(os.environ.get("STABLETUNE_CHROMIUM", "/usr/bin/chromium"))
-ROOT = Path(__file__).resolve().parent.parent
-ARTIFACTS = ROOT / "test-artifacts" / "ui"
-TABS = ("Dataset", "Model & hyperparameters", "Train", "Monitor", "Samples", "Diagnostics", "Runs")
 # Small run: samples every 10 steps; Stop comes long before step 200.
 FORM = {"max_train_steps": "200", "validation_steps": "10", "save_steps": "500"}
-ENGINE_WAIT_S = 240
-GROUP_OF = {f["name"]: f["group"] for f in json.loads((ROOT / "extension" / "config_schema.json").read_text())["fields"]}  # the engine may share 2 CPU cores with other jobs
-
-try:
-    from playwright import sync_api
-except ImportError:  # reported by the fixture below
-    sync_api = None
+ENGINE_WAIT_S = 240  # the engine may share 2 CPU cores with other jobs
 
 
 @pytest.fixture(autouse=True)
 def browser_tools() -> None:
-    require(sync_api, "playwright's Python package is missing (python install.py --dev)")
-    require(CHROMIUM.exists(), f"{CHROMIUM} is missing (apt-get install chromium chromium-driver)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    require_browser()
 
 
 @pytest.fixture
 def app_url(tmp_path: Path):
     yield from serve_app(tmp_path)
-
-
-def serve_app(tmp_path: Path):
-    runs = tmp_path / "runs"
-    port = free_port()
-    log = open(tmp_path / "app.log", "wb")
-    process = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--port", str(port), "--runs-dir", str(runs),
-                                "--refresh-seconds", "1"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            break
-        except OSError:
-            assert process.poll() is None, (tmp_path / "app.log").read_text()
-            time.sleep(0.5)
-    yield url, runs
-    process.terminate()
-    process.wait(20)
-    log.close()
-    stop_engines(runs)
-
-
-def stop_engines(runs: Path) -> None:
-    """The engine outlives the UI by design; a test must not leave one training."""
-    for status in runs.glob("*/status.json"):
-        pid = json.loads(status.read_text()).get("pid")
-        if pid and json.loads(status.read_text()).get("state") not in ("finished", "stopped", "failed"):
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-
-def launch_browser(p):
-    return p.chromium.launch(executable_path=str(CHROMIUM), args=[
-        "--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"])
-
-
-def watch_console(page) -> list[str]:
-    """Errors the page logs (Vega reports a broken chart here, e.g. `translate(0,1.797e308)`)."""
-    errors: list[str] = []
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    return errors
-
-
-def chart(page, name: str) -> dict:
-    """What the Vega plot `name` draws: its line paths, legend entries and axis labels."""
-    return page.evaluate("""(name) => {
-        const q = (sel) => [...document.querySelectorAll(`#plot-${name} ${sel}`)];
-        return {paths: q('g.mark-line path').map(p => p.getAttribute('d') || ''),
-                legend: q('.role-legend-label text').map(t => t.textContent),
-                labels: q('.role-axis-label text').map(t => t.textContent),
-                transforms: q('g').map(g => g.getAttribute('transform') || '').join(' ')};
-    }""", name)
-
-
-def drawn(page, name: str, series: set[str], timeout_s: float = 30) -> dict:
-    """Wait until plot `name` draws every one of `series` as a real line on a real axis."""
-    deadline = time.time() + timeout_s
-    while True:
-        seen = chart(page, name)
-        ok = (series <= set(seen["legend"]) and sum(len(d) > 20 for d in seen["paths"]) >= len(series)
-              and len(set(seen["labels"])) >= 3 and "e+308" not in seen["transforms"]
-              and not any("NaN" in d for d in seen["paths"]))
-        if ok:
-            return seen
-        if time.time() > deadline:
-            raise AssertionError(f"plot {name} is not drawn with {series}: {seen}")
-        page.wait_for_timeout(500)
-
-
-def shoot(page, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
-
-
-def open_tab(page, title: str) -> None:
-    page.get_by_role("tab", name=title, exact=True).click()
-    page.wait_for_timeout(300)
-
-
-def set_field(page, name: str, value: str) -> None:
-    box = page.locator(f"#field-{name} input, #field-{name} textarea").first
-    if not box.is_visible():  # the field sits in a closed accordion: open it
-        page.locator(f"#group-{GROUP_OF[name]} .label-wrap").first.click()
-        box.wait_for(state="visible", timeout=5000)
-    box.fill(value)
-    box.press("Tab")  # blur: Gradio reads the value on change
-
-
-def settle(page, timeout_s: float = 30) -> None:
-    """Wait until no Gradio component shows its loading overlay (an event has finished)."""
-    page.wait_for_timeout(300)
-    page.wait_for_function("() => document.querySelectorAll('.pending').length === 0", timeout=timeout_s * 1000)
-
-
-def wait_text(page, selector: str, text: str, timeout_s: float) -> None:
-    page.locator(selector).filter(has_text=text).first.wait_for(timeout=timeout_s * 1000)
-
-
-def run_dir_state(run: Path) -> str:
-    try:
-        return json.loads((run / "status.json").read_text()).get("state", "")
-    except (OSError, ValueError):
-        return ""
-
-
-def fake_live_run(runs: Path, name: str, pid: int) -> RunWriter:
-    """A run directory as a live engine leaves it, owned by `pid` (no engine: the charts only read files)."""
-    writer = RunWriter(runs / name)
-    writer.status("training", step=0, max_steps=100)
-    status = json.loads(writer.paths.status.read_text())
-    write_json_atomic(writer.paths.status, {**status, "pid": pid})
-    return writer
 
 
 def test_charts_stay_drawn_through_new_series_gaps_and_another_run(tmp_path: Path) -> None:
@@ -259,7 +123,9 @@ def test_demo_start_monitor_samples_stop_and_start_again(app_url) -> None:
 
             open_tab(page, "Train")
             page.locator("#train-stop").click()
-            wait_text(page, "#train-message", "Sent stop", 30)
+            wait_text(page, "#train-message", "Stop requested", 30)
+            # Issue 25.4: the status line says so at once (the click answers with it), not minutes later.
+            page.locator("#train-status").filter(has_text="Stop").first.wait_for(timeout=5_000)
             deadline = time.time() + ENGINE_WAIT_S
             while run_dir_state(run) not in ("stopped", "finished", "failed") and time.time() < deadline:
                 time.sleep(1)
@@ -304,29 +170,75 @@ def test_demo_start_monitor_samples_stop_and_start_again(app_url) -> None:
     assert list((run / "output").glob("*.safetensors")), "Stop must export the LoRA"
 
 
-def choose(page, selector: str, option: str) -> None:
-    """Pick `option` in the Gradio dropdown at `selector`."""
-    page.locator(f"{selector} input").first.click()
-    page.get_by_role("option", name=option, exact=True).click()
-    page.locator(f"{selector} input").first.press("Tab")
+QUEUED = {"max_train_steps": "20", "validation_steps": "10", "save_steps": "10", "validation_inference_steps": "10",
+          "num_validation_images": "1"}
 
 
-def field_value(page, name: str) -> str:
-    """What a form field shows, opening its accordion first if it is closed (closed ones are not rendered)."""
-    box = page.locator(f"#field-{name} input, #field-{name} textarea").first
-    if not box.count() or not box.is_visible():
-        page.locator(f"#group-{GROUP_OF[name]} .label-wrap").first.click()
-        box.wait_for(state="visible", timeout=5000)
-    return box.input_value()
+def test_queue_trains_two_runs_one_after_another_then_a_grid_compares_checkpoints(app_url) -> None:
+    """Issue 25.12/25.13 end to end: Try the demo, add the form to the queue twice (the second at another learning
+    rate), the two runs train one after another while the page follows the queue, then the Samples tab renders a
+    grid of the second run's checkpoints x strengths beside the base image, saved as a PNG in the run."""
+    url, runs = app_url
+    with sync_api.sync_playwright() as p:
+        browser = launch_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors = watch_console(page)
+        try:
+            page.goto(url)
+            page.locator("#try-demo").click()
+            wait_text(page, "#demo-message", "The demo is filled in", 240)  # the first click builds the toy model
+            open_tab(page, "Model & hyperparameters")
+            for name, value in QUEUED.items():
+                set_field(page, name, value)
+            open_tab(page, "Train")
+            page.locator("#train-enqueue").click()
+            wait_text(page, "#train-message", "Queued #1", 120)
+            open_tab(page, "Model & hyperparameters")
+            set_field(page, "learning_rate", "0.002")
+            open_tab(page, "Train")
+            page.locator("#train-enqueue").click()
+            wait_text(page, "#train-message", "Queued #2", 120)
+            shoot(page, "queue-1-added")
 
+            open_tab(page, "Queue")
+            wait_text(page, "#queue-table", "running", ENGINE_WAIT_S)
+            shoot(page, "queue-2-running")
+            wait_text(page, "#queue-status", "Queue: done", 2 * ENGINE_WAIT_S)
+            shoot(page, "queue-3-done")
+            queue = json.loads((runs / ".queue" / "queue.json").read_text())["entries"]
+            assert [(Path(e["run"]).name, e["state"]) for e in queue] == [("demo", "finished"),
+                                                                          ("demo-2", "finished")], queue
+            assert queue[0]["ended_at"] <= queue[1]["started_at"]  # one after the other, never two at once
+            rates = [tomllib.loads((runs / n / "config.toml").read_text())["learning_rate"] for n in ("demo", "demo-2")]
+            assert rates == [0.001, 0.002]
 
-def followed_run(page) -> str:
-    """The run named in bold at the head of the Train status line."""
-    return page.locator("#train-status strong").first.inner_text()
-
-
-def tab_open(page, title: str) -> bool:
-    return page.get_by_role("tab", name=title, exact=True).get_attribute("aria-selected") == "true"
+            open_tab(page, "Train")  # the page followed the queue on to its second run
+            wait_text(page, "#train-status strong", "demo-2", 30)
+            open_tab(page, "Samples")
+            page.locator("#samples-checkpoints .token").first.wait_for(timeout=30_000)  # the newest one, chosen
+            for step in ("step 10", "step 20"):
+                if step not in page.locator("#samples-checkpoints .token").all_inner_texts():
+                    page.locator("#samples-checkpoints input").first.click()
+                    page.get_by_role("option", name=step, exact=True).click()
+                    page.keyboard.press("Escape")
+            assert sorted(page.locator("#samples-checkpoints .token").all_inner_texts()) == ["step 10", "step 20"]
+            strengths = page.locator("#samples-strengths textarea, #samples-strengths input").first
+            strengths.fill("0, 1")
+            strengths.press("Tab")
+            page.locator("#samples-render").click()
+            wait_text(page, "#samples-grid-message", "Rendering", 30)
+            page.locator("#samples-grid img").first.wait_for(timeout=ENGINE_WAIT_S * 1000)
+            shoot(page, "queue-4-grid")
+        finally:
+            shoot(page, "queue-last")
+            browser.close()
+    made = list((runs / "demo-2" / "grids").glob("*.png"))
+    assert len(made) == 1, list((runs / "demo-2" / "grids").iterdir())
+    meta = json.loads(made[0].with_suffix(".json").read_text())
+    assert meta["state"] == "finished" and meta["checkpoints"] == ["step_000010", "step_000020"]
+    assert meta["strengths"] == [0.0, 1.0] and {c["checkpoint"] for c in meta["cells"]} == {None, "step_000010",
+                                                                                            "step_000020"}
+    assert not [e for e in errors if "vega" in e.lower() or "1.797" in e or "translate" in e], errors
 
 
 def test_reload_keeps_form_and_tab_and_each_browser_follows_its_own_run(tmp_path: Path) -> None:

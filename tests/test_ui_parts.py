@@ -73,7 +73,7 @@ def test_form_parses_what_widgets_return(form: Form) -> None:
     assert values["prediction_type"] is None and values["validation_prompt"] is None
     assert values["lora_rank"] == 8 and isinstance(values["lora_rank"], int)
     values, problems = form.values([{"max_train_steps": "sixty"}.get(n, raw[n]) for n in form.names])
-    assert problems == ["max_train_steps is 'sixty' but must be a number."]
+    assert problems == ["max_train_steps is 'sixty': enter a whole number."]
 
 
 def test_problems_land_next_to_their_field(form: Form) -> None:
@@ -87,7 +87,7 @@ def test_problems_land_next_to_their_field(form: Form) -> None:
         == "min_bucket_reso"
     updates = form.problem_updates(["lora_rank is 0 but must be at least 1."])
     by_name = dict(zip(form.names, updates))
-    assert by_name["lora_rank"]["info"].startswith("⚠ LoRA rank (lora_rank) is 0")
+    assert by_name["lora_rank"]["info"].startswith("⚠ LoRA rank is 0")
     assert not by_name["seed"]["info"].startswith("⚠")
 
 
@@ -172,17 +172,20 @@ def test_sample_gallery_lines_up_prompts_and_seeds(tmp_path: Path) -> None:
         for name in ("p00_s42", "p00_s43", "p01_s42", "p01_s43"):
             Image.new("RGB", (8, 8)).save(folder / f"{name}.png")
     reader = RunReader(tmp_path)
-    items, columns = samples.gallery(reader)
-    assert columns == 4 and len(items) == 8
-    # Issue 12.8: newest step first, one row per step (prompt x seed columns), a caption on every image.
-    assert items[0][1] == "step 80 · a red circle · seed 42" and items[4][1] == "step 40 · a red circle · seed 42"
-    assert [label.split(" · ", 1)[1] for _, label in items[:4]] == [
+    page = samples.grid_html(reader, samples.ALL, lambda p: f"/f/{p.parent.name}/{p.name}")
+    rows = page.split("<tr>")[1:]
+    # Issue 12.8/25.8: newest step first, one row per step, a column per prompt x seed headed by its whole prompt.
+    assert [r.count("<img") for r in rows] == [0, 4, 4]
+    assert [label for label in ("a red circle · seed 42", "a red circle · seed 43", "a blue square · seed 42",
+                                "a blue square · seed 43") if f"<th>{label}</th>" in rows[0]] == [
         "a red circle · seed 42", "a red circle · seed 43", "a blue square · seed 42", "a blue square · seed 43"]
+    assert "step 80" in rows[1] and "/f/step_000080/p00_s42.png" in rows[1] and "step 40" in rows[2]
+    assert 'title="step 80 · a red circle · seed 42"' in rows[1]
     choices = samples.choices(reader)
     assert choices[0] == samples.ALL and "p01_s43: a blue square · seed 43" in choices
-    items, columns = samples.gallery(reader, choices[1])
-    assert [label for _, label in items] == ["step 80 · a red circle · seed 42", "step 40 · a red circle · seed 42"]
-    assert columns == 2
+    one = samples.grid_html(reader, choices[1], lambda p: f"/f/{p.parent.name}/{p.name}")
+    assert one.count("<img") == 2 and one.index("step_000080/p00_s42") < one.index("step_000040/p00_s42")
+    assert "<caption>a red circle · seed 42</caption>" in one
 
 
 def test_diagnostics_read_spectra_and_warnings(tmp_path: Path) -> None:
@@ -540,9 +543,8 @@ def test_every_problem_is_listed_named_by_label_and_its_accordion_marked(ui, tmp
     raw = raw_form(ui, learning_rate=-1, lora_rank="many", train_data_dir=str(tmp_path / "missing"),
                    pretrained_model_name_or_path=str(tmp_path), output_dir=str(tmp_path / "run"))
     message, *updates = model_tab._check(ui, *raw)
-    assert "does not exist" in message and "learning_rate" in message and "lora_rank" in message
-    label = ui.form.fields["learning_rate"]["label"]
-    assert f"{label} (learning_rate) " in message
+    assert "does not exist" in message and "Learning rate is -1.0 but must be greater than 0" in message
+    assert "LoRA rank is 'many': enter a whole number." in message and "lora_rank" not in message
     fields = dict(zip(ui.form.names, updates[:len(ui.form.names)]))
     assert fields["learning_rate"]["info"].startswith("⚠ ") and fields["learning_rate"]["elem_classes"] == [
         "stabletune-field-error"]
@@ -832,3 +834,35 @@ def test_train_status_shows_the_runs_learning_summary_when_it_ends() -> None:
     assert summary in status_line("demo", {"state": "finished", "step": 400, "max_steps": 400, "summary": summary},
                                   None)
     assert summary not in status_line("demo", {"state": "training", "step": 4, "summary": summary}, None)
+
+
+def test_heatmap_axes_end_at_the_last_step_and_columns_sit_on_their_steps() -> None:
+    """Issue 25.11: steps measured unevenly (every 20, then where the run ended, 113) draw each column over its own
+    step, and the axis runs from the first step to the last, not past it."""
+    steps = [0, 20, 40, 60, 80, 100, 113]
+    records = [{"step": step, "module": f"m{m}", "sv": [3.0, 1.0, 0.1], "effective_rank": 2.0 + step / 1000}
+               for step in steps for m in range(3)]
+    for figure in (diagnostics.rank_heatmap(records), diagnostics.heatmap(records, "m1")):
+        axes = figure.axes[0]
+        assert axes.get_xlim() == (0.0, 113.0)
+        edges = sorted({round(float(x), 3) for x in axes.collections[0].get_coordinates()[0, :, 0]})
+        assert edges == [0.0, 10.0, 30.0, 50.0, 70.0, 90.0, 106.5, 113.0]
+        assert all(a <= s <= b for s, a, b in zip(steps, edges, edges[1:]))
+
+
+def test_a_paused_run_that_renders_sample_now_shows_no_eta(ui) -> None:
+    """Issue 25.11: Sample now on a paused run makes the engine report `sampling`; the run is still paused, so
+    the status line says so and shows no ETA."""
+    from extension.tabs import train as train_tab
+
+    run = ui.settings.runs_dir / "paused-sampling"
+    writer = RunWriter(run)
+    for step in range(1, 11):
+        writer.metric(step, loss=0.1)
+    writer.event("pause", "Paused at step 10.", step=10)
+    writer.status("sampling", step=10, max_steps=100)  # this process's pid: alive
+    line = train_tab.refresh(ui, {"run": run})[0]
+    assert "paused (rendering Sample now)" in line and "ETA" not in line, line
+    writer.event("unpaused", "Continuing from step 10.", step=10)
+    assert "ETA" in train_tab.refresh(ui, {"run": run})[0]  # continued: sampling at a validation step has one
+    writer.status("stopped", step=10)

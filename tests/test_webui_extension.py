@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKE = ROOT / "tests" / "fake_webui"
 MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
 HOSTS = {"gradio-3.41": ROOT / ".venv-g341" / "bin" / "python", "gradio-4.40": ROOT / ".venv-g440" / "bin" / "python"}
-SHIPPED = ("install.py", "requirements.txt", "requirements-dev.txt", "app.py", "scripts", "extension",
+SHIPPED = ("install.py", "requirements.txt", "requirements-dev.txt", "app.py", "style.css", "scripts", "extension",
            "stabletune_core", "presets")
 PROBE = "stabletune-probe==1.0"
 CHROMIUM = Path(os.environ.get("STABLETUNE_CHROMIUM", "/usr/bin/chromium"))

@@ -17,3 +17,12 @@ def require(present: object, what: str) -> None:
     if os.environ.get(ALLOW_MISSING) == "1":
         pytest.skip(message)
     pytest.fail(f"{message}; set {ALLOW_MISSING}=1 to skip this test on a machine without it.")
+
+
+def raw_form(ctx, **values) -> list:
+    """What the browser sends for the whole form of the UI `ctx`: the defaults as widgets show them, with `values`."""
+    from extension.form import display_value
+
+    shown = {n: display_value(f, f["default"]) for n, f in ctx.form.fields.items()}
+    shown.update(values)
+    return [shown[n] for n in ctx.form.names]

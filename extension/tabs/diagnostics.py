@@ -22,16 +22,19 @@ def build(ctx: UIContext) -> None:
     p = ctx.parts
     p["diag.info"] = make(gr.Markdown, value=EMPTY, elem_id="diag-info")
     with gr.Row():
+        # Plots carry their own titles; a Gradio label would sit on top of them (show_label=False).
         p["diag.val"] = make(gr.Plot, label="Validation loss (best and early-stopping triggers marked)",
-                             elem_id="diag-val")
+                             show_label=False, elem_id="diag-val")
     with gr.Row():
         p["diag.module"] = make(gr.Dropdown, label="Module (singular values)", choices=[], value=None, scale=4)
         p["diag.stat"] = make(gr.Radio, label="Activation statistic", choices=list(diagnostics.ACTIVATION_STATS),
                               value="var", scale=2)
     with gr.Row():
-        p["diag.heatmap"] = make(gr.Plot, label="Singular values over steps")
-        p["diag.rank"] = make(gr.Plot, label="Effective rank (module x step)", elem_id="diag-rank")
-    p["diag.activations"] = make(gr.Plot, label="Activation statistics (module x step)", elem_id="diag-activations")
+        p["diag.heatmap"] = make(gr.Plot, label="Singular values over steps", show_label=False,
+                                 elem_id="diag-heatmap")
+        p["diag.rank"] = make(gr.Plot, label="Effective rank (module x step)", show_label=False, elem_id="diag-rank")
+    p["diag.activations"] = make(gr.Plot, label="Activation statistics (module x step)", show_label=False,
+                                 elem_id="diag-activations")
     p["diag.warnings"] = make(gr.Dataframe, label="Collapse warnings", headers=["step", "kind", "message"],
                               interactive=False, wrap=True)
     p["diag.suggest"] = make(gr.Markdown, value="", elem_id="diag-suggest")
@@ -71,7 +74,7 @@ def figures(ctx: UIContext, run: Any, module: str | None, stat: str | None) -> l
 
 
 def _resize(ctx: UIContext, label: str | None, rank: Any) -> str:
-    run = ctx.run_path(label) or ctx.hub.attach_default()
+    run = ctx.followed(label)
     return resize_offer.resize(ctx.settings.engine_python, resize_offer.run_lora(run), rank)
 
 
@@ -80,7 +83,7 @@ def wire(ctx: UIContext) -> None:
     outputs = [p[k] for k in OUTPUTS]
     for control in ("diag.module", "diag.stat"):
         listen(user_change(p[control]),
-               lambda m, s, run: [*figures(ctx, ctx.run_path(run) or ctx.hub.attach_default(), m, s)[:-1],
+               lambda m, s, run: [*figures(ctx, ctx.followed(run), m, s)[:-1],
                                   unchanged()],  # a rank the user typed stays while they browse modules
                [p["diag.module"], p["diag.stat"], p["train.run"]], outputs)
     listen(p["diag.resize"].click, lambda label, rank: _resize(ctx, label, rank), [p["train.run"], p["diag.resize_rank"]],

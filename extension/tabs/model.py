@@ -8,6 +8,7 @@ import gradio as gr
 from .. import models, presets
 from ..compat import listen, make, update
 from ..context import UIContext
+from ..form import field_of
 from ..validation import validate
 from stabletune_core.launch import ask_engine
 
@@ -80,28 +81,34 @@ def _grid(ctx: UIContext, names: list[str], per_row: int = 3) -> None:
             ctx.form.build(names[start:start + per_row])
 
 
-def problems_text(problems: list[str], notes: list[str], form: Any = None) -> str:
-    if not problems:
-        text = "✅ Settings are valid."
+def problems_text(problems: list[str], notes: list[str], form: Any = None, *, started: bool = False) -> str:
+    """Problems block the start; notes (valid, probably not meant) are warnings: the run starts anyway."""
+    words = form.labelled if form else (lambda p: p)
+    if problems:
+        text = "**Fix these before starting:**\n\n" + "\n".join(f"- ⚠ {words(p)}" for p in problems)
     else:
-        shown = [form.labelled(p) if form else p for p in problems]
-        text = "**Fix these before starting:**\n\n" + "\n".join(f"- ⚠ {p}" for p in shown)
-    return text + "".join(f"\n\nℹ {note}" for note in notes)
+        text = "" if started else "✅ Settings are valid."
+    if notes:
+        text += ("\n\n" if text else "") + "**Check these (they do not stop a run):**\n\n" + "\n".join(
+            f"- ⚠ {words(n)}" for n in notes)
+    return text
 
 
 def check(ctx: UIContext, raw: tuple[Any, ...]) -> tuple[dict[str, Any], list[str], list[str]]:
     """(values, problems, notes) of the form as it stands."""
     values, unreadable = ctx.form.values(raw)
-    if unreadable:  # still check the rest, so every problem is listed at once
-        problems, _ = validate(values, ctx.settings.engine_python)  # `values` lacks the unreadable fields
-        return values, unreadable + [p for p in problems if p not in unreadable], []
+    if unreadable:  # still check the rest (the unreadable fields at their defaults): every problem at once
+        bad = {field_of(p, ctx.form.names) for p in unreadable}
+        problems, notes = validate({k: v for k, v in values.items() if k not in bad}, ctx.settings.engine_python)
+        return values, unreadable + [p for p in problems if field_of(p, ctx.form.names) not in bad], notes
     problems, notes = validate(values, ctx.settings.engine_python)
     return values, problems, notes
 
 
 def _check(ctx: UIContext, *raw: Any) -> list[Any]:
     _, problems, notes = check(ctx, raw)
-    return [problems_text(problems, notes, ctx.form), *ctx.form.problem_updates(problems), *group_marks(ctx, problems)]
+    return [problems_text(problems, notes, ctx.form), *ctx.form.problem_updates(problems, notes),
+            *group_marks(ctx, problems)]
 
 
 def group_marks(ctx: UIContext, problems: list[str]) -> list[Any]:
@@ -176,6 +183,29 @@ def wire(ctx: UIContext) -> None:
     listen(model_path.change, source_for_path, [model_path, p["model.source"]], [p["model.source"]])
     listen(p["model.check"].click, lambda *raw: _check(ctx, *raw), form.inputs,
            [p["model.problems"], *form.inputs, *accordions(ctx)])
+    # "Try the demo" at the top of the page: the demo preset into the form, then the Train tab opens.
+    demo = listen(p["demo.try"].click, lambda *raw: _try_demo(ctx, *raw), form.inputs,
+                  [p["demo.message"], p["model.preset"], *form.inputs])
+    listen(demo.then, None, None, None, js=OPEN_TRAIN_JS, _js=OPEN_TRAIN_JS)
+
+
+# Clicks the Train tab (a server-side Tabs update snaps Gradio 6 back to the first tab; see persist.TAB_JS).
+OPEN_TRAIN_JS = """() => {
+  const app = document.querySelector('gradio-app');
+  const root = app && app.shadowRoot ? app.shadowRoot : document;
+  const tabs = root.querySelector('#stabletune-tabs');
+  const train = tabs && [...tabs.querySelectorAll('button')].find(b => b.innerText.trim() === 'Train');
+  if (train) train.click();
+  return [];
+}"""
+
+
+def _try_demo(ctx: UIContext, *raw: Any) -> list[Any]:
+    message, *fields = _load(ctx, presets.DEMO_PRESET, *raw)
+    if message.startswith("⚠"):
+        return [message, update(), *fields]
+    return ["✅ The demo is filled in (the toy model and its drawn shapes). Click **Start training** below; the "
+            "Monitor and Samples tabs show it learn purple.", update(value=presets.DEMO_PRESET), *fields]
 
 
 def accordions(ctx: UIContext) -> list[Any]:

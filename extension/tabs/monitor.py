@@ -9,6 +9,7 @@ import gradio as gr
 from .. import diagnostics, plots
 from ..compat import make, unchanged
 from ..context import UIContext
+from ..status import run_status
 
 TITLE = "Monitor"
 PLOTS = ("loss", "lr", "grad", "memory")
@@ -30,9 +31,11 @@ def build(ctx: UIContext) -> None:
             for name in pair:
                 with make(gr.Column, min_width=320):
                     _plot(ctx, name)
+    # Fixed widths for step and kind, the rest for the message, which wraps (whole, never cut).
     ctx.parts["monitor.events"] = make(gr.Dataframe, label="Events (what the guards did and why, newest first)",
                                        headers=["step", "kind", "message"], interactive=False, wrap=True,
-                                       elem_id="monitor-events")
+                                       column_widths=["8%", "14%", "78%"], elem_id="monitor-events",
+                                       elem_classes=["stabletune-events"])
 
 
 def wire(ctx: UIContext) -> None:
@@ -49,18 +52,32 @@ def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
     reader = ctx.hub.reader(run) if run else None
     metrics = reader.metrics() if reader else []
     events = reader.events() if reader else []
-    val = diagnostics.val_loss_points(reader) if reader else []
-    key = (str(run), len(metrics), len(events), len(val))
+    val = diagnostics.val_loss_records(reader) if reader else []
+    waiting = waiting_note(run_status(ctx.hub, run)[0]) if reader and not metrics else ""
+    key = (str(run), len(metrics), len(events), len(val), waiting)
     if seen.get("monitor") == key:  # nothing new: send nothing, the browser keeps its plots
         return [unchanged()] * 6
     frame = plots.with_val_loss(plots.metrics_frame(metrics), val)
     drawn = seen.setdefault("monitor.series", {})
-    values, waiting = [], False
+    values, cleared = [], False
     for name in PLOTS:
         long = plots.plot_frame(frame, name)
         value, drawn[name] = plots.plot_update(long, drawn.get(name))
         values.append(value)
-        waiting |= value is None and not long.empty  # cleared for a new series set: data on the next tick
-    if not waiting:
+        cleared |= value is None and not long.empty  # cleared for a new series set: data on the next tick
+    if not cleared:
         seen["monitor"] = key
-    return [plots.summary(frame), *values, plots.events_frame(events)]
+    return [plots.summary(frame) + waiting, *values, plots.events_frame(events)]
+
+
+def waiting_note(status: dict[str, Any]) -> str:
+    """What a live run does before its first logged step, so empty charts are not a mystery."""
+    if not status.get("alive"):
+        return ""
+    state, images = status.get("state"), status.get("images")
+    if state == "sampling" and images:
+        return (f" The engine is making the step-{status.get('step') or 0} validation images ({images[0]} of "
+                f"{images[1]}) before it trains.")
+    doing = {"launching": "starting", "starting": "starting", "loading": "loading the model",
+             "caching": "caching latents and captions", "training": "training its first step"}.get(state)
+    return f" The engine is {doing}." if doing else ""

@@ -31,7 +31,7 @@ def build(ctx: UIContext) -> None:
                            interactive=False, wrap=True, elem_id="runs-table")
     with gr.Row():
         p["runs.choice"] = make(gr.Dropdown, label="Run", choices=ctx.run_labels(), value=None, scale=3,
-                                elem_id="runs-choice")
+                                elem_id="runs-choice", allow_custom_value=True)  # checked here (see train.run)
         p["runs.refresh"] = make(gr.Button, value="Refresh", scale=1, elem_id="runs-refresh")
         p["runs.attach"] = make(gr.Button, value="Attach (Train, Monitor, Samples follow it)", variant="primary",
                                 scale=2, elem_id="runs-attach")
@@ -127,6 +127,7 @@ def _delete(ctx: UIContext, label: str | None, confirmed: bool) -> list[Any]:
     if problem:
         return [f"⚠ {problem}", unchanged(), unchanged(), update(value=False)]
     shutil.rmtree(run)
+    ctx.hub.forget(run)  # no page, old or new, follows it or calls it failed any more
     labels = ctx.run_labels()
     return [f"Deleted **{label}** ({run}).", table(ctx), update(choices=labels, value=None), update(value=False)]
 
@@ -182,14 +183,22 @@ def wire(ctx: UIContext) -> None:
            [p["runs.message"], p["train.run"]])
 
 
+def live_inputs(ctx: UIContext) -> list[Any]:
+    return [ctx.parts["runs.choice"]]
+
+
 def live_outputs(ctx: UIContext) -> list[Any]:
-    return [ctx.parts["runs.table"]]
+    return [ctx.parts["runs.table"], ctx.parts["runs.choice"]]
 
 
-def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
+def refresh(ctx: UIContext, seen: dict[str, Any], chosen: str | None = None) -> list[Any]:
+    """The table and the run dropdown under it change together: a run that appears (started here, by the
+    queue, from the CLI) or goes is in both at the same tick. The chosen run stays unless it was deleted."""
     frame = table(ctx)
     key = frame.to_json()
     if seen.get("runs") == key:
-        return [update()]
+        return [unchanged(), unchanged()]
     seen["runs"] = key
-    return [frame]
+    labels = list(frame["run"])
+    choice = update(choices=labels) if chosen in labels or not chosen else update(choices=labels, value=None)
+    return [frame, choice]

@@ -9,9 +9,10 @@ from .flags import add_config_arguments, config_from_args
 from .resolve import resolve
 from .schema import (AUTO_SPLIT_MIN_IMAGES, AUTO_VALIDATION_SPLIT, GROUPS, PATH_KNOBS, SCHEDULERS, TOY_DEMO_RATES,
                      ConfigError, TrainConfigSchema, knob)
-from .world import PICKLE_SUFFIXES, check_inputs, output_inside_dataset
+from .world import (PICKLE_SUFFIXES, check_inputs, output_inside_dataset, output_inside_reg_dir,
+                    safetensors_problem)
 
 __all__ = ["AUTO_SPLIT_MIN_IMAGES", "AUTO_VALIDATION_SPLIT", "ConfigError", "GROUPS", "PATH_KNOBS", "PICKLE_SUFFIXES",
            "SCHEDULERS", "TOY_DEMO_RATES", "TrainConfig", "TrainConfigSchema", "add_config_arguments", "alias_table",
-           "build_config", "check_inputs", "config_from_args", "knob", "output_inside_dataset", "read_toml",
-           "resolve", "resolve_aliases"]
+           "build_config", "check_inputs", "config_from_args", "knob", "output_inside_dataset", "output_inside_reg_dir",
+           "read_toml", "resolve", "resolve_aliases", "safetensors_problem"]

@@ -58,6 +58,7 @@ def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
                         "RUN/checkpoints/step_NNNNNN, or --resume auto for the newest good one.")
     out = Path(config.output_dir).expanduser()
     problems += output_inside_dataset(out, data)
+    problems += output_inside_reg_dir(out, Path(config.reg_data_dir).expanduser() if config.reg_data_dir else None)
     probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
     if out.exists() and not out.is_dir():
         problems.append(f"Output path {out} is a file; choose a folder for the run.")
@@ -86,6 +87,19 @@ def output_inside_dataset(out: Path, data: Path | None) -> list[str]:
     return []
 
 
+def output_inside_reg_dir(out: Path, reg: Path | None) -> list[str]:
+    """A run folder among the class images would write the run's files there and train its samples as class
+    images on the next run."""
+    if reg is None or not reg.is_dir():
+        return []
+    out, reg = out.resolve(), reg.resolve()
+    if out == reg or out.is_relative_to(reg):
+        where = "is the regularisation folder" if out == reg else f"is inside the regularisation folder {reg}"
+        return [f"output_dir {out} {where} (reg_data_dir), so the run's files would land among the class images; "
+                "choose an output folder outside it."]
+    return []
+
+
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 
 
@@ -104,11 +118,11 @@ def _model_problems(path: Path) -> list[str]:
     if suffix != ".safetensors":
         return [f"Model {path.name} is not a model StableTune can read; use a .safetensors checkpoint or a "
                 "diffusers folder."]
-    problem = _safetensors_problem(path)
+    problem = safetensors_problem(path)
     return [f"Model {path.name} {problem}; download or convert it again."] if problem else []
 
 
-def _safetensors_problem(path: Path) -> str | None:
+def safetensors_problem(path: Path) -> str | None:
     """Why a .safetensors file is unusable (None when its header and size agree): its first 8 bytes give the
     header length, the JSON header gives the byte range of every tensor."""
     import json

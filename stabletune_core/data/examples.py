@@ -52,6 +52,7 @@ class DatasetView:
         self.tag_dropout = config.caption_tag_dropout_rate
         self.seed = config.seed
         self.cache_latents = config.cache_latents
+        self.masked_loss = config.masked_loss  # off: mask files are never opened (a broken one cannot stop the run)
         self.notes: list[str] = list(scan.notes)  # what the scan decided from folder names (0_ folders)
         random_crop, flip_prob = not config.center_crop, 0.5 if config.random_flip else 0.0
         if config.cache_latents and random_crop:
@@ -123,7 +124,8 @@ class DatasetView:
         out["crop_top_left"] = crop_top_left
         out["target_size"] = (bucket[1], bucket[0])
         out["flipped"] = placement.flipped
-        out["loss_mask"] = load_loss_mask(item, bucket, placement)  # None when the image has no mask
+        # None when the image has no mask or masking is off
+        out["loss_mask"] = load_loss_mask(item, bucket, placement) if self.masked_loss else None
         return out
 
     def center_pixel_values(self, index: int) -> torch.Tensor:

@@ -37,6 +37,26 @@ def mask_path(image: Path) -> Path | None:
     return None
 
 
+def mask_problem(image: Path) -> str | None:
+    """Why an image cannot train with its mask (None: no mask, or a usable one). The mask is decoded fully during
+    the scan, like the image: a mask that cannot be read, or one that is all black (the loss and every gradient
+    of the image would be 0), skips the image instead of stopping or silently not training the run."""
+    from .images import UnreadableImageError, load_image
+
+    path = mask_path(image)
+    if path is None:
+        return None
+    try:
+        with load_image(path) as mask:
+            darkest_is_all = mask.convert("L").getextrema()[1] == 0
+    except UnreadableImageError as exc:
+        return f"its mask {path.name} cannot be read ({exc.reason}); fix or remove the mask"
+    if darkest_is_all:
+        return (f"its mask {path.name} is all black, so nothing of the image would train; paint the part to train "
+                "white, or remove the mask")
+    return None
+
+
 def load_loss_mask(item: Any, bucket: tuple[int, int], placement: Any) -> torch.Tensor | None:
     """The (1, H, W) mask in [0, 1] of one example, scaled, cropped and flipped as its pixels are (the example's
     `Placement`, decided once for both); None without a mask."""

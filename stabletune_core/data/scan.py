@@ -21,7 +21,7 @@ from ..atomic import write_text_atomic
 from ..config import ConfigError
 from .buckets import assign_bucket
 from .images import IMAGE_EXTENSIONS, UnreadableImageError, load_image
-from .masks import MASK_FOLDER, is_mask_file
+from .masks import MASK_FOLDER, is_mask_file, mask_problem
 
 # Kohya's convention: a folder named "10_mychar" repeats its images 10 times
 # per epoch, so small concepts can be balanced against large ones.
@@ -114,14 +114,16 @@ class DatasetScan:
         return frequency
 
 
-def scan_dataset(root: Path, default_caption: str = "", caption_extension: str = ".txt") -> DatasetScan:
+def scan_dataset(root: Path, default_caption: str = "", caption_extension: str = ".txt", *,
+                 masked_loss: bool = False) -> DatasetScan:
     """Find every usable image under `root`, in sorted, deterministic order.
 
     Images directly in `root` get repeats 1. A subfolder named `N_name` (1 <= N <= 1000)
     gives repeats N to every image inside it, including nested folders; other
     subfolders are scanned recursively with repeats 1. A `0_name` folder is left
     out (kohya does the same) and `notes` says so; N above 1000 is refused.
-    Non-image files are ignored silently; images that fail to decode go to `skipped`.
+    Non-image files are ignored silently; images that fail to decode go to `skipped`, and with `masked_loss`
+    so do images whose mask cannot be read or keeps nothing (masks.mask_problem).
     """
     root = Path(root).expanduser()
     if not root.exists():
@@ -136,7 +138,7 @@ def scan_dataset(root: Path, default_caption: str = "", caption_extension: str =
     # speed-up on large folders; map() keeps the sorted order.
     workers = min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = pool.map(lambda c: _check(c[0], c[1], default_caption, caption_extension), candidates)
+        results = pool.map(lambda c: _check(c[0], c[1], default_caption, caption_extension, masked_loss), candidates)
         for result in results:
             (scan.items if isinstance(result, DataItem) else scan.skipped).append(result)
 
@@ -224,7 +226,8 @@ def _find_images(root: Path, notes: list[str] | None = None) -> Iterator[tuple[P
     yield from walk(root, 1, set())
 
 
-def _check(path: Path, repeats: int, default_caption: str, caption_extension: str) -> DataItem | SkippedFile:
+def _check(path: Path, repeats: int, default_caption: str, caption_extension: str,
+           masked_loss: bool = False) -> DataItem | SkippedFile:
     if path.is_symlink():
         try:
             path.resolve(strict=True)
@@ -238,6 +241,8 @@ def _check(path: Path, repeats: int, default_caption: str, caption_extension: st
             width, height = image.size
     except UnreadableImageError as exc:
         return SkippedFile(path, str(exc))
+    if masked_loss and (problem := mask_problem(path)):
+        return SkippedFile(path, problem)
     try:
         caption = _read_caption(path.with_suffix(caption_extension), default_caption)
     except UnicodeDecodeError:
@@ -274,6 +279,10 @@ def _no_images_sentence(root: Path, skipped: list[SkippedFile]) -> str:
         return f"Dataset folder {root} holds no images ({extensions}){has}: {hint}"
     examples = "; ".join(entry.reason.rstrip(".") for entry in skipped[:3])
     more = f" (and {len(skipped) - 3} more)" if len(skipped) > 3 else ""
+    if all(entry.reason.startswith("its mask ") for entry in skipped):
+        return (f"Dataset folder {root} has nothing to train with masked_loss: the masks of all {len(skipped)} "
+                f"images are all black or cannot be read, for example: {examples}{more}; paint the parts to train "
+                "white, or turn masked_loss off to train the whole images.")
     return (
         f"Dataset folder {root} holds no usable images: all {len(skipped)} image files were skipped, "
         f"for example: {examples}{more}; replace them with readable PNG or JPEG files."

@@ -187,7 +187,9 @@ def kohya_named_layers(unet, text_encoders: list | None, family, walk) -> Iterat
     """(kohya module name, what `walk(model)` yields after the module path) for the UNet, then each text
     encoder under its family prefix; `walk` is a layer walker that yields (module path, ...)."""
     if unet is not None:
-        if getattr(family, "kohya_unet_naming", "diffusers") == "sgm":
+        if hasattr(family, "lycoris_module_name"):  # a family that names its denoiser's modules itself
+            unet_name = family.lycoris_module_name
+        elif getattr(family, "kohya_unet_naming", "diffusers") == "sgm":
             config = unwrap(unet).config
             unet_name = lambda path: kohya_sgm_unet_name(path, config)  # noqa: E731
         else:
@@ -217,6 +219,13 @@ def kohya_state_dict(
         try:
             tensors = lycoris_tensors(((name, parts) for name, (parts,) in kohya_named_layers(
                 unet, text_encoders, family, lambda m: iter_lycoris_modules(m, adapter_name))), dtype)
+        except ValueError as exc:
+            raise LoraExportError(str(exc)) from None
+    elif hasattr(family, "kohya_lora_tensors"):  # a family whose file layout is not one module per name (FLUX.2)
+        if any(te is not None for te in text_encoders or []):
+            raise LoraExportError(f"The {family.name} family trains no text encoder, so none can be exported.")
+        try:
+            tensors = family.kohya_lora_tensors(unwrap(unet), dtype, adapter_name) if unet is not None else {}
         except ValueError as exc:
             raise LoraExportError(str(exc)) from None
     else:
@@ -308,18 +317,30 @@ def export_diffusers_lora(
         state = get_peft_model_state_dict(model, adapter_name=adapter_name)
         if not state:
             return None, None
-        state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in state.items()}
         config = model.peft_config[adapter_name].to_dict()
         config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
         # Dropout is a training-time knob; diffusers builds the loaded LoRA's dropout modules in train
         # mode, so a stored p > 0 would make every later inference random.
         config["lora_dropout"] = 0.0
-        return convert_state_dict_to_diffusers(state), config
+        # FLUX.2's loader drops `to_q.lora.down`-style names of attention layers, so it gets peft's own names, as
+        # diffusers' Klein script saves them; and since ComfyUI reads those files without their metadata (scale 1),
+        # each layer's alpha / rank is folded into its lora_B and the stored alpha made equal to the rank.
+        peft_names = getattr(family, "diffusers_lora_key_names", "diffusers") == "peft"
+        if peft_names:
+            state = {k: v.detach().float() for k, v in state.items()}
+            for layer in iter_lora_layers(model, adapter_name):
+                state[f"{layer.path}.lora_B.weight"] = state[f"{layer.path}.lora_B.weight"] * layer.scaling
+            config.update(lora_alpha=config["r"], alpha_pattern=dict(config.get("rank_pattern") or {}),
+                          use_rslora=False)
+        state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in state.items()}
+        return (state if peft_names else convert_state_dict_to_diffusers(state)), config
 
     kwargs: dict[str, Any] = {}
     unet_layers, unet_cfg = layers(unet)
+    denoiser = getattr(family, "diffusers_lora_layers_argument", "unet_lora_layers")  # FLUX.2: transformer_...
     if unet_layers:
-        kwargs["unet_lora_layers"], kwargs["unet_lora_adapter_metadata"] = unet_layers, unet_cfg
+        kwargs[denoiser] = unet_layers
+        kwargs[denoiser.replace("_lora_layers", "_lora_adapter_metadata")] = unet_cfg
     names = ["text_encoder", "text_encoder_2"]
     for i, te in enumerate(text_encoders or []):
         if te is None:

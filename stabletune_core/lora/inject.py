@@ -3,6 +3,7 @@ scripts do."""
 from __future__ import annotations
 
 import difflib
+from typing import Any
 
 import torch
 from peft import LoHaConfig, LoKrConfig, LoraConfig, PeftConfig, inject_adapter_in_model
@@ -18,8 +19,16 @@ def add_lora(bundle: ModelBundle, config: TrainConfig) -> None:
     A target suffix that names no layer would silently train nothing there, so it is refused first
     (ConfigError, one sentence per suffix, with the closest real names).
     """
-    problems = unmatched_targets(bundle.unet, config.unet_lora_targets, "unet_lora_targets", "UNet")
-    if config.train_text_encoder:
+    targets = list(config.unet_lora_targets)
+    resolve = getattr(bundle.family, "lora_target_modules", None)  # a family whose suffixes also name containers
+    problems = unmatched_targets(bundle.unet, [t for t in targets if resolve is None or not resolve(bundle.unet, [t])],
+                                 "unet_lora_targets", getattr(bundle.family, "denoiser_name", "UNet"))
+    if resolve is not None:
+        targets = resolve(bundle.unet, targets)
+    if config.train_text_encoder and not bundle.family.text_encoder_lora_targets:
+        problems.append(f"train_text_encoder: the {bundle.family.display_name} text encoder stays frozen (LoRAs "
+                        "adapt its transformer only); turn train_text_encoder off.")
+    elif config.train_text_encoder:
         for i, encoder in enumerate(bundle.text_encoders):
             problems += unmatched_targets(encoder, bundle.family.text_encoder_lora_targets,
                                           "text_encoder_lora_targets", f"text encoder {i + 1}")
@@ -29,7 +38,7 @@ def add_lora(bundle: ModelBundle, config: TrainConfig) -> None:
     bundle.vae.requires_grad_(False)
     for encoder in bundle.text_encoders:
         encoder.requires_grad_(False)
-    bundle.unet.add_adapter(adapter_config(config, list(config.unet_lora_targets)))
+    bundle.unet.add_adapter(adapter_config(config, targets))
     adapted = [bundle.unet]
     if config.train_text_encoder:
         # peft's own injection makes the same modules as PreTrainedModel.add_adapter and does not depend on
@@ -55,6 +64,44 @@ def adapter_config(config: TrainConfig, targets: list[str]) -> PeftConfig:
                           decompose_factor=config.lokr_factor)
     return LoraConfig(r=config.lora_rank, lora_alpha=config.effective_lora_alpha, lora_dropout=config.lora_dropout,
                       init_lora_weights="gaussian", target_modules=targets, use_dora=config.use_dora)
+
+
+def adapter_settings(config: TrainConfig) -> dict[str, Any]:
+    """The settings that shape the adapter's tensors and what they mean, and the optimizer whose state is kept for
+    them: a checkpoint records them, and a resume that asks for other ones is refused (`adapter_mismatch`) before
+    anything is written. (Another optimizer's state loaded as its own: Lion silently took AdamW's moments and
+    betas, Prodigy and schedule-free failed with a KeyError.)"""
+    settings: dict[str, Any] = {"network_type": config.network_type, "use_dora": config.use_dora,
+                                "lora_rank": config.lora_rank, "lora_alpha": float(config.effective_lora_alpha),
+                                "unet_lora_targets": list(config.unet_lora_targets),
+                                "train_text_encoder": config.train_text_encoder, "optimizer": config.optimizer}
+    if config.network_type == "lokr":
+        settings["lokr_factor"] = config.lokr_factor
+    return settings
+
+
+def adapter_mismatch(recorded: dict[str, Any], config: TrainConfig, checkpoint: str) -> str | None:
+    """One sentence naming every adapter setting `config` changes from the `recorded` ones, with both values; None
+    when they agree. An alpha that only follows a changed rank (lora_alpha left empty) is not named twice."""
+    wanted = adapter_settings(config)
+    changed = [key for key in wanted if key in recorded and recorded[key] != wanted[key]]
+    if "lora_rank" in changed and "lora_alpha" in changed and config.lora_alpha is None:
+        changed.remove("lora_alpha")
+    if not changed:
+        return None
+
+    def shown(value: Any) -> str:
+        if isinstance(value, bool):
+            return str(value).lower()
+        if isinstance(value, list):
+            return ", ".join(map(str, value))
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    old = "; ".join(f"{key} {shown(recorded[key])}" for key in changed)
+    new = "; ".join(f"{key} {shown(wanted[key])}" for key in changed)
+    return (f"Cannot resume from {checkpoint}: it was trained with {old}, but this run asks for {new}; a "
+            "checkpoint's adapter and optimizer state only fit the settings they were trained with, so resume with "
+            "its values, or train with the new ones in another --output_dir.")
 
 
 #: Layer types peft can put a LoRA on (what a target suffix must name to train anything).

@@ -35,11 +35,24 @@ class ModuleResize:
     energy_kept: float  # fraction of ||dW||_F^2 the kept directions carry
 
 
+def lora_file_problem(path: Path) -> str | None:
+    """Why `path` is not a LoRA file that can be opened (one sentence), read without loading it; None when it
+    can be. For every command that takes a LoRA file (resize, inspect)."""
+    from ..config import safetensors_problem
+
+    if path.is_dir():
+        return f"{path} is a folder, not a LoRA file; give the path of a LoRA .safetensors file."
+    if not path.is_file():
+        return f"{path} does not exist; give the path of a LoRA .safetensors file."
+    problem = safetensors_problem(path)
+    return f"{path} {problem}; give a complete kohya/A1111 LoRA .safetensors file." if problem else None
+
+
 def read_kohya_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors import safe_open
 
-    if not path.is_file():
-        raise ResizeError(f"{path} does not exist; give the path of a LoRA .safetensors file.")
+    if problem := lora_file_problem(path):
+        raise ResizeError(problem)
     try:
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
@@ -63,7 +76,13 @@ def lora_modules(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, tupl
         if up is None:
             raise ResizeError(f"{path.name} has a lora_down without its lora_up for '{name}'; the file is damaged.")
         down = tensors[key]
+        if up.shape[1] != down.shape[0]:
+            raise ResizeError(f"{path.name} is damaged: '{name}' has a lora_down of rank {down.shape[0]} but a "
+                              f"lora_up of rank {up.shape[1]}; export the LoRA again.")
         alpha = tensors.get(f"{name}.{ALPHA}")
+        if not all(bool(torch.isfinite(t).all()) for t in (down, up, *([] if alpha is None else [alpha]))):
+            raise ResizeError(f"{path.name} holds NaN or infinite values (first in '{name}'), so it has no rank to "
+                              "keep; use a LoRA exported before the run went non-finite.")
         modules[name] = (down, up, float(alpha) if alpha is not None else float(down.shape[0]))  # kohya: alpha=r
     if not modules:
         raise ResizeError(f"{path.name} holds no LoRA modules; give a kohya/A1111 LoRA file.")
@@ -170,6 +189,8 @@ def resize_metadata(metadata: dict[str, str], report: list[ModuleResize], tensor
 def resize_file(source: Path, *, rank: int | None = None, energy: float | None = None,
                 ) -> tuple[Path, list[ModuleResize]]:
     """Write SOURCE-rN.safetensors (or -eXX) beside the source; never replaces an existing file."""
+    from safetensors import SafetensorError
+
     from .export import _atomic_save
 
     source = Path(source)
@@ -179,7 +200,12 @@ def resize_file(source: Path, *, rank: int | None = None, energy: float | None =
     tensors, metadata = read_kohya_lora(source)
     resized, report = resize_tensors(tensors, source, rank=rank, energy=energy)
     how = f"energy {energy}" + (f", at most rank {rank}" if rank else "") if energy is not None else f"rank {rank}"
-    _atomic_save(resized, target, resize_metadata(metadata, report, resized, how))
+    try:
+        _atomic_save(resized, target, resize_metadata(metadata, report, resized, how))
+    except (OSError, SafetensorError) as exc:  # a read-only folder, a full disk: the source stays as it was
+        reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+        raise ResizeError(f"Cannot write {target} ({reason}); copy the LoRA to a folder you can write to with "
+                          "free space, and resize it there.") from None
     return target, report
 
 

@@ -33,13 +33,20 @@ def _sdxl():
     return SDXL()
 
 
+def _flux2_klein():
+    from .flux2_klein import Flux2Klein
+
+    return Flux2Klein()
+
+
 register_family("sd1", _sd1)
 register_family("sd2", _sd2)
 register_family("sdxl", _sdxl)
+register_family("flux2_klein", _flux2_klein)
 
 
 def get_family(name: str) -> ModelFamily:
-    """A fresh family object for "sd1", "sd2" or "sdxl"."""
+    """A fresh family object for "sd1", "sd2", "sdxl" or "flux2_klein"."""
     key = (name or "").strip().lower()
     if key not in FAMILIES:
         raise ValueError(f"Unknown model family '{name}'; known families are: {', '.join(sorted(FAMILIES))}.")
@@ -51,6 +58,10 @@ def get_family(name: str) -> ModelFamily:
 def detect_family(source: str | Path) -> str:
     """Best-effort guess of the family from configs or checkpoint keys; "sd1" when unsure."""
     path = Path(str(source)).expanduser()
+    from .flux2_klein import looks_like_klein
+
+    if looks_like_klein(path):
+        return "flux2_klein"
     try:
         if path.is_dir():
             index = path / "model_index.json"

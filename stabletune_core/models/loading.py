@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..config import TrainConfig
 from . import detect_family, get_family
-from .base import ModelBundle
+from .base import ModelBundle, ModelLoadError
 
 
 def family_name(config: TrainConfig) -> str:
@@ -13,10 +13,14 @@ def family_name(config: TrainConfig) -> str:
 
 
 def load_model(config: TrainConfig) -> ModelBundle:
-    """The model as the config asks, its prediction type overridden when `prediction_type` is set."""
-    family = get_family(family_name(config))
-    bundle = family.load(config.pretrained_model_name_or_path, local_files_only=config.local_files_only,
-                         config_dir=config.model_config_dir)
+    """The model as the config asks, its prediction type overridden when `prediction_type` is set. A FLUX.2 Klein
+    model under another family's name is refused in one sentence, before the wrong loader fails on it."""
+    name = family_name(config)
+    if name != "flux2_klein" and detect_family(config.pretrained_model_name_or_path) == "flux2_klein":
+        raise ModelLoadError(f"'{config.pretrained_model_name_or_path}' is a FLUX.2 Klein model, but model_family is "
+                             f"{name}; set model_family to flux2_klein (or auto).")
+    bundle = get_family(name).load(config.pretrained_model_name_or_path, local_files_only=config.local_files_only,
+                                   config_dir=config.model_config_dir)
     if config.prediction_type:
         bundle.noise_scheduler.register_to_config(prediction_type=config.prediction_type)
     return bundle

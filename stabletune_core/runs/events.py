@@ -13,11 +13,13 @@ UNPAUSED = "unpaused"  # the UI let a paused run continue (the same process)
 RESUMED_FROM_CHECKPOINT = "resumed_from_checkpoint"  # a new process continued the run from a checkpoint
 NOTHING_TO_RESUME = "nothing_to_resume"  # resume was asked for, no checkpoint was found: the run starts at step 0
 PREVIOUS_DIED = "previous_died"  # the process before this one died without ending the run
+CONTROL_IGNORED = "control_ignored"  # a control.json that is not a command was removed unread
 # ---- set-up ---------------------------------------------------------------------------------------------------------
 CONFIG = "config"  # a note about the settings (valid, probably not what was meant), or a value the engine resolved
 SEED = "seed"  # seed -1: the random seed the run drew
 PRECISION = "precision"  # mixed precision: asked for on a CPU, or the fp16 fallback switched
 PROCESSES = "processes"  # several processes share the run
+THREADS = "threads"  # a CPU run's torch thread count, and why (train/threads.py)
 ATTENTION = "attention"  # which attention kernel runs
 DATA = "data"  # a note about the dataset (folder names, masks, augmentation turned off by caching)
 DATA_SKIPPED = "data_skipped"  # images the scan could not use

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .events import EVENT_KINDS
+from .events import CONTROL_IGNORED, EVENT_KINDS
 from .jsonfiles import append_jsonl, read_json, write_json_atomic
 from .layout import RunPaths
 
@@ -79,11 +79,18 @@ class RunWriter:
         """Commands the UI left in control.json (stop, save, sample, pause, resume); each is consumed once."""
         if not self.enabled or not self.paths.control.exists():
             return None
-        command = read_json(self.paths.control)
+        try:
+            command = read_json(self.paths.control)
+        except ValueError:  # bytes that are not UTF-8 (read_json answers None for text that is not JSON)
+            command = "bytes that are not text"
         try:
             self.paths.control.unlink()
         except FileNotFoundError:
             pass
+        if command is not None and not (isinstance(command, dict) and isinstance(command.get("command"), str)):
+            self.event(CONTROL_IGNORED, f"Ignored control.json: {str(command)[:60]!r} is not a command (the UI writes "
+                       "{\"command\": \"stop\"} and the like).", console=True)  # it was an internal error mid-run
+            return None
         return command
 
 

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import TrainConfig
+from ..lora.inject import adapter_settings
 from ..runs import events
 from . import signals, step
 from .checkpoint import (CheckpointError, latest_good_checkpoint, list_checkpoints, load_checkpoint,
@@ -324,7 +325,8 @@ def save(s: Session, reason: str) -> Path | None:
         return None
     state = s.state
     s.run.status("saving", step=state.step)
-    saved = run_state(state, s.optimizer, s.lr_scheduler, s.amp, s.ema, [*s.guards, *s.observers])
+    saved = run_state(state, s.optimizer, s.lr_scheduler, s.amp, s.ema, [*s.guards, *s.observers],
+                      adapter_settings(s.config))
     try:
         folder = save_checkpoint(s.run.paths.checkpoint(state.step), state.step, adapter_state(s.trained, s.ranks),
                                  saved, halfway=s.checkpoint_halfway)

@@ -52,16 +52,23 @@ OPTIONAL_OPTIMIZERS = {"lion": ("lion_pytorch", "lion-pytorch==0.2.5"),
                        "adamw_schedulefree": ("schedulefree", "schedulefree==1.4.1")}
 
 
+#: Optimizers make_optimizer builds from other packages too: checked with the optional ones, before any model loads
+#: (a missing one was an internal error after the model had loaded).
+PACKAGED_OPTIMIZERS = {"adamw8bit": ("bitsandbytes", "bitsandbytes"), "prodigy": ("prodigyopt", "prodigyopt==1.1.2")}
+
+
 def optimizer_problems(config: TrainConfig) -> list[str]:
     """One sentence when the chosen optimizer's package is missing (checked before any model loads)."""
     import importlib.util
 
-    if config.optimizer not in OPTIONAL_OPTIMIZERS:
+    needs = {**OPTIONAL_OPTIMIZERS, **PACKAGED_OPTIMIZERS}
+    if config.optimizer not in needs:
         return []
-    module, package = OPTIONAL_OPTIMIZERS[config.optimizer]
+    module, package = needs[config.optimizer]
     if importlib.util.find_spec(module) is None:
-        return [f"optimizer={config.optimizer} needs the {package.split('==')[0]} package: pip install {package} "
-                "(or choose optimizer=adamw)."]
+        where = " (GPU only)" if config.optimizer == "adamw8bit" else ""
+        return [f"optimizer={config.optimizer} needs the {package.split('==')[0]} package{where}: pip install "
+                f"{package} (or choose optimizer=adamw)."]
     return []
 
 

@@ -38,13 +38,14 @@ class RunFailed(RuntimeError):
 
 
 def is_disk_full(exc: BaseException) -> bool:
-    """ENOSPC as an OSError, or as the RuntimeError torch.save / safetensors raise for it."""
+    """ENOSPC as an OSError, or as the RuntimeError torch.save raises for it, or the SafetensorError (not a
+    RuntimeError; matched by name, like OutOfMemoryStop) safetensors' save_file raises: the final export's."""
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
             return True
         text = str(exc)
-        if isinstance(exc, RuntimeError) and ("No space left" in text or "file write failed" in text
-                                               or "Disk quota" in text):
+        if (isinstance(exc, RuntimeError) or type(exc).__name__ == "SafetensorError") and (
+                "No space left" in text or "file write failed" in text or "Disk quota" in text):
             return True
         exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return False
@@ -107,17 +108,23 @@ def owns_status(config: Any) -> bool:
     is no status yet, an earlier failed attempt, or the run is being resumed.
 
     `config` may be the few fields that a config which failed to parse still gave (cli.run_command)."""
-    from ..config import output_inside_dataset
+    from ..config import output_inside_dataset, output_inside_reg_dir
+    from ..runs.lock import holder
 
     paths = RunPaths(Path(config.output_dir).expanduser())
     if paths.root.exists() and not paths.root.is_dir():
         return False
+    if holder(paths.root):
+        return False  # a live trainer's folder (runs/lock.py): its status.json is that trainer's
     previous = read_json(paths.status) if paths.status.is_file() else None
     if previous and previous.get("pid") == os.getpid():
         return True  # this run's own folder: its metrics and samples are no earlier run
     data_dir = getattr(config, "train_data_dir", None)
     if output_inside_dataset(paths.root, Path(data_dir).expanduser() if data_dir else None):
         return False  # the user's dataset: never write into it
+    reg_dir = getattr(config, "reg_data_dir", None)
+    if output_inside_reg_dir(paths.root, Path(reg_dir).expanduser() if reg_dir else None):
+        return False  # the user's class images: never write among them either
     if paths.root.is_dir() and not config.resume_from_checkpoint and not getattr(config, "overwrite_output_dir", 0):
         if isinstance(config, TrainConfig):
             from ..runs.earlier import earlier_run

@@ -21,14 +21,15 @@ from ..data.examples import DatasetView
 from ..data.loader import BatchFeed
 from ..data.masks import masks_note
 from ..data.reg import merge_reg, scan_reg_images
-from ..data.scan import scan_dataset
+from ..data.scan import SkippedFile, scan_dataset
 from ..data.seeds import derive_seed
-from ..lora.inject import add_lora, lora_parameters
+from ..lora.inject import adapter_mismatch, adapter_settings, add_lora, lora_parameters
 from ..lora.layers import run_lora_layers
 from ..models.base import ModelBundle
 from ..models.loading import load_model
 from ..runs import events
 from ..runs.earlier import earlier_run
+from ..runs.layout import RunPaths
 from ..runs.reader import RunReader
 from ..runs.writer import RunWriter
 from . import faults
@@ -49,6 +50,7 @@ from .observers.sample_judge import make_judge
 from .session import Session, TrainState
 from .observers.tensorboard import make_tensorboard_log
 from .observers.validation_loss import Evaluator, split_validation
+from .threads import set_cpu_threads
 
 
 class RunExists(ConfigError):
@@ -114,18 +116,37 @@ def find_resume_checkpoint(config: TrainConfig, report: Any) -> Checkpoint | Non
     if target not in ("auto", "latest"):  # check_inputs made sure it is a folder
         path = Path(target).expanduser()
         try:
-            return load_checkpoint(path)
+            checkpoint = load_checkpoint(path)
         except (CheckpointError, RuntimeError, OSError, ValueError) as exc:
             raise RunFailed(f"Cannot resume from {path}: {str(exc).rstrip('.')}. Choose another checkpoint folder, "
                             "or --resume auto for the newest good one.") from None
-    parent = RunWriter(config.output_dir, enabled=False).paths.checkpoints
-    bad: list[str] = []
-    checkpoint = latest_good_checkpoint(parent, report=lambda message: (bad.append(message), report(message)))
-    if checkpoint is None and bad and not config.allow_restart:
-        raise RunFailed(f"None of the {len(bad)} checkpoints in {parent} can be read ({bad[0].split(' Falling')[0]}"
-                        "); nothing was changed. Pass --allow_restart to start this run over from step 0 (the bad "
-                        "checkpoints are kept), or resume from a copy of a good checkpoint.")
+    else:
+        parent = RunWriter(config.output_dir, enabled=False).paths.checkpoints
+        bad: list[str] = []
+        checkpoint = latest_good_checkpoint(parent, report=lambda message: (bad.append(message), report(message)))
+        if checkpoint is None and bad and not config.allow_restart:
+            raise RunFailed(f"None of the {len(bad)} checkpoints in {parent} can be read ({bad[0].split(' Falling')[0]}"
+                            "); nothing was changed. Pass --allow_restart to start this run over from step 0 (the bad "
+                            "checkpoints are kept), or resume from a copy of a good checkpoint.")
+    if checkpoint is not None and (mismatch := adapter_mismatch(recorded_adapter_settings(checkpoint), config,
+                                                                checkpoint.path.name)):
+        raise ConfigError([mismatch])  # before config.toml or anything else of the run is written
+    if checkpoint is not None and config.max_train_steps and checkpoint.step > config.max_train_steps:
+        raise ConfigError([f"Cannot resume from {checkpoint.path.name} with max_train_steps {config.max_train_steps}: "
+                           f"the run is already at step {checkpoint.step}; pass a larger max_train_steps to train on, "
+                           "or export a checkpoint with `python -m stabletune_core export`."])
     return checkpoint
+
+
+def recorded_adapter_settings(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The adapter settings a checkpoint was trained with: recorded in it, or for a checkpoint written before they
+    were, those of the run's config.toml beside it (empty when it cannot be read: nothing to compare)."""
+    if "adapter_settings" in checkpoint.state:
+        return checkpoint.state["adapter_settings"]
+    try:
+        return adapter_settings(TrainConfig.from_toml(RunPaths(checkpoint.path.parent.parent).config))
+    except (ConfigError, OSError, ValueError):
+        return {}
 
 
 def setup(config: TrainConfig) -> Session:
@@ -170,12 +191,9 @@ def setup(config: TrainConfig) -> Session:
         run.event(events.CONFIG, note)
     set_seed(config.seed)
 
-    scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension)
-    for skipped in scan.skipped:
-        run.event(events.DATA_SKIPPED, f"Skipped {skipped.path}: {skipped.reason}", path=str(skipped.path))
-    if scan.skipped:
-        run.event(events.DATA_SKIPPED, f"Skipped {len(scan.skipped)} unreadable image(s), e.g. "
-                  f"{scan.skipped[0].path.name}: {scan.skipped[0].reason} (all listed in events.jsonl).", console=True)
+    scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension,
+                        masked_loss=config.masked_loss)
+    report_skipped(run, scan.skipped, "training")
     scan, held_out = split_validation(scan, config)  # held-out images never reach the sampler
     if held_out:
         how = "validation_split empty: automatic" if config.validation_split is None else "validation_split"
@@ -184,7 +202,8 @@ def setup(config: TrainConfig) -> Session:
                   held_out=[str(item.path) for item in held_out])
     if config.reg_data_dir:  # after the split: held-out images are instance images only
         reg = scan_reg_images(Path(config.reg_data_dir), scan.total_with_repeats, config.default_caption,
-                              config.caption_extension)
+                              config.caption_extension, masked_loss=config.masked_loss)
+        report_skipped(run, reg.skipped, "class")  # they were dropped without a word
         run.event(events.REG_IMAGES, f"Prior preservation: {len(reg.items)} regularisation image(s) from "
                   f"{config.reg_data_dir}, {reg.total_with_repeats} per epoch, loss weight {config.prior_loss_weight}.",
                   console=True)
@@ -205,9 +224,12 @@ def setup(config: TrainConfig) -> Session:
 
     run.status("loading", step=0)
     bundle = load_model(config)
+    device = ranks.device
+    if device.type == "cpu":  # torch's one thread per core is wrong for small models and busy machines
+        threads, sentence = set_cpu_threads(bundle.denoiser)
+        run.event(events.THREADS, sentence, console=True, threads=threads)
     objective = bundle.family.objective(bundle, config)
     add_lora(bundle, config)
-    device = ranks.device
     bundle.vae.to(device, dtype=torch.float32 if config.mixed_precision == "fp16" else amp.weight_dtype)
     bundle.unet.to(device, dtype=amp.weight_dtype)
     for encoder in bundle.text_encoders:
@@ -286,6 +308,15 @@ def run_observers(config: TrainConfig, run: RunWriter, ranks: Ranks) -> list[Obs
     if judge is not None:
         observers.append(judge)
     return observers
+
+
+def report_skipped(run: RunWriter, skipped: list[SkippedFile], kind: str) -> None:
+    """Every file a scan could not use as an event, and one console line for all of them."""
+    for entry in skipped:
+        run.event(events.DATA_SKIPPED, f"Skipped {entry.path}: {entry.reason}", path=str(entry.path))
+    if skipped:
+        run.event(events.DATA_SKIPPED, f"Skipped {len(skipped)} {kind} image(s) that cannot be used, e.g. "
+                  f"{skipped[0].path.name}: {skipped[0].reason} (all listed in events.jsonl).", console=True)
 
 
 def enable_fast_attention(bundle: ModelBundle, config: TrainConfig, run: RunWriter) -> None:

@@ -66,12 +66,15 @@ def restore_adapter(trained: dict[str, torch.nn.Module], ranks: Ranks, adapter: 
 
 
 def run_state(state: TrainState, optimizer: torch.optim.Optimizer, lr_scheduler: LearningRateSchedule,
-              amp: MixedPrecision, ema: AdapterEMA | None, keepers: Sequence[Keeper]) -> dict[str, Any]:
-    """Everything but the adapter that a resumed run needs to continue exactly (a checkpoint's state.pt)."""
+              amp: MixedPrecision, ema: AdapterEMA | None, keepers: Sequence[Keeper],
+              adapter_settings: dict[str, Any]) -> dict[str, Any]:
+    """Everything but the adapter that a resumed run needs to continue exactly (a checkpoint's state.pt), and the
+    adapter settings it was trained with (lora.inject.adapter_settings): a resume with other ones is refused
+    before anything is written (setup.find_resume_checkpoint)."""
     return {"train": state.counters(), "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
             "scaler": amp.state_dict(), "rng": rng_state(),
             "guards": {k.name: k.state_dict() for k in keepers},  # observers' too
-            "ema": ema.state_dict() if ema else {}}
+            "ema": ema.state_dict() if ema else {}, "adapter_settings": adapter_settings}
 
 
 def restore_run_state(saved: dict[str, Any], state: TrainState, optimizer: torch.optim.Optimizer,

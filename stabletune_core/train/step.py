@@ -26,7 +26,7 @@ def next_batches(feed: BatchFeed, state: TrainState, count: int) -> list[dict[st
     """This process's share of the next `count` x processes sampler batches; moves the data position.
 
     Every process walks the same global order and takes every world-th batch, so the global batch of a step
-    is the same whatever the number of processes (data/dataset.py `BatchFeed`, whose workers decode the next
+    is the same whatever the number of processes (data/loader.py `BatchFeed`, whose workers decode the next
     batches while this step runs).
     """
     batches = feed.take((state.epoch, state.batch_in_epoch), count)

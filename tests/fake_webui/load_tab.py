@@ -77,7 +77,7 @@ def main() -> None:
         # The package name scripts/stabletune_tab.py gives extension/.
         train = importlib.import_module("stabletune_extension.tabs.train")
         values = json.loads(args.train)
-        report["start_message"] = train._launch(ctx, values)
+        report["start_message"], _ = train._launch(ctx, values)  # (message, run folder)
         run = ctx.hub.attached
         name = values["output_name"]
         report["copied_by_watcher"] = wait_for(lambda: (lora_dir / f"{name}-2.safetensors").exists(), 240)

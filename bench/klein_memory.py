@@ -1,0 +1,58 @@
+"""FLUX.2 Klein on the CPU: the real 4B and 9B parameter counts and the training-memory model's estimate per setting.
+
+The counts come from the shipped config trees instantiated on the meta device (no weights; seconds). The estimate
+is stabletune_core/models/flux2_memory.py's model of one training step's peak (what it counts is written there);
+the GPU measurement that checks it against torch.cuda.max_memory_allocated is issue 23's later part.
+
+    python bench/klein_memory.py            # prints the counts and a Markdown table
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from stabletune_core.models.flux2_memory import (GIB, estimate_training_memory, klein_sizes,  # noqa: E402
+                                                 lora_parameters)
+
+SETTINGS = [  # (variant, precision, checkpointing, batch, resolution, rank, cache text)
+    ("4b", "bf16", True, 1, 1024, 16, True),
+    ("4b", "bf16", True, 1, 1024, 16, False),
+    ("4b", "bf16", False, 1, 1024, 16, True),
+    ("4b", "bf16", True, 1, 512, 16, True),
+    ("4b", "bf16", True, 2, 1024, 16, True),
+    ("4b", "bf16", True, 4, 512, 64, True),
+    ("4b", "fp32", True, 1, 1024, 16, True),
+    ("9b", "bf16", True, 1, 1024, 16, True),
+    ("9b", "bf16", True, 1, 1024, 16, False),
+    ("9b", "bf16", False, 1, 1024, 16, True),
+    ("9b", "bf16", True, 1, 512, 16, True),
+    ("9b", "bf16", True, 2, 1024, 64, True),
+    ("9b", "fp32", True, 1, 1024, 16, True),
+]
+
+
+def main() -> None:
+    print("Parameters (exact, shipped configs on the meta device):\n")
+    print("| variant | transformer | text encoder (Qwen3) | VAE | LoRA r16 'attention' | LoRA r16 'attention_mlp' |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for variant in ("4b", "9b"):
+        s = klein_sizes(variant)
+        print(f"| {variant.upper()} | {s.transformer:,} | {s.text_encoder:,} | {s.vae:,} | "
+              f"{lora_parameters(variant, 16, 'attention'):,} | {lora_parameters(variant, 16, 'attention_mlp'):,} |")
+    print("\nEstimated training peak (GiB), LoRA preset 'attention', AdamW:\n")
+    print("| variant | precision | grad. ckpt | batch | resolution | rank | text cached | weights | LoRA+optim "
+          "| activations | overhead | total | fits 12 / 16 / 24 GiB |")
+    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    for variant, precision, ckpt, batch, res, rank, cached in SETTINGS:
+        e = estimate_training_memory(variant, precision=precision, gradient_checkpointing=ckpt, batch_size=batch,
+                                     resolution=res, lora_rank=rank, cache_text_embeddings=cached)
+        fits = " / ".join("yes" if e.fits(g) else "no" for g in (12, 16, 24))
+        print(f"| {variant.upper()} | {precision} | {'on' if ckpt else 'off'} | {batch} | {res} | {rank} | "
+              f"{'yes' if cached else 'no'} | {e.weights / GIB:.2f} | {e.lora / GIB:.2f} | {e.activations / GIB:.2f} "
+              f"| {e.overhead / GIB:.2f} | {e.total_gib:.1f} | {fits} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""How much accelerator memory a FLUX.2 Klein LoRA run needs, estimated before any model loads (for the UI's
+number before Start and the presets' "4B at 12 GB, 9B at 24 GB").
+
+A model, not a measurement: parameter counts are exact (the shipped configs instantiated on the meta device);
+activations are counted per token and per block from the transformer's layout, and the rest is a fixed allowance.
+What it counts, at the training step's peak:
+
+* the frozen transformer in its storage precision (2 bytes bf16/fp16, 4 fp32) and the VAE (kept for encoding and
+  validation images); the Qwen3 text encoder only when text embeddings are not cached (cached, it runs once before
+  training and is released);
+* the LoRA parameters in fp32 with their gradients and AdamW's two moments: 16 bytes each;
+* activations kept for the backward pass: about 24 hidden-size vectors per token per block (norms, modulation, q, k,
+  v, attention output, the SwiGLU MLP's 3x-wide intermediates), over image tokens (side / 16 squared) plus the 512
+  text tokens; with gradient checkpointing only each block's input is kept, plus one block recomputed at a time;
+  attention through PyTorch SDPA (flash or memory-efficient kernels: no token x token matrix);
+* 0.8 GiB for the CUDA context and workspaces, and 5 % for allocator fragmentation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .flux2_klein import LORA_PRESETS, MAX_SEQUENCE_LENGTH, SHIPPED_CONFIGS, lora_target_modules
+
+GIB = 1024 ** 3
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+ACTIVATION_VECTORS_PER_BLOCK = 24  # hidden-size vectors per token a block keeps for its backward pass
+RECOMPUTE_AND_GRADIENT_VECTORS = 28  # one recomputed block plus the gradients flowing through it
+LORA_BYTES_PER_PARAMETER = 4 + 4 + 8  # fp32 weight, gradient, AdamW's two moments
+CONTEXT_BYTES = int(0.8 * GIB)
+FRAGMENTATION = 0.05
+
+
+@dataclass(frozen=True)
+class KleinSizes:
+    transformer: int
+    text_encoder: int
+    vae: int
+    hidden: int
+    blocks: int
+
+
+@lru_cache(maxsize=None)
+def klein_sizes(variant: str) -> KleinSizes:
+    """Exact parameter counts of a shipped variant ("4b" / "9b"), from its configs on the meta device."""
+    import torch
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = SHIPPED_CONFIGS[variant]
+    with torch.device("meta"):  # (accelerate's init_empty_weights would untie Qwen3-4B's embeddings)
+        transformer = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(str(folder),
+                                                                                               subfolder="transformer"))
+        vae = AutoencoderKLFlux2.from_config(AutoencoderKLFlux2.load_config(str(folder), subfolder="vae"))
+        text = Qwen3ForCausalLM(Qwen3Config.from_pretrained(str(folder / "text_encoder")))
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731 (tied embeddings counted once)
+    config = transformer.config
+    return KleinSizes(transformer=count(transformer), text_encoder=count(text), vae=count(vae),
+                      hidden=config.num_attention_heads * config.attention_head_dim,
+                      blocks=config.num_layers + config.num_single_layers)
+
+
+@lru_cache(maxsize=None)
+def lora_parameters(variant: str, rank: int, preset: str = "attention") -> int:
+    """Trainable LoRA parameters of a preset at `rank`: rank x (in + out) per adapted Linear layer."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+
+    with torch.device("meta"):
+        transformer = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(
+            str(SHIPPED_CONFIGS[variant]), subfolder="transformer"))
+    modules = dict(transformer.named_modules())
+    total = 0
+    for name in lora_target_modules(transformer, LORA_PRESETS[preset]):
+        layer: torch.nn.Linear = modules[name]
+        total += rank * (layer.in_features + layer.out_features)
+    return total
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int  # frozen transformer + VAE (+ text encoder when not cached)
+    lora: int  # LoRA weights, gradients and optimizer state
+    activations: int
+    overhead: int  # CUDA context and fragmentation
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.lora + self.activations + self.overhead
+
+    @property
+    def total_gib(self) -> float:
+        return self.total / GIB
+
+    def fits(self, gib: float) -> bool:
+        return self.total <= gib * GIB
+
+
+def estimate_training_memory(variant: str = "4b", *, precision: str = "bf16", gradient_checkpointing: bool = True,
+                             batch_size: int = 1, resolution: int | tuple[int, int] = 1024, lora_rank: int = 16,
+                             cache_text_embeddings: bool = True, preset: str = "attention") -> MemoryEstimate:
+    """The peak memory of one training step of a Klein LoRA (see the module docstring for what is counted)."""
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision must be one of {', '.join(PRECISION_BYTES)}, not '{precision}'.")
+    sizes = klein_sizes(variant)
+    width = PRECISION_BYTES[precision]
+    h, w = (resolution, resolution) if isinstance(resolution, int) else resolution
+    tokens = (h // 16) * (w // 16) + MAX_SEQUENCE_LENGTH
+    vector = batch_size * tokens * sizes.hidden * width  # one hidden-size vector per token of the batch
+    if gradient_checkpointing:
+        activations = (sizes.blocks + RECOMPUTE_AND_GRADIENT_VECTORS) * vector
+    else:
+        activations = (sizes.blocks * ACTIVATION_VECTORS_PER_BLOCK + RECOMPUTE_AND_GRADIENT_VECTORS) * vector
+    weights = (sizes.transformer + sizes.vae + (0 if cache_text_embeddings else sizes.text_encoder)) * width
+    lora = lora_parameters(variant, lora_rank, preset) * LORA_BYTES_PER_PARAMETER
+    overhead = CONTEXT_BYTES + int(FRAGMENTATION * (weights + lora + activations))
+    return MemoryEstimate(weights=weights, lora=lora, activations=activations, overhead=overhead)

@@ -1,0 +1,192 @@
+"""Issue 23, part 1, items 1, 3 and 5: the FLUX.2 Klein family loads a diffusers folder and the single files users
+download (ComfyUI's layout) alike, encodes text exactly as Flux2KleinPipeline, refuses bad input in one sentence,
+runs the real pipeline on a tiny real-layout model built offline, and says whether it was given the distilled
+model."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from flux2_tools import one_sentence, tiny_klein_paths
+from stabletune_core.models import ModelLoadError, detect_family, get_family
+from stabletune_core.models.flux2_klein import KLEIN_PROMPT, Distillation, detect_distillation
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return tiny_klein_paths(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def folder_bundle(paths):
+    return get_family("flux2_klein").load(paths["folder"])
+
+
+@pytest.fixture(scope="module")
+def file_bundle(paths):
+    return get_family("flux2_klein").load(paths["transformer"], config_dir=paths["config"])
+
+
+# ---- item 1: the family, its detection and its two sources -----------------------------------------------------
+def test_family_is_registered_and_detected(paths, tiny_model, tmp_path):
+    family = get_family("flux2_klein")
+    assert (family.name, family.display_name, family.denoiser_name) == ("flux2_klein", "FLUX.2 Klein", "transformer")
+    assert detect_family(paths["folder"]) == detect_family(paths["transformer"]) == "flux2_klein"
+    assert detect_family(tiny_model) == "sd1"  # the SD families are detected as before
+    from stabletune_core.models.tiny import build_tiny_sdxl_single_file
+
+    assert detect_family(build_tiny_sdxl_single_file(tmp_path / "xl.safetensors")) == "sdxl"
+
+
+def test_single_files_load_exactly_as_the_folder(folder_bundle, file_bundle):
+    for a, b in [(folder_bundle.unet, file_bundle.unet), (folder_bundle.vae, file_bundle.vae),
+                 (folder_bundle.text_encoders[0], file_bundle.text_encoders[0])]:
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), type(a).__name__
+    assert not any(p.requires_grad for p in file_bundle.unet.parameters())  # frozen until LoRA is added
+    # ComfyUI's bundled tokenizer carries Qwen2.5's template (a default system turn): Klein's replaces it
+    assert file_bundle.extra["chat_template_replaced"] and not folder_bundle.extra["chat_template_replaced"]
+    prompts = ["a red circle", "a small purple star on a white background"]
+    with torch.no_grad():
+        a = folder_bundle.family.encode_text(folder_bundle, prompts)["prompt_embeds"]
+        b = file_bundle.family.encode_text(file_bundle, prompts)["prompt_embeds"]
+    assert torch.equal(a, b)
+
+
+def test_encode_text_is_the_pipelines(folder_bundle, one_thread):
+    from diffusers import Flux2KleinPipeline
+
+    family, tok = folder_bundle.family, folder_bundle.tokenizers[0]
+    prompts = ["a red circle", "a dog holding a sign", ""]
+    with torch.no_grad():
+        ours = family.encode_text(folder_bundle, prompts)["prompt_embeds"]
+        theirs = Flux2KleinPipeline._get_qwen3_prompt_embeds(folder_bundle.text_encoders[0], tok, prompts)
+    assert torch.equal(ours, theirs)
+    assert ours.shape == (3, 512, 3 * 16)  # 512 tokens, hidden layers 9, 18, 27 side by side
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True,
+                                   enable_thinking=False) == KLEIN_PROMPT.format("x")
+    cond = family.make_conditioning(folder_bundle, {"prompt_embeds": ours})
+    assert torch.equal(cond.added_cond_kwargs["txt_ids"], Flux2KleinPipeline._prepare_text_ids(ours))
+    assert "guidance" not in cond.added_cond_kwargs  # Klein has no guidance embedding
+    two = cond.index(slice(0, 2)).to("cpu", torch.bfloat16)
+    assert two.encoder_hidden_states.dtype == torch.bfloat16 and two.added_cond_kwargs["txt_ids"].dtype == torch.int64
+    assert two.added_cond_kwargs["txt_ids"].shape == (2, 512, 4)
+
+
+def test_pipeline_runs_end_to_end_on_the_tiny_model(folder_bundle, one_thread):
+    pipe = folder_bundle.family.make_pipeline(folder_bundle)
+    images = pipe(prompt=["a red circle"], height=64, width=64, num_inference_steps=3, guidance_scale=4.0,
+                  generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert images.shape == (1, 3, 64, 64) and torch.isfinite(images).all()
+    assert pipe.transformer is folder_bundle.unet  # the bundle's own modules, no copies
+
+
+def test_tiny_model_is_deterministic_from_its_seed():
+    from stabletune_core.models.tiny_flux2 import build_tiny_klein_components
+
+    a, b, c = (build_tiny_klein_components(seed) for seed in (0, 0, 1))
+    for name in ("transformer", "vae", "text_encoder"):
+        sa, sb, sc = a[name].state_dict(), b[name].state_dict(), c[name].state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), name
+        assert not all(torch.equal(sa[k], sc[k]) for k in sa), name
+    assert a["tokenizer"].get_vocab() == c["tokenizer"].get_vocab()
+
+
+# ---- item 1: bad input, one sentence each ------------------------------------------------------------------------
+def refused(source, **kw) -> str:
+    with pytest.raises(ModelLoadError) as err:
+        get_family("flux2_klein").load(source, **kw)
+    message = str(err.value)
+    assert one_sentence(message), message
+    return message
+
+
+def test_missing_text_encoder_vae_or_tokenizer(paths, tmp_path):
+    lonely = tmp_path / "models" / "diffusion_models" / paths["transformer"].name
+    lonely.parent.mkdir(parents=True)
+    shutil.copy(paths["transformer"], lonely)
+    assert "needs its Qwen3 text encoder" in refused(lonely, config_dir=paths["config"])
+    assert "needs the FLUX.2 VAE" in refused(lonely, config_dir=paths["config"], text_encoder=paths["text_encoder"])
+    assert "needs the Qwen3 tokenizer" in refused(lonely, config_dir=paths["config"],
+                                                   text_encoder=paths["text_encoder"], vae=paths["vae"])
+    folder = tmp_path / "no-te"
+    shutil.copytree(paths["folder"], folder, ignore=shutil.ignore_patterns("text_encoder"))
+    assert "has no text_encoder/ folder" in refused(folder)
+
+
+def test_tokenizer_that_does_not_match_the_text_encoder(paths, tmp_path):
+    from stabletune_core.models.tokenizer import write_clip_tokenizer_files
+    from stabletune_core.models.tiny_flux2 import build_tiny_tokenizer
+
+    clip = write_clip_tokenizer_files(tmp_path / "clip")  # a CLIP tokenizer: no chat tokens
+    (clip / "tokenizer_config.json").write_text(json.dumps({**json.loads((clip / "tokenizer_config.json").read_text()),
+                                                            "tokenizer_class": "Qwen2Tokenizer"}))
+    assert "does not match the Qwen3 text encoder" in refused(paths["transformer"], config_dir=paths["config"],
+                                                              tokenizer=clip)
+    big = build_tiny_tokenizer()
+    big.add_tokens([f"<extra_{i}>" for i in range(200)])  # more tokens than the encoder embeds
+    big.save_pretrained(str(tmp_path / "big"))
+    message = refused(paths["folder"], tokenizer=tmp_path / "big")
+    assert "has 602 tokens but the encoder embeds only 448" in message
+
+
+def test_wrong_files_for_klein(paths, tmp_path):
+    from stabletune_core.models.tiny import build_tiny_sd1_single_file
+
+    sd = build_tiny_sd1_single_file(tmp_path / "sd15.safetensors")
+    assert "is a Stable Diffusion checkpoint, not FLUX.2 Klein" in refused(sd)
+    pickle = tmp_path / "flux-2-klein-4b.ckpt"
+    pickle.write_bytes(b"not really")
+    assert "pickles" in refused(pickle)
+    assert "is not a Qwen3 text encoder" in refused(paths["transformer"], config_dir=paths["config"],
+                                                    text_encoder=paths["vae"])
+    assert "is not the FLUX.2 VAE" in refused(paths["transformer"], config_dir=paths["config"],
+                                              vae=paths["text_encoder"])
+    assert "pass model_config_dir" in refused(paths["transformer"])  # tiny widths match no shipped config
+
+
+def test_flux2_dev_is_not_klein(tmp_path):
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import save_file
+
+    from stabletune_core.models.flux2_single_file import transformer_to_bfl
+    from stabletune_core.models.tiny_flux2 import TRANSFORMER_CONFIG
+
+    dev = Flux2Transformer2DModel(**{**TRANSFORMER_CONFIG, "guidance_embeds": True})
+    save_file(transformer_to_bfl(dev.state_dict()), str(tmp_path / "flux2-dev.safetensors"))
+    assert "is FLUX.2 [dev]" in refused(tmp_path / "flux2-dev.safetensors")
+
+
+def test_klein_given_to_an_sd_family_is_refused(paths, tmp_path):
+    from stabletune_core.config import build_config
+    from stabletune_core.models.loading import load_model
+
+    for source in (paths["folder"], paths["transformer"]):
+        config = build_config(dict(pretrained_model_name_or_path=str(source), model_family="sdxl",
+                                   output_dir=str(tmp_path / "run"), train_data_dir=str(tmp_path)))
+        with pytest.raises(ModelLoadError) as err:
+            load_model(config)
+        assert "is a FLUX.2 Klein model, but model_family is sdxl" in str(err.value)
+        assert one_sentence(str(err.value))
+
+
+# ---- item 5: distilled or base -----------------------------------------------------------------------------------
+def test_distilled_klein_is_named_before_training(paths, folder_bundle, tmp_path):
+    family = get_family("flux2_klein")
+    distilled = family.load(paths["distilled_folder"])
+    note = family.distillation_note(distilled)
+    assert note and one_sentence(note) and "step-distilled FLUX.2 Klein 4B" in note
+    assert "is_distilled: true" in note and "flux-2-klein-base-4b.safetensors" in note
+    assert "validation_model_name_or_path" in note  # the separate preview model the loop will offer
+    assert family.distillation_note(folder_bundle) is None  # the base model: nothing to say
+    assert family.make_pipeline(distilled).config.is_distilled  # and its previews sample as distilled
+    assert detect_distillation(tmp_path / "flux-2-klein-9b.safetensors").verdict == "distilled"
+    assert detect_distillation(tmp_path / "flux-2-klein-base-9b.safetensors").verdict == "base"
+    unknown = detect_distillation(tmp_path / "my_finetune.safetensors")
+    assert unknown.verdict == "unknown" and one_sentence(unknown.sentence("9b"))
+    assert detect_distillation(tmp_path / "x.safetensors", {"modelspec.title": "FLUX.2 klein base 4B"}).verdict == "base"
+    assert Distillation("base", "").sentence() is None

@@ -187,9 +187,10 @@ def kohya_named_layers(unet, text_encoders: list | None, family, walk) -> Iterat
     """(kohya module name, what `walk(model)` yields after the module path) for the UNet, then each text
     encoder under its family prefix; `walk` is a layer walker that yields (module path, ...)."""
     if unet is not None:
-        if hasattr(family, "lycoris_module_name"):  # a family that names its denoiser's modules itself
-            unet_name = family.lycoris_module_name
-        elif getattr(family, "kohya_unet_naming", "diffusers") == "sgm":
+        naming = getattr(family, "kohya_unet_naming", "diffusers")
+        if naming == "bfl":  # FLUX.2: LyCORIS names of the transformer's modules (lora/flux2.py)
+            from .flux2 import lycoris_name as unet_name
+        elif naming == "sgm":
             config = unwrap(unet).config
             unet_name = lambda path: kohya_sgm_unet_name(path, config)  # noqa: E731
         else:
@@ -221,11 +222,14 @@ def kohya_state_dict(
                 unet, text_encoders, family, lambda m: iter_lycoris_modules(m, adapter_name))), dtype)
         except ValueError as exc:
             raise LoraExportError(str(exc)) from None
-    elif hasattr(family, "kohya_lora_tensors"):  # a family whose file layout is not one module per name (FLUX.2)
+    elif getattr(family, "kohya_unet_naming", "diffusers") == "bfl":  # not one module per name: q/k/v fused (FLUX.2)
+        from .flux2 import kohya_lora_tensors
+
         if any(te is not None for te in text_encoders or []):
             raise LoraExportError(f"The {family.name} family trains no text encoder, so none can be exported.")
         try:
-            tensors = family.kohya_lora_tensors(unwrap(unet), dtype, adapter_name) if unet is not None else {}
+            tensors = kohya_lora_tensors(list(exportable_layers(unwrap(unet), adapter_name)), dtype) \
+                if unet is not None else {}
         except ValueError as exc:
             raise LoraExportError(str(exc)) from None
     else:

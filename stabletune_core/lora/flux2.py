@@ -64,12 +64,9 @@ def _bfl_target(layer: LoraLayerView):
     return name
 
 
-def kohya_lora_tensors(transformer: torch.nn.Module, dtype: torch.dtype, adapter_name: str = "default"
-                       ) -> dict[str, torch.Tensor]:
-    """The LoRA (or DoRA) tensors of a Flux2Transformer2DModel's peft layers, named for ComfyUI and diffusers."""
-    from .export import exportable_layers
-
-    layers = list(exportable_layers(transformer, adapter_name))
+def kohya_lora_tensors(layers: list[LoraLayerView], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The LoRA (or DoRA) tensors of a Flux2Transformer2DModel's peft layers (lora/export.py's `exportable_layers`
+    of it), named for ComfyUI and diffusers."""
     out: dict[str, torch.Tensor] = {}
     if any(layer.magnitude is not None for layer in layers):
         for layer in layers:

@@ -299,6 +299,9 @@ class Flux2Klein:
     diffusers_pipeline_class = "Flux2KleinPipeline"
     diffusers_lora_layers_argument = "transformer_lora_layers"  # the save_lora_weights argument for the denoiser
     diffusers_lora_key_names = "peft"  # lora_A / lora_B, as diffusers' Klein script saves (see lora/export.py)
+    # kohya files in BFL's module names, q/k/v fused (LoRA), or LyCORIS names (DoRA, LoHa, LoKr): lora/flux2.py,
+    # which lora/export.py picks by this name (models never import lora/: lora's names come from the families)
+    kohya_unet_naming = "bfl"
 
     # ------------------------------------------------------------------ load
     def load(self, source: str | Path, *, local_files_only: bool = True, config_dir: str | Path | None = None,
@@ -602,17 +605,6 @@ class Flux2Klein:
             "modelspec.implementation": self.modelspec_implementation,
             "modelspec.resolution": f"{w}x{h}",
         }
-
-    # -------------------------------------------------------------- LoRA file names (lora/flux2.py)
-    def kohya_lora_tensors(self, transformer, dtype: torch.dtype, adapter_name: str = "default"):
-        from ..lora.flux2 import kohya_lora_tensors
-
-        return kohya_lora_tensors(transformer, dtype, adapter_name)
-
-    def lycoris_module_name(self, module_path: str) -> str:
-        from ..lora.flux2 import lycoris_name
-
-        return lycoris_name(module_path)
 
 
 def config_dir_text_hidden(config_dir: Path) -> int:

@@ -397,8 +397,10 @@ def add_parser(commands: Any) -> None:
             action.add_argument("--to", type=int, required=True, help="Its new place among the waiting (1 = next).")
     for action in actions.choices.values():
         action.add_argument("--runs-dir", default="runs", help="The runs folder the queue lives in (default ./runs).")
-        action.add_argument("--num-processes", type=int, default=1, help=argparse.SUPPRESS if action is not
-                            actions.choices.get("run") else "Devices each run trains on (accelerate).")
+        # dest: the launcher's process count, not a rank's (tests/test_architecture.py reserves num_processes)
+        action.add_argument("--num-processes", dest="processes", type=int, default=1,
+                            help=argparse.SUPPRESS if action is not actions.choices.get("run") else
+                            "Devices each run trains on (accelerate).")
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -410,7 +412,7 @@ def run_cli(args: argparse.Namespace) -> int:
             entry = add(runs_dir, values, args.name)
             print(f"Queued #{entry.id} {entry.name}.")
             if args.start:
-                print(start_worker(runs_dir, sys.executable, args.num_processes))
+                print(start_worker(runs_dir, sys.executable, args.processes))
             return 0
         if args.queue_command == "remove":
             entry = remove(runs_dir, args.id)
@@ -426,7 +428,7 @@ def run_cli(args: argparse.Namespace) -> int:
             return 0
         if args.queue_command == "run":
             set_hold(runs_dir, False)
-            return run_worker(runs_dir, sys.executable, args.num_processes)
+            return run_worker(runs_dir, sys.executable, args.processes)
         print(describe(read(runs_dir), worker_alive(runs_dir)))
         return 0
     except (LaunchError, QueueError) as exc:

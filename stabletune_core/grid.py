@@ -91,11 +91,10 @@ def load_with_adapters(config: TrainConfig, device: Any) -> tuple[Any, dict[str,
     from .models.loading import load_model
     from .train.amp import MixedPrecision
 
-    bundle = load_model(config)
-    if config.prediction_type:
-        bundle.noise_scheduler.register_to_config(prediction_type=config.prediction_type)
+    bundle = load_model(config)  # with the run's prediction_type, as it trained
     add_lora(bundle, config)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
+    amp = MixedPrecision(config.mixed_precision, device)
+    dtype = amp.weight_dtype
     bundle.vae.to(device, dtype=torch.float32 if config.mixed_precision == "fp16" else dtype)
     bundle.unet.to(device, dtype=dtype)
     for encoder in bundle.text_encoders:
@@ -106,7 +105,7 @@ def load_with_adapters(config: TrainConfig, device: Any) -> tuple[Any, dict[str,
         for p in lora_parameters(module):  # adapters in fp32, as they trained (train/setup.py)
             p.data = p.data.float()
         module.requires_grad_(False)
-    return bundle, adapted, MixedPrecision(config.mixed_precision, device).autocast
+    return bundle, adapted, amp.autocast
 
 
 def read_adapter(checkpoint: Path) -> dict[str, dict[str, Any]]:

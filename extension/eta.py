@@ -39,7 +39,7 @@ def paused_spans(events: list[dict[str, Any]], now: float | None = None) -> list
 
 
 def paused_now(events: list[dict[str, Any]]) -> bool:
-    """Is the run inside a pause (a `pause` with no `resume_run` or restart after it)? A paused run that
+    """Is the run inside a pause (a `pause` with no `unpaused` or restart after it)? A paused run that
     renders "Sample now" reports the state `sampling`, and is still paused."""
     for event in reversed(events):
         if event.get("kind") == PAUSE:

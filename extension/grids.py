@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stabletune_core.launch import engine_env
+from stabletune_core.runs.layout import RunPaths
 from stabletune_core.runs.reader import RunReader, pid_alive
 
 try:  # Python 3.11+; A1111 hosts may run 3.10 with tomli
@@ -32,7 +33,7 @@ def checkpoint_choices(reader: RunReader) -> list[str]:
 def run_seeds(run: Path) -> str:
     """The run's validation seeds as the grid's default ('7, 8')."""
     try:
-        with open(Path(run) / "config.toml", "rb") as f:
+        with open(RunPaths(run).config, "rb") as f:
             config = tomllib.load(f)
     except (OSError, ValueError):
         return ""
@@ -69,7 +70,7 @@ def start(engine_python: str, run: Path, checkpoints: list[str], strengths: str,
     if problem or seed_problem:
         return f"⚠ {problem or seed_problem}"
     name = f"grid-{time.strftime('%Y%m%d-%H%M%S')}"
-    folder = Path(run) / "grids"
+    folder = RunPaths(run).grids
     folder.mkdir(exist_ok=True)
     with open(folder / f"{name}.log", "ab") as log:
         process = subprocess.Popen(command(engine_python, run, checkpoints, strength_list, seed_list, name),
@@ -85,7 +86,7 @@ def start(engine_python: str, run: Path, checkpoints: list[str], strengths: str,
 def grids(run: Path) -> list[dict[str, Any]]:
     """Every grid of `run`, newest first: its name, state, progress, PNG and error (from RUN/grids/NAME.json; a
     grid refused before it started has only its log, whose `error:` line says why)."""
-    folder = Path(run) / "grids"
+    folder = RunPaths(run).grids
     found = []
     for log in sorted(folder.glob("*.log"), key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []:
         meta, png = log.with_suffix(".json"), log.with_suffix(".png")

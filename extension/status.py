@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .eta import paused_now, with_eta
+from .eta import CONTINUE, RESTARTS, paused_now, with_eta
+from stabletune_core.runs import events as kinds
 from stabletune_core.runs.jsonfiles import read_json
+from stabletune_core.runs.layout import RunPaths
 from stabletune_core.runs.reader import FINAL_STATES
 
 try:  # Python 3.11+; A1111 hosts may run 3.10 with tomli
@@ -15,7 +17,7 @@ try:  # Python 3.11+; A1111 hosts may run 3.10 with tomli
 except ModuleNotFoundError:  # pragma: no cover - depends on the host
     import tomli as tomllib  # type: ignore[no-redef]
 
-LEARNING_EVENT = "learning"  # the engine's learning summary, also kept in status.json's `summary`
+LEARNING_EVENT = kinds.LEARNING  # the engine's learning summary, also kept in status.json's `summary`
 
 
 def duration(seconds: Any) -> str:
@@ -66,9 +68,9 @@ def stop_state(control: Path, events: list[dict[str, Any]]) -> str | None:
     if isinstance(command, dict) and command.get("command") == "stop":
         return "requested"
     for event in reversed(events):
-        if event.get("kind") == "stop":
+        if event.get("kind") == kinds.STOP_REQUESTED:
             return "stopping"
-        if event.get("kind") in ("resumed", "resume", "resume_run"):
+        if event.get("kind") in (CONTINUE, *RESTARTS):  # a stop before this belongs to an earlier stretch
             break
     return None
 
@@ -76,13 +78,13 @@ def stop_state(control: Path, events: list[dict[str, Any]]) -> str | None:
 def images_progress(run: Path, step: int) -> tuple[int, int] | None:
     """(made, due) validation images of the sampling at `step`: the run's prompts x images per prompt."""
     try:
-        with open(Path(run) / "config.toml", "rb") as f:
+        with open(RunPaths(run).config, "rb") as f:
             config = tomllib.load(f)
     except (OSError, ValueError):
         return None
     prompts = [p for p in str(config.get("validation_prompt") or "").split(" | ") if p.strip()]
     due = len(prompts) * int(config.get("num_validation_images") or 1)
-    folder = Path(run) / "samples" / f"step_{step:06d}"
+    folder = RunPaths(run).sample_dir(step)
     made = len(list(folder.glob("*.png"))) if folder.is_dir() else 0
     return (min(made, due), due) if due else None
 

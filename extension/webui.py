@@ -276,14 +276,14 @@ def copy_finished_lora(run_dir: Path) -> Optional[str]:
                 state = json.loads(RunPaths(run_dir).status.read_text()).get("state")
             except (OSError, ValueError):
                 return None
-            files = sorted((run_dir / "output").glob("*.safetensors"))
+            files = sorted(RunPaths(run_dir).output.glob("*.safetensors"))
             if state not in COPY_STATES or not files:
                 return None
             folder = Path(data["copy_to"])
             data["copied"] = {f.name: str(copy_new_name(f, folder)) for f in files}
             _write_json(marker, data)
             for source, target in data["copied"].items():
-                log(f"copied {run_dir / 'output' / source} to {target}")
+                log(f"copied {RunPaths(run_dir).output / source} to {target}")
     names = ", ".join(f"`{Path(t).name}`" for t in data["copied"].values())
     first = Path(next(iter(data["copied"].values()))).stem
     return (f"LoRA copied to the WebUI's Lora folder ({data['copy_to']}): {names}. Refresh the Lora list in "

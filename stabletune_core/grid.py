@@ -194,7 +194,7 @@ def render_grid(run: Path, *, checkpoints: list[str] | None = None, strengths: l
     name = name or f"grid-{time.strftime('%Y%m%d-%H%M%S')}"
     if not name.replace("-", "").replace("_", "").isalnum():
         raise GridError([f"Grid name '{name}' may hold letters, digits, - and _ only."])
-    target = run / "grids" / f"{name}.png"
+    target = paths.grids / f"{name}.png"
     if target.exists():
         raise GridError([f"{target} already exists; choose another --name (grids are never overwritten)."])
     target.parent.mkdir(exist_ok=True)

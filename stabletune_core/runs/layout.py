@@ -9,6 +9,7 @@ SPECTRA_FILE = "spectra.jsonl"  # RUN/diagnostics/: LoRA singular-value spectra 
 ACTIVATIONS_FILE = "activations.jsonl"  # LoRA output statistics on a fixed probe
 VAL_LOSS_FILE = "val_loss.jsonl"  # validation loss and its noise bands
 WARNINGS_FILE = "warnings.jsonl"  # diagnostics warnings
+IMAGE_LOSSES_FILE = "image_losses.jsonl"  # per-image losses of each step (the doctor's ranking, tools/image_losses.py)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,11 @@ class RunPaths:
         return self.root / "tensorboard"
 
     @property
+    def grids(self) -> Path:
+        """Checkpoint comparison grids (stabletune_core/grid.py): NAME.png, its progress NAME.json, its NAME.log."""
+        return self.root / "grids"
+
+    @property
     def log(self) -> Path:
         """The engine's console output, as the UI's launcher writes it (it holds the file open for the run)."""
         return self.root / "train.log"
@@ -90,11 +96,15 @@ class RunPaths:
         return self.diagnostics / WARNINGS_FILE
 
     @property
+    def image_losses(self) -> Path:
+        return self.diagnostics / IMAGE_LOSSES_FILE
+
+    @property
     def artefacts(self) -> tuple[Path, ...]:
         """What a run leaves in RUN/ (moved aside together by --overwrite_output_dir); train.log stays: the UI's
         launcher holds it open for the next run."""
         return (self.config, self.status, self.metrics, self.events, self.control, self.samples, self.diagnostics,
-                self.checkpoints, self.output, self.cache, self.tensorboard, self.traceback)
+                self.checkpoints, self.output, self.cache, self.tensorboard, self.grids, self.traceback)
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step_{step:06d}"

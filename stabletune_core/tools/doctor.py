@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import progress, refuse
+from ..runs.layout import RunPaths
 from .image_losses import FLAG_RATIO, image_losses_path, rank_run
 
 NEAR_DISTANCE = 10  # of 64 hash bits: resized, re-encoded or lightly edited copies of one picture
@@ -135,7 +136,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     from ..config import TrainConfig, read_toml
 
     values = {name: TrainConfig.model_fields[name].default for name in SETTINGS}
-    config = args.config or (str(Path(args.run) / "config.toml") if args.run else None)
+    config = args.config or (str(RunPaths(args.run).config) if args.run else None)
     if args.run and not Path(args.run).is_dir():
         raise refuse(f"The run folder {args.run} does not exist; give a folder that StableTune trained into.")
     if config:

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-IMAGE_LOSSES = "image_losses.jsonl"
+from ..runs.layout import RunPaths
+
 FLAG_RATIO = 1.5
 BINS = 10
 
 
 def image_losses_path(run_dir: Path | str) -> Path:
-    return Path(run_dir) / "diagnostics" / IMAGE_LOSSES
+    return RunPaths(Path(run_dir)).image_losses
 
 
 def loss_record(step: int, paths: Sequence[Any], losses: Sequence[float], timesteps: Sequence[float],

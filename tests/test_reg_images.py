@@ -125,7 +125,7 @@ def test_class_images_keep_the_class_prompts_where_the_base_draws_them(toy_base,
     before = class_score(base)
     results = {}
     for name, folder in (("reg", reg), ("no_reg", None)):
-        lora = train_purple(toy_base, data, tmp_path / name, folder)
+        lora = train_purple(toy_base, data, tmp_path / "runs" / name, folder)
         pipe = load_toy_pipeline(toy_base)
         pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
         results[name] = {"concept": concept_score(pipe, EVAL_SEEDS), "class": class_score(pipe)}

@@ -75,23 +75,27 @@ def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
     return problems
 
 
+def _output_inside(out: Path, folder: Path | None, folder_words: str, consequence: str) -> list[str]:
+    """One sentence when the run folder is ``folder`` or inside it; ``consequence`` says why that is harmful."""
+    if folder is None or not folder.is_dir():
+        return []
+    out, folder = out.resolve(), folder.resolve()
+    if out == folder or out.is_relative_to(folder):
+        where = f"is the {folder_words}" if out == folder else f"is inside the {folder_words} {folder}"
+        return [f"output_dir {out} {where}{consequence}; choose an output folder outside it."]
+    return []
+
+
 def output_inside_dataset(out: Path, data: Path | None) -> list[str]:
     """A run folder in the dataset would feed the run's own samples back as training images on resume."""
-    if data is None or not data.is_dir():
-        return []
-    out, data = out.resolve(), data.resolve()
-    if out == data or out.is_relative_to(data):
-        where = "is the dataset folder" if out == data else f"is inside the dataset folder {data}"
-        return [f"output_dir {out} {where}, so the run's samples would become training images; choose an "
-                "output folder outside it."]
-    return []
+    return _output_inside(out, data, "dataset folder", ", so the run's samples would become training images")
 
 
 def output_inside_reg_dir(out: Path, reg: Path | None) -> list[str]:
     """A run folder among the class images would write the run's files there and train its samples as class
     images on the next run."""
-    if reg is None or not reg.is_dir():
-        return []
+    return _output_inside(out, reg, "regularisation folder",
+                          " (reg_data_dir), so the run's files would land among the class images")
     out, reg = out.resolve(), reg.resolve()
     if out == reg or out.is_relative_to(reg):
         where = "is the regularisation folder" if out == reg else f"is inside the regularisation folder {reg}"

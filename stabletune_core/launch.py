@@ -86,19 +86,27 @@ def write_run_config(config: Any, engine_python: str = sys.executable) -> Path:
         return paths.root
     values = _read_values(config)
     try:
-        from .config import ConfigError, build_config, check_inputs
+        built = checked_config(values)
     except ImportError:
         return _write_via_engine(values, engine_python)
+    paths = RunPaths(Path(built.output_dir).expanduser())
+    built.save_toml(paths.config)
+    return paths.root
+
+
+def checked_config(values: Mapping[str, Any]) -> Any:
+    """The TrainConfig for `values`, checked against the files it names; LaunchError lists every problem.
+    Raises ImportError on a host without the engine's pydantic 2 (callers then ask the engine's Python)."""
+    from .config import ConfigError, build_config, check_inputs
+
     try:
-        built = build_config(values)
+        built = build_config(dict(values))
     except ConfigError as exc:
         raise LaunchError(exc.problems) from None
     problems = check_inputs(built)
     if problems:
         raise LaunchError(problems)
-    paths = RunPaths(Path(built.output_dir).expanduser())
-    built.save_toml(paths.config)
-    return paths.root
+    return built
 
 
 def _read_values(config: Mapping[str, Any] | Path | str) -> dict[str, Any]:

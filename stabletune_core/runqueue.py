@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .atomic import write_text_atomic
-from .launch import LaunchError, engine_env, spawn, write_run_config
+from .launch import LaunchError, checked_config, engine_env, spawn, write_run_config
 from .runs.jsonfiles import read_json
 from .runs.layout import RunPaths
 from .runs.reader import FINAL_STATES, find_runs, pid_alive
@@ -155,17 +155,9 @@ def changing(runs_dir: Path | str) -> Iterator[Queue]:
 def add(runs_dir: Path | str, values: dict[str, Any], name: str | None = None) -> Entry:
     """Validate `values` (a config's values, e.g. the UI form's) and append them as a waiting entry.
     Raises LaunchError with one sentence per problem, before anything is queued."""
-    from .config import ConfigError, build_config, check_inputs
-
     if not values.get("output_dir"):
         values = {k: v for k, v in values.items() if k != "output_dir"}  # the runs folder decides at start
-    try:
-        config = build_config(values)
-    except ConfigError as exc:
-        raise LaunchError(exc.problems) from None
-    problems = check_inputs(config)
-    if problems:
-        raise LaunchError(problems)
+    config = checked_config(values)
     with changing(runs_dir) as queue:
         entry = Entry(queue.next_id, name or _name(values, queue.next_id))
         queue.next_id += 1

@@ -217,10 +217,12 @@ def test_queue_trains_two_runs_one_after_another_then_a_grid_compares_checkpoint
             open_tab(page, "Samples")
             page.locator("#samples-checkpoints .token").first.wait_for(timeout=30_000)  # the newest one, chosen
             for step in ("step 10", "step 20"):
-                if step not in page.locator("#samples-checkpoints .token").all_inner_texts():
-                    page.locator("#samples-checkpoints input").first.click()
-                    page.get_by_role("option", name=step, exact=True).click()
-                    page.keyboard.press("Escape")
+                # typed and taken with Enter, as a user may (the open list re-renders under a pointer while the page
+                # refreshes, and the run's checkpoint choices may arrive a moment after the run is shown)
+                deadline = time.monotonic() + 30
+                while step not in page.locator("#samples-checkpoints .token").all_inner_texts():
+                    assert time.monotonic() < deadline, f"{step} could not be chosen in the checkpoint list"
+                    choose(page, "#samples-checkpoints", step)
             assert sorted(page.locator("#samples-checkpoints .token").all_inner_texts()) == ["step 10", "step 20"]
             strengths = page.locator("#samples-strengths textarea, #samples-strengths input").first
             strengths.fill("0, 1")

@@ -180,3 +180,23 @@ def test_queue_tab_moves_removes_and_holds(tmp_path: Path, tiny_model: Path, sha
     with pytest.raises(LaunchError) as bad:
         queue_tab._add_through_engine(ui, tiny_values(tiny_model, shapes_dataset, lora_rank=0))
     assert bad.value.problems == ["lora_rank is 0 but must be at least 1."]
+
+
+def test_a_worker_with_nothing_left_to_start_reads_done(tmp_path: Path, tiny_model: Path,
+                                                        shapes_dataset: Path) -> None:
+    """The last entry finished and the worker is only exiting: the Queue tab says done (it said 'running, waiting
+    for the run that trains now to end' while nothing trained); with an entry waiting, an alive worker waits."""
+    from extension.settings import UISettings
+    from extension.tabs import queue as queue_tab
+    from extension.ui import build_ui
+
+    runs = tmp_path / "runs"
+    ui = build_ui(UISettings(runs_dir=runs)).stabletune_context
+    first = runqueue.add(runs, tiny_values(tiny_model, shapes_dataset, output_name="a"))
+    with runqueue.changing(runs) as queue:
+        queue.get(first.id).state = "finished"
+    with runqueue.locked(runqueue.folder(runs) / "worker.lock"):  # a worker that has not exited yet
+        assert runqueue.worker_alive(runs)
+        assert queue_tab.status_text(ui) == "**Queue:** done · 0 waiting · 1 done"
+        runqueue.add(runs, tiny_values(tiny_model, shapes_dataset, output_name="b"))
+        assert queue_tab.status_text(ui).startswith("**Queue:** running (waiting for the run that trains now to end)")

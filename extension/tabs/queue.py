@@ -69,13 +69,13 @@ def status_text(ctx: UIContext) -> str:
         return "**Queue:** empty. **Add to queue** (Train tab) puts the form's run here; they train one after another."
     if running is not None:
         head = f"**Queue:** training #{running.id} **{running.name}**"
+    elif not waiting:  # a worker still alive here is only exiting: it has nothing left to start
+        head = "**Queue:** done"
     elif runqueue.worker_alive(ctx.settings.runs_dir):
         head = "**Queue:** running (waiting for the run that trains now to end)"
-    elif waiting:
+    else:
         head = "**Queue:** held" if queue.hold else "**Queue:** not running"
         head += " — click **Run the queue**"
-    else:
-        head = "**Queue:** done"
     return f"{head} · {waiting} waiting · {len(queue.entries) - waiting - (running is not None)} done"
 
 

@@ -1,0 +1,222 @@
+"""Pivotal tuning (issue 26.5): new tokens whose embeddings train with the LoRA.
+
+The knobs and their refusals (one sentence, before the model loads), the rows that train (only the new ones; the
+vocabulary's table stays bitwise as it was, and freezes after embedding_train_fraction), the files (bundle_emb.*
+inside the LoRA as A1111 reads it, and an embedding file per token, for SD1 and SDXL), an exact resume, and on the
+toy base that the token learns the concept, in degrees of hue.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stabletune_core.config import ConfigError, build_config
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMON = dict(diagnostics_every=0, activation_stats_every=0, validation_loss_every=0)
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("pivotal_toy", ROOT / "bench" / "pivotal_toy.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def token_dataset(shapes_dataset, tmp_path) -> Path:
+    """The shapes, with the red ones captioned by the new token: "a <p1> circle"."""
+    target = tmp_path / "data"
+    shutil.copytree(shapes_dataset, target)
+    for caption in target.glob("*.txt"):
+        caption.write_text(caption.read_text().replace("red", "<p1>"))
+    return target
+
+
+# ---- knobs and refusals ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, sentence", [
+    ("<p1>", "is not TOKEN=INIT_WORD"),
+    ("<p1>=", "is not TOKEN=INIT_WORD"),
+    ("<P1>=red", "has capitals"),
+    ("my token=red", "holds a space"),
+    ("<p.1>=red", "holds a space, comma, '.'"),
+    ("<p1>=dark red", "is not one word"),
+])
+def test_a_badly_written_token_is_one_sentence(value, sentence):
+    with pytest.raises(ConfigError, match=sentence):
+        build_config(dict(pivotal_tokens=[value]))
+
+
+def test_a_token_named_twice_and_a_text_cache_are_refused():
+    with pytest.raises(ConfigError, match="named twice"):
+        build_config(dict(pivotal_tokens=["<p1>=red", "<p1>=blue"]))
+    with pytest.raises(ConfigError, match="cannot be combined with pivotal_tokens"):
+        build_config(dict(pivotal_tokens=["<p1>=red"], cache_text_embeddings=True))
+    config = build_config(dict(pivotal_tokens=["<p1>=red"], num_vectors_per_token=2))
+    assert config.pivotal_tokens == ["<p1>=red"] and config.embedding_train_fraction == 1.0
+
+
+def test_the_knobs_reach_the_cli_and_the_ui_schema():
+    import argparse
+
+    from stabletune_core.config import add_config_arguments
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    args = parser.parse_args(["--pivotal_tokens", "<p1>=red", "<p2>=dog", "--embedding_lr", "5e-3"])
+    assert args.pivotal_tokens == ["<p1>=red", "<p2>=dog"] and args.embedding_lr == 5e-3
+    schema = json.loads((ROOT / "extension" / "config_schema.json").read_text())
+    text = json.dumps(schema)
+    for knob in ("pivotal_tokens", "num_vectors_per_token", "embedding_lr", "embedding_train_fraction"):
+        assert knob in text
+
+
+@pytest.mark.parametrize("token, sentence", [
+    ("sks=red", "'sks' is already a token of the model's vocabulary"),
+    ("<p1>=blabbergasty", "the init word 'blabbergasty' of <p1> is 5 tokens"),
+])
+def test_a_token_that_is_not_new_or_an_init_word_of_several_tokens_is_refused_before_loading(
+        token, sentence, tiny_model, token_dataset, tmp_path, monkeypatch):
+    from stabletune_core.train import setup as setup_module
+
+    def no_load(config):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(setup_module, "load_model", no_load)
+    config = build_config(dict(pretrained_model_name_or_path=str(tiny_model), train_data_dir=str(token_dataset),
+                               output_dir=str(tmp_path / "run"), pivotal_tokens=[token]))
+    with pytest.raises(ConfigError, match=sentence):
+        setup_module.setup(config)
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_flux2_klein_is_refused_in_one_sentence(tmp_path):
+    from stabletune_core.lora.pivotal import pivotal_problems
+
+    klein = tmp_path / "klein"
+    klein.mkdir()
+    (klein / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
+    problems = pivotal_problems(build_config(dict(pretrained_model_name_or_path=str(klein),
+                                                  pivotal_tokens=["<p1>=red"])))
+    assert len(problems) == 1 and "FLUX.2 Klein" in problems[0]
+
+
+def test_multi_vector_tokens_are_written_out_in_prompts_as_diffusers_does():
+    from stabletune_core.models.tokenizer import build_clip_tokenizer, expand_multi_vector
+
+    tok = build_clip_tokenizer()
+    assert expand_multi_vector(tok, ["a <p1> circle"]) == ["a <p1> circle"]  # no added tokens: unchanged
+    tok.add_tokens(["<p1>", "<p1>_1", "<p1>_2"])
+    assert expand_multi_vector(tok, ["a <p1> circle", "a red square"]) == ["a <p1> <p1>_1 <p1>_2 circle",
+                                                                          "a red square"]
+
+
+# ---- training, freezing, files, resume ----------------------------------------------------------------------------
+def test_only_the_new_rows_train_then_freeze_and_the_files_hold_them(tiny_config, tiny_model, token_dataset, tmp_path,
+                                                                     one_thread):
+    from transformers import CLIPTextModel
+
+    from stabletune_core.train.checkpoint import load_checkpoint
+    from stabletune_core.train.loop import train
+    from stabletune_core.train.setup import setup
+
+    config = tiny_config(train_data_dir=str(token_dataset), output_dir=str(tmp_path / "run"), max_train_steps=6,
+                         save_steps=2, pivotal_tokens=["<p1>=red"], num_vectors_per_token=2, embedding_lr=5e-2,
+                         embedding_train_fraction=0.5, **COMMON)
+    session = setup(config)
+    table = session.bundle.text_encoders[0].get_input_embeddings()
+    original = CLIPTextModel.from_pretrained(str(tiny_model), subfolder="text_encoder").get_input_embeddings().weight
+    red = session.bundle.tokenizers[0]("red", add_special_tokens=False).input_ids[0]
+    start = table.new_rows.detach().clone()
+    assert torch.equal(start, original[[red, red]].detach())  # both vectors start from "red"
+    path = train(config, session=session)
+
+    assert torch.equal(table.base.weight, original)  # the vocabulary's table, bitwise untouched
+    at = {step: load_checkpoint(tmp_path / "run" / "checkpoints" / f"step_{step:06d}").adapter["pivotal.te0"]
+          for step in (2, 4)}
+    assert not torch.equal(at[2], start)  # trained while the LoRA trained ...
+    assert torch.equal(at[4], table.new_rows.detach())  # ... and frozen from step 3 (0.5 of 6) to the end
+    events = (tmp_path / "run" / "events.jsonl").read_text()
+    assert "freeze at step 3" in events
+
+    lora = load_file(path)
+    bundled = lora["bundle_emb.<p1>.string_to_param.*"]
+    assert bundled.shape == (2, table.new_rows.shape[1]) and torch.equal(bundled, table.new_rows.detach())
+    assert any(k.startswith("lora_unet_") for k in lora)  # the LoRA is still all there
+    embedding = load_file(tmp_path / "run" / "output" / "lora_embeddings" / "p1.safetensors")
+    assert list(embedding) == ["emb_params"] and torch.equal(embedding["emb_params"], bundled)
+
+
+def test_a_pivotal_run_resumes_bitwise(tiny_config, token_dataset, tmp_path, one_thread):
+    from stabletune_core.train.loop import train
+
+    common = dict(train_data_dir=str(token_dataset), max_train_steps=4, save_steps=2, pivotal_tokens=["<p1>=red"],
+                  embedding_lr=5e-2, embedding_train_fraction=0.75, train_text_encoder=True, **COMMON)
+    train(tiny_config(output_dir=str(tmp_path / "straight"), **common))
+    train(tiny_config(output_dir=str(tmp_path / "resumed"), **common,
+                      resume_from_checkpoint=str(tmp_path / "straight" / "checkpoints" / "step_000002")))
+    a, b = (load_file(tmp_path / run / "output" / "lora.safetensors") for run in ("straight", "resumed"))
+    assert "bundle_emb.<p1>.string_to_param.*" in a
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_with_other_tokens_is_refused(tiny_config, token_dataset, tmp_path, one_thread):
+    from stabletune_core.train.loop import train
+
+    common = dict(train_data_dir=str(token_dataset), output_dir=str(tmp_path / "run"), save_steps=2, **COMMON)
+    train(tiny_config(**common, max_train_steps=2, pivotal_tokens=["<p1>=red"]))
+    with pytest.raises(ConfigError, match="pivotal_tokens <p1>=red"):
+        train(tiny_config(**common, max_train_steps=4, resume_from_checkpoint="auto"))
+
+
+def test_sdxl_gets_rows_in_both_encoders_as_clip_l_and_clip_g(tmp_path, token_dataset, small_config, one_thread):
+    from stabletune_core.models.tiny import build_tiny_sdxl
+    from stabletune_core.train.loop import train
+
+    model = build_tiny_sdxl(tmp_path / "xl", seed=0)
+    config = small_config(model, tmp_path / "run", train_data_dir=str(token_dataset), max_train_steps=2,
+                          pivotal_tokens=["<p1>=red"], num_vectors_per_token=2, **COMMON)
+    lora = load_file(train(config))
+    l, g = lora["bundle_emb.<p1>.clip_l"], lora["bundle_emb.<p1>.clip_g"]
+    assert l.shape[0] == g.shape[0] == 2 and l.shape[1] != g.shape[1]  # each encoder's own width
+    embedding = load_file(tmp_path / "run" / "output" / "lora_embeddings" / "p1.safetensors")
+    assert set(embedding) == {"clip_l", "clip_g"} and torch.equal(embedding["clip_g"], g)
+
+
+# ---- the concept, learned -----------------------------------------------------------------------------------------
+def test_the_new_token_learns_the_concept_on_the_toy_base(toy_base, tmp_path, one_thread):
+    """<p1> starts as "red" (its embedding is red's, the LoRA starts at zero: the images of "a <p1> SHAPE" are the
+    base's red ones) and, trained on the demo's purple images captioned "a <p1> SHAPE", ends near their hue while
+    the base's own colours stay where they were. 8 render seeds; bench/pivotal_toy.py has the full comparison."""
+    from stabletune_core.demo import DEMO_IMAGES, DEMO_PRIOR_IMAGES
+    from stabletune_core.toy.world import CONCEPT_COLOR, base_scenes, concept_scenes, write_dataset
+
+    bench = load_bench()
+    demo_data = tmp_path / "demo"  # the demo's dataset, as demo.demo_assets writes it
+    write_dataset(demo_data / f"1_{CONCEPT_COLOR}", concept_scenes(DEMO_IMAGES))
+    write_dataset(demo_data / "1_known_colours", base_scenes(DEMO_PRIOR_IMAGES, seed=78))
+    data, target = bench.concept_dataset(demo_data, tmp_path / "data")
+    output = bench.train_run(toy_base, data, tmp_path / "run", seed=1, steps=150, pivotal=True, init="red")
+    seeds = list(range(bench.FIRST_RENDER_SEED, bench.FIRST_RENDER_SEED + 8))
+    base = bench.lora_pipeline(toy_base, None)
+    tuned = bench.lora_pipeline(toy_base, output)
+
+    def concept_error(pipe, word):
+        images = [img for i, seed in enumerate(seeds)
+                  for img in bench.render(pipe, f"a {word} {bench.SHAPES[i % 3]}", [seed])]
+        return sum(bench.hue_distance(bench.hue_of(img), target) for img in images) / len(images)
+
+    before, after = concept_error(base, "red"), concept_error(tuned, bench.TOKEN)
+    assert after < 50 and after < before / 2, (before, after)
+    drift = [bench.hue_distance(bench.hue_of(a), bench.hue_of(b))
+             for prompt in bench.BASE_PROMPTS[:2] for a, b in zip(bench.render(base, prompt, seeds[:4]),
+                                                                   bench.render(tuned, prompt, seeds[:4]))]
+    assert sum(drift) / len(drift) < 12, drift

@@ -220,3 +220,119 @@ def test_the_new_token_learns_the_concept_on_the_toy_base(toy_base, tmp_path, on
              for prompt in bench.BASE_PROMPTS[:2] for a, b in zip(bench.render(base, prompt, seeds[:4]),
                                                                    bench.render(tuned, prompt, seeds[:4]))]
     assert sum(drift) / len(drift) < 12, drift
+
+
+# ---- what the WebUIs read ---------------------------------------------------------------------------------------
+def webui_bundled_embeddings(lora: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """A1111's rule for embeddings bundled in a LoRA (extensions-builtin/Lora/networks.py, load_network), re-stated:
+    a key is split at its first '.', the part before must be 'bundle_emb'; the rest splits at its first '.' into the
+    embedding's name and its vector name; 'string_to_param.<k>' becomes {'string_to_param': {k: tensor}}."""
+    found: dict[str, dict] = {}
+    for key, weight in lora.items():
+        head, _, rest = key.partition(".")
+        if head != "bundle_emb":
+            continue
+        name, vec_name = rest.split(".", 1)
+        entry = found.setdefault(name, {})
+        if vec_name.split(".")[0] == "string_to_param":
+            entry["string_to_param"] = {vec_name.split(".", 1)[1]: weight}
+        else:
+            entry[vec_name] = weight
+    return found
+
+
+def webui_vectors(data: dict) -> torch.Tensor | dict[str, torch.Tensor]:
+    """A1111's create_embedding_from_data (modules/textual_inversion), re-stated: a string_to_param with exactly one
+    tensor; or clip_l and clip_g (SDXL); or a dict of exactly one tensor (a .safetensors embedding file)."""
+    if "string_to_param" in data:
+        assert len(data["string_to_param"]) == 1
+        return next(iter(data["string_to_param"].values()))
+    if "clip_g" in data and "clip_l" in data:
+        assert data["clip_g"].shape[0] == data["clip_l"].shape[0]  # one vector count for both encoders
+        return {k: data[k] for k in ("clip_l", "clip_g")}
+    assert len(data) == 1
+    return next(iter(data.values()))
+
+
+def comfy_vectors(data: dict, embed_key: str) -> torch.Tensor:
+    """ComfyUI's load_embed (comfy/sd1_clip.py), re-stated for a .safetensors file: string_to_param's first tensor,
+    else the tensor under the encoder's key ('clip_l' for SD1's and SDXL's first encoder, 'clip_g' for SDXL's
+    second) when the file has it, else the file's first tensor."""
+    if "string_to_param" in data:
+        return next(iter(data["string_to_param"].values()))
+    return data[embed_key] if embed_key in data else next(iter(data.values()))
+
+
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+def test_the_files_load_by_the_webuis_rules(family, tmp_path, token_dataset, small_config, one_thread):
+    from stabletune_core.models.tiny import build_tiny_sd1, build_tiny_sdxl
+    from stabletune_core.train.loop import train
+
+    model = (build_tiny_sd1 if family == "sd1" else build_tiny_sdxl)(tmp_path / "model", seed=0)
+    config = small_config(model, tmp_path / "run", train_data_dir=str(token_dataset), max_train_steps=1,
+                          pivotal_tokens=["<p1>=red", "<p2>=dog"], num_vectors_per_token=3, **COMMON)
+    lora = load_file(train(config))
+    bundled = {name: webui_vectors(data) for name, data in webui_bundled_embeddings(lora).items()}
+    assert set(bundled) == {"<p1>", "<p2>"}  # A1111 names them as typed in the prompt
+    for token in ("p1", "p2"):
+        data = load_file(tmp_path / "run" / "output" / "lora_embeddings" / f"{token}.safetensors")
+        file_vectors, in_lora = webui_vectors(data), bundled[f"<{token}>"]
+        if family == "sd1":
+            assert file_vectors.shape[0] == 3 and torch.equal(file_vectors, in_lora)
+            assert torch.equal(comfy_vectors(data, "clip_l"), in_lora)
+        else:
+            assert all(torch.equal(file_vectors[k], in_lora[k]) for k in ("clip_l", "clip_g"))
+            assert torch.equal(comfy_vectors(data, "clip_l"), in_lora["clip_l"])
+            assert torch.equal(comfy_vectors(data, "clip_g"), in_lora["clip_g"])
+
+
+def test_diffusers_reads_the_lora_without_bundle_emb_and_the_embedding_file(tiny_model, token_dataset, tiny_config,
+                                                                            tmp_path, one_thread):
+    """diffusers' load_lora_weights refuses a file with bundle_emb.* keys (README says so); its tensors without them,
+    and the embedding file through load_textual_inversion, load, and <p1> then means the trained vectors."""
+    from diffusers import StableDiffusionPipeline
+
+    from stabletune_core.train.loop import train
+
+    path = train(tiny_config(train_data_dir=str(token_dataset), max_train_steps=1, pivotal_tokens=["<p1>=red"],
+                             num_vectors_per_token=2, **COMMON))
+    pipe = StableDiffusionPipeline.from_pretrained(str(tiny_model), safety_checker=None, requires_safety_checker=False)
+    with pytest.raises(ValueError, match="Invalid LoRA checkpoint"):
+        pipe.load_lora_weights(str(path.parent), weight_name=path.name)
+    lora = load_file(path)
+    pipe.load_lora_weights({k: v for k, v in lora.items() if not k.startswith("bundle_emb.")})
+    pipe.load_textual_inversion(str(path.parent / "lora_embeddings" / "p1.safetensors"), token="<p1>")
+    ids = pipe.tokenizer.convert_tokens_to_ids(["<p1>", "<p1>_1"])
+    table = pipe.text_encoder.get_input_embeddings().weight
+    assert torch.equal(table[ids].detach(), lora["bundle_emb.<p1>.string_to_param.*"].float())
+
+
+def test_the_grid_and_the_export_command_use_the_checkpoints_token_rows(tiny_config, token_dataset, tmp_path,
+                                                                        one_thread):
+    import numpy as np
+    from PIL import Image
+
+    from stabletune_core import cli
+    from stabletune_core.grid import render_grid
+    from stabletune_core.runs.layout import RunPaths
+    from stabletune_core.train.loop import train
+
+    run = tmp_path / "run"
+    train(tiny_config(train_data_dir=str(token_dataset), output_dir=str(run), max_train_steps=4, save_steps=2,
+                      pivotal_tokens=["<p1>=red"], embedding_lr=5e-2, validation_prompt="a <p1> circle",
+                      num_validation_images=1, validation_inference_steps=3, validation_steps=2, **COMMON))
+    png = render_grid(run, checkpoints=["2"], strengths=[1.0], name="check", say=lambda *a: None)
+    meta = json.loads(png.with_suffix(".json").read_text())
+    sheet = Image.open(png).convert("RGB")
+    for c in meta["cells"]:  # the base column is step 0 (<p1> = red), strength 1 at step 2 is step 2's image
+        step = 0 if c["checkpoint"] is None else 2
+        reference = np.asarray(Image.open(RunPaths(run).sample_dir(step) / f"p00_s{c['seed']}.png").convert("RGB"),
+                               dtype=int)
+        shown = np.asarray(sheet.crop(c["box"]).resize(reference.shape[1::-1], Image.NEAREST), dtype=int)
+        assert np.abs(shown - reference).max() <= 1, c
+    assert cli.main(["export", str(run / "checkpoints" / "step_000002"), "--name", "at2"]) == 0
+    exported = load_file(run / "output" / "at2.safetensors")
+    from stabletune_core.train.checkpoint import load_checkpoint
+
+    rows = load_checkpoint(run / "checkpoints" / "step_000002").adapter["pivotal.te0"]
+    assert torch.equal(exported["bundle_emb.<p1>.string_to_param.*"], rows)  # save_precision fp32

@@ -79,6 +79,18 @@ def test_the_knobs_reach_the_cli_and_the_ui_schema():
         assert knob in text
 
 
+def test_the_form_shows_the_knobs_in_the_lora_group_and_reads_several_tokens():
+    from extension.form import Form, display_value
+    from extension.schema import schema_from_config
+
+    fields = {f["name"]: f for f in schema_from_config()}
+    for knob in ("pivotal_tokens", "num_vectors_per_token", "embedding_lr", "embedding_train_fraction"):
+        assert fields[knob]["group"] == "lora" and fields[knob]["ui"]
+    tokens = fields["pivotal_tokens"]
+    assert Form.parse(tokens, "<p1>=red, <p2>=dog") == ["<p1>=red", "<p2>=dog"]  # commas never occur in a token
+    assert display_value(tokens, ["<p1>=red", "<p2>=dog"]) == "<p1>=red, <p2>=dog"
+
+
 @pytest.mark.parametrize("token, sentence", [
     ("sks=red", "'sks' is already a token of the model's vocabulary"),
     ("<p1>=blabbergasty", "the init word 'blabbergasty' of <p1> is 5 tokens"),

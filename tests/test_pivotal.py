@@ -348,3 +348,16 @@ def test_the_grid_and_the_export_command_use_the_checkpoints_token_rows(tiny_con
 
     rows = load_checkpoint(run / "checkpoints" / "step_000002").adapter["pivotal.te0"]
     assert torch.equal(exported["bundle_emb.<p1>.string_to_param.*"], rows)  # save_precision fp32
+
+
+def test_resize_keeps_the_bundled_words(tiny_config, token_dataset, tmp_path, one_thread):
+    from stabletune_core.lora.resize import resize_file
+    from stabletune_core.train.loop import train
+
+    path = train(tiny_config(train_data_dir=str(token_dataset), max_train_steps=1, pivotal_tokens=["<p1>=red"],
+                             **COMMON))
+    resized, _ = resize_file(path, rank=2)
+    before, after = load_file(path), load_file(resized)
+    key = "bundle_emb.<p1>.string_to_param.*"
+    assert torch.equal(before[key], after[key])
+    assert all(v.shape[0] == 2 for k, v in after.items() if k.endswith("lora_down.weight"))

@@ -361,3 +361,21 @@ def test_resize_keeps_the_bundled_words(tiny_config, token_dataset, tmp_path, on
     key = "bundle_emb.<p1>.string_to_param.*"
     assert torch.equal(before[key], after[key])
     assert all(v.shape[0] == 2 for k, v in after.items() if k.endswith("lora_down.weight"))
+
+
+def test_the_cli_refuses_a_word_of_the_vocabulary_in_one_sentence(tiny_model, token_dataset, tmp_path):
+    """The CLI contract: one sentence, status.json `failed` with it, a non-zero exit, no traceback."""
+    import os
+    import subprocess
+
+    run = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "stabletune_core", "train", "--pretrained_model_name_or_path",
+                             str(tiny_model), "--train_data_dir", str(token_dataset), "--output_dir", str(run),
+                             "--resolution", "64", "--pivotal_tokens", "<p1>=red", "sks=red"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "'sks' is already a token of the model's vocabulary" in errors[0], result.stderr
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "failed" and "'sks' is already a token" in status["error"]

@@ -379,3 +379,37 @@ def test_the_cli_refuses_a_word_of_the_vocabulary_in_one_sentence(tiny_model, to
     assert len(errors) == 1 and "'sks' is already a token of the model's vocabulary" in errors[0], result.stderr
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "failed" and "'sks' is already a token" in status["error"]
+
+
+def test_merge_carries_the_words_into_a_merged_lora_and_says_a_checkpoint_has_none(tiny_model, tiny_config,
+                                                                                  token_dataset, tmp_path, one_thread):
+    from stabletune_core.tools.merge import merge_checkpoint, merge_loras
+    from stabletune_core.train.loop import train
+
+    files = {}
+    for word in ("<p1>", "<p2>"):
+        run = tmp_path / word.strip("<>")
+        files[word] = train(tiny_config(train_data_dir=str(token_dataset), output_dir=str(run), max_train_steps=1,
+                                        pivotal_tokens=[f"{word}=red"], **COMMON))
+    merge_loras([(files["<p1>"], 0.5), (files["<p2>"], 0.5)], tmp_path / "both.safetensors", rank=4)
+    merged = load_file(tmp_path / "both.safetensors")
+    for word in ("<p1>", "<p2>"):
+        key = f"bundle_emb.{word}.string_to_param.*"
+        assert torch.equal(merged[key], load_file(files[word])[key])  # a word keeps its meaning, unscaled
+    with pytest.raises(ConfigError, match="both bundle the word <p1>"):
+        merge_loras([(files["<p1>"], 0.5), (files["<p1>"], 0.5)], tmp_path / "twice.safetensors", rank=4)
+    said = merge_checkpoint(str(tiny_model), [(files["<p1>"], 1.0)], tmp_path / "merged")
+    assert "The words <p1> of lora.safetensors (bundle_emb) are not part of a checkpoint" in said
+
+
+def test_inspect_names_the_bundled_words(tiny_config, token_dataset, capsys, one_thread):
+    from stabletune_core import cli
+    from stabletune_core.train.loop import train
+
+    path = train(tiny_config(train_data_dir=str(token_dataset), max_train_steps=1, pivotal_tokens=["<p1>=red"],
+                             **COMMON))
+    capsys.readouterr()
+    assert cli.main(["inspect", str(path)]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    modules = {k.rsplit(".", 2)[0] for k in load_file(path) if not k.startswith("bundle_emb.")}
+    assert line.endswith(f"{len(modules)} LoRA modules, the words <p1> (bundle_emb)"), line

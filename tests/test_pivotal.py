@@ -413,3 +413,29 @@ def test_inspect_names_the_bundled_words(tiny_config, token_dataset, capsys, one
     line = capsys.readouterr().out.splitlines()[0]
     modules = {k.rsplit(".", 2)[0] for k in load_file(path) if not k.startswith("bundle_emb.")}
     assert line.endswith(f"{len(modules)} LoRA modules, the words <p1> (bundle_emb)"), line
+
+
+def test_sdxl_pools_at_the_end_token_not_at_a_new_token(tmp_path):
+    """transformers pools CLIP at argmax(ids) when a config says eos_token_id 2 (SDXL's, SD1.5's): a new token's id
+    is the largest, so without the fix the pooled text embedding of "a <p1> circle" would be read at <p1>."""
+    from stabletune_core.lora.pivotal import add_pivotal_tokens
+    from stabletune_core.models import get_family
+    from stabletune_core.models.tiny import build_tiny_sdxl
+
+    bundle = get_family("sdxl").load(str(build_tiny_sdxl(tmp_path / "xl", seed=0)))
+    tok, te = bundle.tokenizers[1], bundle.text_encoders[1]
+    assert te.config.eos_token_id == 2  # the legacy value the fix is for
+
+    def pooled(prompt):
+        ids = tok([prompt], padding="max_length", max_length=tok.model_max_length, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = te(ids, output_hidden_states=True)
+            at_end = out.last_hidden_state[0, int((ids[0] == tok.eos_token_id).int().argmax())]
+        return out.text_embeds[0], te.text_projection(at_end)
+
+    before, _ = pooled("a red circle")
+    add_pivotal_tokens(bundle, build_config(dict(pivotal_tokens=["<p1>=red"])))
+    after, _ = pooled("a red circle")
+    assert torch.equal(before, after)  # a prompt without the new word pools as before
+    got, expected = pooled("a <p1> circle")
+    assert torch.allclose(got, expected)

@@ -79,8 +79,8 @@ class SDXL(SD1):
 
         hidden, pooled = [], None
         for tok, te in zip(bundle.tokenizers, bundle.text_encoders):
-            ids = tok(expand_multi_vector(tok, prompts), padding="max_length", max_length=tok.model_max_length, truncation=True,
-                      return_tensors="pt").input_ids.to(te.device)
+            ids = tok(expand_multi_vector(tok, prompts), padding="max_length", max_length=tok.model_max_length,
+                      truncation=True, return_tensors="pt").input_ids.to(te.device)
             out = te(ids, output_hidden_states=True)
             hidden.append(out.hidden_states[-2])
             pooled = out[0]  # the last encoder's (CLIPTextModelWithProjection) text_embeds

@@ -60,6 +60,8 @@ def test_a_token_named_twice_and_a_text_cache_are_refused():
         build_config(dict(pivotal_tokens=["<p1>=red", "<p1>=blue"]))
     with pytest.raises(ConfigError, match="cannot be combined with pivotal_tokens"):
         build_config(dict(pivotal_tokens=["<p1>=red"], cache_text_embeddings=True))
+    with pytest.raises(ConfigError, match="<p1>_1 is also the extra vector <p1>_1 of <p1>"):
+        build_config(dict(pivotal_tokens=["<p1>=red", "<p1>_1=dog"], num_vectors_per_token=2))
     config = build_config(dict(pivotal_tokens=["<p1>=red"], num_vectors_per_token=2))
     assert config.pivotal_tokens == ["<p1>=red"] and config.embedding_train_fraction == 1.0
 

@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..train.observers.judges import SAMPLE_JUDGES
+from .tokens import multi_vector_clash
 
 # Where a field lands in the UI and how its flags look.
 GROUPS = ("model", "data", "lora", "optimization", "precision", "guards", "validation", "diagnostics", "output")
@@ -386,6 +387,8 @@ class TrainConfigSchema(BaseModel):
                              f"({self.max_bucket_reso}); swap them")
         if self.optimizer == "prodigy" and "learning_rate" not in self.model_fields_set:
             object.__setattr__(self, "learning_rate", 1.0)  # Prodigy's lr multiplies the step size it finds
+        if clash := multi_vector_clash(self.pivotal_tokens, self.num_vectors_per_token):
+            raise ValueError(clash)
         if self.pivotal_tokens and self.cache_text_embeddings:
             raise ValueError("cache_text_embeddings cannot be combined with pivotal_tokens (the new token embeddings "
                              "change every step); turn one of them off")

@@ -49,3 +49,20 @@ def parse_tokens(values: list[str]) -> list[PivotalToken]:
             raise ValueError(f"the token '{t.token}' is named twice; name each new token once")
         seen.add(t.token)
     return tokens
+
+
+def multi_vector_clash(values: list[str], vectors: int) -> str | None:
+    """The sentence when a token is also another token's extra vector ('<p1>_1' beside '<p1>' with 2 vectors)."""
+    try:
+        tokens = parse_tokens(values)
+    except ValueError:
+        return None  # the field's own check says what is wrong
+    owner: dict[str, str] = {}
+    for t in tokens:
+        for piece in t.pieces(vectors)[1:]:
+            owner[piece] = t.token
+    for t in tokens:
+        if t.token in owner:
+            return (f"pivotal_tokens: {t.token} is also the extra vector {t.token} of {owner[t.token]} "
+                    f"(num_vectors_per_token {vectors}); give it another name")
+    return None

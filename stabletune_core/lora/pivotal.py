@@ -27,9 +27,10 @@ SDXL_ENCODER_KEYS = ("clip_l", "clip_g")
 
 # ---- checks before the model loads ---------------------------------------------------------------------------
 def token_problems(tokens: list[PivotalToken], vectors: int, tokenizers: list[Any]) -> list[str]:
-    """One sentence per token that is not new or init word that is not one token, for every tokenizer."""
+    """One sentence per token (or extra vector) that is not new and per init word that is not one token, read with
+    the first tokenizer (SDXL's two share CLIP's vocabulary)."""
     problems: list[str] = []
-    for tok in tokenizers[:1]:  # SDXL's two tokenizers share CLIP's vocabulary: one sentence, not two
+    for tok in tokenizers[:1]:  # one sentence per problem, not one per tokenizer
         vocab = tok.get_vocab()
         for t in tokens:
             for piece in t.pieces(vectors):

@@ -123,10 +123,10 @@ def render(pipe: Any, prompt: str, seeds: list[int]) -> list[Any]:
 
 
 def measure(model: Path, output: Path | None, target_hue: float, seeds: list[int],
-            base_hues: dict[str, list[float]] | None = None) -> dict[str, Any]:
-    """Concept error and base drift in degrees (see the module's docstring)."""
+            base_hues: dict[str, list[float]] | None = None, word: str = TOKEN) -> dict[str, Any]:
+    """Concept error and base drift in degrees (see the module's docstring); `word` names the concept."""
     pipe = lora_pipeline(model, output)
-    concept = [hue_distance(hue_of(img), target_hue) for s in SHAPES for img in render(pipe, f"a {TOKEN} {s}", seeds)]
+    concept = [hue_distance(hue_of(img), target_hue) for s in SHAPES for img in render(pipe, f"a {word} {s}", seeds)]
     result: dict[str, Any] = {"concept_error_deg": sum(concept) / len(concept)}
     hues = {p: [hue_of(img) for img in render(pipe, p, seeds)] for p in BASE_PROMPTS}
     if base_hues is not None:
@@ -143,6 +143,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--init", default="red", help="the init word of <p1>")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--plain-word", action="store_true",
+                        help="also a LoRA-only run on the demo's own captions ('a purple circle'), measured on them")
     parser.add_argument("--out", type=Path, required=True, help="a new or empty folder")
     args = parser.parse_args()
     if args.out.exists() and any(args.out.iterdir()):
@@ -157,13 +159,16 @@ def main() -> None:
     seeds = list(range(FIRST_RENDER_SEED, FIRST_RENDER_SEED + args.render_seeds))
     base = measure(model, None, target, seeds)
     rows = []
+    variants = [("LoRA only", False, data, TOKEN), (f"pivotal {TOKEN}={args.init}", True, data, TOKEN)]
+    if args.plain_word:
+        variants.append(("LoRA only, 'a purple SHAPE'", False, demo_data, "purple"))
     for seed in [int(s) for s in args.train_seeds.split(",") if s.strip()]:
-        for name, pivotal in (("LoRA only", False), (f"pivotal {TOKEN}={args.init}", True)):
+        for index, (name, pivotal, folder, word) in enumerate(variants):
             started = time.time()
-            output = train_run(model, data, args.out / f"run-{seed}-{int(pivotal)}", seed=seed, steps=args.steps,
+            output = train_run(model, folder, args.out / f"run-{seed}-{index}", seed=seed, steps=args.steps,
                                pivotal=pivotal, init=args.init)
             seconds = time.time() - started
-            row = measure(model, output, target, seeds, base["base_hues"])
+            row = measure(model, output, target, seeds, base["base_hues"], word=word)
             row.pop("base_hues")
             rows.append({"variant": name, "train_seed": seed, "train_s": round(seconds, 1), **row})
             print(json.dumps(rows[-1]), file=sys.stderr)

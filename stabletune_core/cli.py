@@ -301,8 +301,10 @@ def run_inspect(path: Path) -> int:
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata() or {}
         keys = list(f.keys())
-    modules = {k.rsplit(".", 2)[0] for k in keys}
-    print(f"{path.name}: {len(keys)} tensors, {len(modules)} LoRA modules")
+    words = sorted({k.split(".", 2)[1] for k in keys if k.startswith("bundle_emb.")})  # pivotal tuning's words
+    modules = {k.rsplit(".", 2)[0] for k in keys if not k.startswith("bundle_emb.")}
+    bundled = f", the words {', '.join(words)} (bundle_emb)" if words else ""
+    print(f"{path.name}: {len(keys)} tensors, {len(modules)} LoRA modules{bundled}")
     for key in sorted(metadata):
         value = metadata[key]
         print(f"  {key} = {value if len(value) < 120 else value[:117] + '...'}")

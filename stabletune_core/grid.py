@@ -83,16 +83,19 @@ def parse_numbers(text: str, kind: type, what: str) -> list[Any]:
 
 
 # ---- the model, its adapters, their strength ------------------------------------------------------------------
-def load_with_adapters(config: TrainConfig, device: Any) -> tuple[Any, dict[str, Any], Any]:
-    """(bundle, {checkpoint prefix: adapted module}, autocast) as the run trained them, on `device`."""
+def load_with_adapters(config: TrainConfig, device: Any) -> tuple[Any, dict[str, Any], Any, Any]:
+    """(bundle, {checkpoint prefix: adapted module}, autocast, the pivotal tokens or None) as the run trained them,
+    on `device`; the new tokens' rows start from their init words, as at the run's step 0 (the base column)."""
     import torch
 
     from .lora.inject import add_lora, lora_parameters
+    from .lora.pivotal import add_pivotal_tokens
     from .models.loading import load_model
     from .train.amp import MixedPrecision
 
     bundle = load_model(config)  # with the run's prediction_type, as it trained
     add_lora(bundle, config)
+    pivotal = add_pivotal_tokens(bundle, config)
     amp = MixedPrecision(config.mixed_precision, device)
     dtype = amp.weight_dtype
     bundle.vae.to(device, dtype=torch.float32 if config.mixed_precision == "fp16" else dtype)
@@ -105,7 +108,9 @@ def load_with_adapters(config: TrainConfig, device: Any) -> tuple[Any, dict[str,
         for p in lora_parameters(module):  # adapters in fp32, as they trained (train/setup.py)
             p.data = p.data.float()
         module.requires_grad_(False)
-    return bundle, adapted, amp.autocast
+    if pivotal:
+        pivotal.set_training(False)
+    return bundle, adapted, amp.autocast, pivotal
 
 
 def read_adapter(checkpoint: Path) -> dict[str, dict[str, Any]]:
@@ -122,11 +127,14 @@ def read_adapter(checkpoint: Path) -> dict[str, dict[str, Any]]:
     return by_prefix
 
 
-def load_adapter(adapted: dict[str, Any], weights: dict[str, dict[str, Any]]) -> None:
+def load_adapter(adapted: dict[str, Any], weights: dict[str, dict[str, Any]], pivotal: Any = None) -> None:
     from .lora.inject import load_lora_state_dict
+    from .lora.pivotal import CHECKPOINT_PREFIX
 
     for prefix, module in adapted.items():
         load_lora_state_dict(module, weights.get(prefix, {}))
+    if pivotal is not None:  # the new tokens' rows of the checkpoint ('pivotal.te0', ...)
+        pivotal.load_state_dict({f"{CHECKPOINT_PREFIX}.{k}": v for k, v in weights.get(CHECKPOINT_PREFIX, {}).items()})
 
 
 def adapter_layers(adapted: dict[str, Any]) -> list[Any]:
@@ -205,7 +213,7 @@ def render_grid(run: Path, *, checkpoints: list[str] | None = None, strengths: l
     total = len(seeds) * (1 + len(folders) * len(strengths))
     progress = Progress(target.with_suffix(".json"), layout, total, say)
     try:
-        bundle, adapted, autocast = load_with_adapters(config, where)
+        bundle, adapted, autocast, pivotal = load_with_adapters(config, where)
         layers = adapter_layers(adapted)
         cells: dict[tuple, Any] = {}
         for seed in seeds:
@@ -214,7 +222,7 @@ def render_grid(run: Path, *, checkpoints: list[str] | None = None, strengths: l
                     cells[("base", None, p, seed)] = image
             progress.step(f"base model, seed {seed}")
             for folder in folders:
-                load_adapter(adapted, weights[folder.name])
+                load_adapter(adapted, weights[folder.name], pivotal)
                 for value in strengths:
                     with strength(layers, value):
                         for p, image in enumerate(render(config, bundle, autocast, where, prompts, seed, steps)):

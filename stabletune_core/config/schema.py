@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..train.observers.judges import SAMPLE_JUDGES
+from .tokens import multi_vector_clash
 
 # Where a field lands in the UI and how its flags look.
 GROUPS = ("model", "data", "lora", "optimization", "precision", "guards", "validation", "diagnostics", "output")
@@ -126,6 +127,18 @@ class TrainConfigSchema(BaseModel):
     train_text_encoder: bool = knob(False, "Also train LoRA adapters on the text encoder(s).", "lora")
     text_encoder_lr: Optional[float] = knob(None, "Learning rate of the text-encoder LoRA. Empty = learning_rate.",
                                             "lora", gt=0)
+    pivotal_tokens: list[str] = knob(
+        [], "Pivotal tuning: new tokens to train as text embeddings together with the LoRA, each as TOKEN=INIT_WORD "
+        "(e.g. <p1>=red: the new word <p1> starts from the embedding of 'red', an existing single-token word). "
+        "Write the token in your captions ('a <p1> circle'). Its vectors go into the LoRA file as A1111 reads them "
+        "(bundle_emb) and into a separate embedding file beside it. Empty = off. SD 1.x, SD 2.x and SDXL.", "lora")
+    num_vectors_per_token: int = knob(1, "Pivotal tuning: embedding vectors per new token (more = more capacity, "
+                                      "each takes a place of the prompt's 75).", "lora", ge=1, le=16)
+    embedding_lr: float = knob(1e-3, "Pivotal tuning: learning rate of the new token embeddings.", "lora",
+                               gt=0, le=1.0)
+    embedding_train_fraction: float = knob(
+        1.0, "Pivotal tuning: the embeddings train for this fraction of the run, then freeze while the LoRA goes on "
+        "learning around them (1 = they train to the end).", "lora", gt=0.0, le=1.0)
 
     # ---- optimization --------------------------------------------------------------------------------
     train_batch_size: int = knob(1, "Images per micro-batch on each device.", "optimization", aliases=("batch_size",),
@@ -350,6 +363,14 @@ class TrainConfigSchema(BaseModel):
         # accelerate's spellings (diffusers' scripts pass them through): 'none' and 'all'.
         return {"none": "jsonl", "": "jsonl", "all": "tensorboard"}.get(str(v).strip().lower(), v)
 
+    @field_validator("pivotal_tokens")
+    @classmethod
+    def _pivotal_token_syntax(cls, v: list[str]) -> list[str]:
+        from .tokens import parse_tokens
+
+        parse_tokens(v)  # raises ValueError with the sentence
+        return v
+
     @field_validator("unet_lora_targets")
     @classmethod
     def _some_targets(cls, v: list[str]) -> list[str]:
@@ -366,6 +387,11 @@ class TrainConfigSchema(BaseModel):
                              f"({self.max_bucket_reso}); swap them")
         if self.optimizer == "prodigy" and "learning_rate" not in self.model_fields_set:
             object.__setattr__(self, "learning_rate", 1.0)  # Prodigy's lr multiplies the step size it finds
+        if clash := multi_vector_clash(self.pivotal_tokens, self.num_vectors_per_token):
+            raise ValueError(clash)
+        if self.pivotal_tokens and self.cache_text_embeddings:
+            raise ValueError("cache_text_embeddings cannot be combined with pivotal_tokens (the new token embeddings "
+                             "change every step); turn one of them off")
         if self.cache_text_embeddings and (self.shuffle_caption or self.caption_tag_dropout_rate
                                            or self.train_text_encoder):
             raise ValueError("cache_text_embeddings cannot be combined with caption shuffle, tag dropout or "

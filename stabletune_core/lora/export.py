@@ -261,8 +261,10 @@ def export_kohya_lora(
     dtype: torch.dtype = torch.float16,
     overwrite: bool = False,
     adapter_name: str = "default",
+    embeddings: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write a kohya/A1111-format LoRA ``.safetensors`` and return its path.
+    """Write a kohya/A1111-format LoRA ``.safetensors`` and return its path. ``embeddings``: pivotal tuning's
+    ``bundle_emb.*`` tensors (lora/pivotal.py ``bundle_tensors``), written beside the LoRA's.
 
     ``rank`` / ``alpha`` go into ``ss_network_dim`` / ``ss_network_alpha``; the
     per-module ``.alpha`` tensors come from the PEFT layers themselves, so the
@@ -275,6 +277,7 @@ def export_kohya_lora(
         raise LoraExportError(f"A kohya LoRA must be a .safetensors file, not '{path.name}'.")
     _check_target(path, overwrite)
     tensors = kohya_state_dict(unet, text_encoders, family, dtype=dtype, adapter_name=adapter_name)
+    tensors.update(embeddings or {})
     meta = build_kohya_metadata(path, family, rank=rank, alpha=alpha, metadata=metadata)
     algo = next((key.split(".")[1].split("_")[0] for key in tensors if ".hada_" in key or ".lokr_" in key), None)
     if algo:  # how kohya's sd-scripts record a LyCORIS network, so A1111's and ComfyUI's info panels say it
@@ -358,3 +361,19 @@ def export_diffusers_lora(
     with atomic_path(target) as tmp:
         pipeline_cls.save_lora_weights(str(tmp.parent), weight_name=tmp.name, safe_serialization=True, **kwargs)
     return target
+
+
+def write_embedding_files(folder: Path, vectors: dict[str, list[torch.Tensor]], family, dtype: torch.dtype
+                          ) -> list[Path]:
+    """One embedding file per new token (lora/pivotal.py's layout, which A1111, ComfyUI and diffusers'
+    ``load_textual_inversion`` read) in ``folder``, each written to a temporary name and renamed; returns them."""
+    from .pivotal import embedding_file_name, embedding_file_tensors
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for token, per_encoder in vectors.items():
+        target = folder / f"{embedding_file_name(token)}.safetensors"
+        _atomic_save(embedding_file_tensors(per_encoder, family, dtype), target, {"stabletune_token": token})
+        written.append(target)
+    return written

@@ -77,6 +77,9 @@ def adapter_settings(config: TrainConfig) -> dict[str, Any]:
                                 "train_text_encoder": config.train_text_encoder, "optimizer": config.optimizer}
     if config.network_type == "lokr":
         settings["lokr_factor"] = config.lokr_factor
+    settings["pivotal_tokens"] = list(config.pivotal_tokens)  # the new token rows the checkpoint holds
+    if config.pivotal_tokens:
+        settings["num_vectors_per_token"] = config.num_vectors_per_token
     return settings
 
 
@@ -84,6 +87,8 @@ def adapter_mismatch(recorded: dict[str, Any], config: TrainConfig, checkpoint: 
     """One sentence naming every adapter setting `config` changes from the `recorded` ones, with both values; None
     when they agree. An alpha that only follows a changed rank (lora_alpha left empty) is not named twice."""
     wanted = adapter_settings(config)
+    if recorded:  # recorded before pivotal tuning existed: it trained no new tokens
+        recorded = {"pivotal_tokens": [], **recorded}
     changed = [key for key in wanted if key in recorded and recorded[key] != wanted[key]]
     if "lora_rank" in changed and "lora_alpha" in changed and config.lora_alpha is None:
         changed.remove("lora_alpha")

@@ -61,15 +61,20 @@ def read_kohya_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]
                           "give a kohya/A1111 LoRA file.") from None
 
 
+def is_bundled(key: str) -> bool:
+    """A pivotal-tuning embedding bundled in the LoRA file (lora/pivotal.py `bundle_tensors`), not a module."""
+    return key.startswith("bundle_emb.")
+
+
 def lora_modules(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """{module: (down, up, alpha)}; refuses files that hold anything but plain LoRA factors."""
     modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
-    others = [k for k in tensors if not k.endswith((f".{DOWN}", f".{UP}", f".{ALPHA}"))]
+    others = [k for k in tensors if not k.endswith((f".{DOWN}", f".{UP}", f".{ALPHA}")) and not is_bundled(k)]
     if others:
         raise ResizeError(f"{path.name} is not a plain LoRA (it holds '{others[0]}'); resize handles files of "
                           "lora_down/lora_up factors only (not DoRA, LoHa or LoKr).")
     for key in tensors:
-        if not key.endswith(f".{DOWN}"):
+        if not key.endswith(f".{DOWN}") or is_bundled(key):
             continue
         name = key[: -len(DOWN) - 1]
         up = tensors.get(f"{name}.{UP}")
@@ -155,6 +160,7 @@ def resize_tensors(tensors: dict[str, torch.Tensor], path: Path, *, rank: int | 
         out[f"{name}.{DOWN}"], out[f"{name}.{UP}"] = new_down, new_up
         out[f"{name}.{ALPHA}"] = torch.tensor(alpha * new / old, dtype=torch.float32)  # alpha/rank unchanged
         report.append(ModuleResize(name, old, new, kept))
+    out.update({k: v for k, v in tensors.items() if is_bundled(k)})  # pivotal tuning's words: no rank, kept
     return out, report
 
 

@@ -176,10 +176,11 @@ class SD1:
 
     # ---------------------------------------------------------------- encode
     def tokenize(self, bundle: ModelBundle, prompts: list[str]) -> torch.Tensor:
+        from .tokenizer import expand_multi_vector
+
         tok = bundle.tokenizers[0]
-        return tok(
-            list(prompts), padding="max_length", max_length=tok.model_max_length, truncation=True, return_tensors="pt"
-        ).input_ids
+        return tok(expand_multi_vector(tok, prompts), padding="max_length", max_length=tok.model_max_length,
+                   truncation=True, return_tensors="pt").input_ids
 
     def encode_text(self, bundle: ModelBundle, prompts: list[str]) -> dict[str, torch.Tensor]:
         """The cacheable text tensors, per prompt along dim 0: {"encoder_hidden_states": [B, 77, hidden]}.

@@ -75,10 +75,12 @@ class SDXL(SD1):
     def encode_text(self, bundle: ModelBundle, prompts: list[str]) -> dict[str, torch.Tensor]:
         """{"prompt_embeds": [B, 77, 768 + 1280], "pooled_prompt_embeds": [B, 1280]}, as diffusers' SDXL
         pipeline computes them: penultimate hidden states of both encoders, pooled projection of the second."""
+        from .tokenizer import expand_multi_vector
+
         hidden, pooled = [], None
         for tok, te in zip(bundle.tokenizers, bundle.text_encoders):
-            ids = tok(list(prompts), padding="max_length", max_length=tok.model_max_length, truncation=True,
-                      return_tensors="pt").input_ids.to(te.device)
+            ids = tok(expand_multi_vector(tok, prompts), padding="max_length", max_length=tok.model_max_length,
+                      truncation=True, return_tensors="pt").input_ids.to(te.device)
             out = te(ids, output_hidden_states=True)
             hidden.append(out.hidden_states[-2])
             pooled = out[0]  # the last encoder's (CLIPTextModelWithProjection) text_embeds

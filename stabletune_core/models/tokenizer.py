@@ -117,3 +117,27 @@ def build_clip_tokenizer(out_dir: Path | None = None):
     tok = CLIPTokenizer.from_pretrained(str(out_dir), local_files_only=True)
     tok.model_max_length = MODEL_MAX_LENGTH
     return tok
+
+
+def expand_multi_vector(tokenizer, prompts: list[str]) -> list[str]:
+    """Prompts with each multi-vector token written out: "<p1>" -> "<p1> <p1>_1 <p1>_2" when the tokenizer has
+    the added tokens <p1>_1, <p1>_2 (diffusers' convention for textual-inversion tokens of several vectors, which
+    its pipelines apply the same way in `maybe_convert_prompt`). Unchanged for a tokenizer without such tokens."""
+    added = set(getattr(tokenizer, "added_tokens_encoder", {}))
+    multi = [t for t in added if f"{t}_1" in added]
+    if not multi:
+        return list(prompts)
+    expansions = {}
+    for token in multi:
+        pieces, i = [token], 1
+        while f"{token}_{i}" in added:
+            pieces.append(f"{token}_{i}")
+            i += 1
+        expansions[token] = " ".join(pieces)
+    out = []
+    for prompt in prompts:
+        for token, expanded in expansions.items():
+            if token in prompt:
+                prompt = prompt.replace(token, expanded)
+        out.append(prompt)
+    return out

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
 from ..lora.lycoris import LOHA_PARTS, LOKR_PARTS
 from ..lora.names import ALPHA, DORA_SCALE, DOWN, UP, kohya_sgm_unet_name, kohya_te_name, kohya_unet_name
+from ..lora.resize import is_bundled
 from .common import refuse
 
 LORA_PARTS = (DOWN, UP)
@@ -100,6 +101,8 @@ def read_adapter(path: Path) -> tuple[dict[str, AdapterModule], dict[str, str]]:
                      "kohya/A1111 format (lora_unet_... keys) that StableTune exports by default.")
     modules: dict[str, AdapterModule] = {}
     for key, value in tensors.items():
+        if is_bundled(key):  # pivotal tuning's words: not a module (bundled_words reads them)
+            continue
         name, _, part = key.partition(".")
         if part not in KNOWN_PARTS:
             what = "a Tucker (CP) LyCORIS layer" if "_t1" in part or "_t2" in part or "lora_mid" in part else \
@@ -113,6 +116,19 @@ def read_adapter(path: Path) -> tuple[dict[str, AdapterModule], dict[str, str]]:
     if not modules:
         raise refuse(f"{path.name} holds no LoRA modules; give a kohya/A1111 LoRA file.")
     return modules, metadata
+
+
+def bundled_words(path: Path) -> dict[str, torch.Tensor]:
+    """The `bundle_emb.*` tensors of a LoRA file (pivotal tuning's words, lora/pivotal.py), by key."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path).expanduser()), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys() if is_bundled(k)}
+
+
+def word_names(keys: Iterable[str]) -> list[str]:
+    """'<p1>' from 'bundle_emb.<p1>.string_to_param.*' (A1111's split: the name sits between the first two dots)."""
+    return sorted({key.split(".", 2)[1] for key in keys})
 
 
 def family_of_metadata(metadata: dict[str, str]) -> str | None:

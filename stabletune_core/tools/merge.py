@@ -236,16 +236,29 @@ def merge_checkpoint(model: str, loras: list[tuple[Path, float]], output: Path, 
     bundle = load_base(model, config_dir, family)
     components, records = merge_into(bundle, read)
     note = {"base": source.name, "loras": records}
+    words = words_left_out(loras)
     if output.suffix.lower() == ".safetensors":
         # from a single file, "same" keeps every tensor's own dtype
         dtype = None if save_precision == "same" and source.is_file() else \
             source_dtype(source) if save_precision == "same" else dtype_of(save_precision)
         replaced = write_single_file(bundle, source, output, components, dtype, note)
         kept = f"; {replaced} tensors changed, every other one copied as it was" if replaced >= 0 else ""
-        return f"Merged checkpoint written to {output} (single file, original SD layout{kept})."
+        return f"Merged checkpoint written to {output} (single file, original SD layout{kept}).{words}"
     dtype = source_dtype(source) if save_precision == "same" else dtype_of(save_precision)
     write_folder(bundle, source, output, dtype, note, config_dir)
-    return f"Merged checkpoint written to {output} (diffusers folder)."
+    return f"Merged checkpoint written to {output} (diffusers folder).{words}"
+
+
+def words_left_out(loras: list[tuple[Path, float]]) -> str:
+    """A sentence naming the pivotal-tuning words bundled in the LoRAs, which a checkpoint does not take (a word is
+    added to the prompt's vocabulary, not to a weight): they stay usable from the run's embedding files."""
+    from .lora_file import bundled_words, word_names
+
+    found = [f"{', '.join(word_names(words))} of {path.name}" for path, _ in loras if (words := bundled_words(path))]
+    if not found:
+        return ""
+    return (f" The words {'; '.join(found)} (bundle_emb) are not part of a checkpoint: use them through the LoRA "
+            "file or its run's NAME_embeddings files.")
 
 
 # ---------------------------------------------------------------------------------- several LoRAs
@@ -329,9 +342,29 @@ def merge_loras(loras: list[tuple[Path, float]], output: Path, *, rank: int | No
         except json.JSONDecodeError:
             pass
     metadata["ss_tag_frequency"] = json.dumps(frequency, ensure_ascii=False)
+    tensors.update(carried_words(loras))
     metadata["sshs_model_hash"], metadata["sshs_legacy_hash"] = precalculate_sshs_hashes(tensors, metadata)
     _atomic_save(tensors, output, metadata)
     return note, report
+
+
+def carried_words(loras: list[tuple[Path, float]]) -> dict[str, Any]:
+    """The pivotal-tuning words bundled in the input LoRAs, as they are, for the merged LoRA (a word has no weight
+    to scale: it means what it was trained to mean, or the prompt leaves it out). The same word in two files is
+    refused: one of them would be silently dropped."""
+    from .lora_file import bundled_words, word_names
+
+    carried: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for path, _ in loras:
+        words = bundled_words(path)
+        for word in word_names(words):
+            if word in owner:
+                raise refuse(f"{owner[word]} and {path.name} both bundle the word {word}; merge LoRAs whose "
+                             "pivotal-tuning words differ.")
+            owner[word] = path.name
+        carried.update(words)
+    return carried
 
 
 def run(args: argparse.Namespace) -> int:

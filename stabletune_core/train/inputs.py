@@ -14,6 +14,7 @@ import torch
 
 from ..data.caches import EmbeddingCache, LatentCache
 from ..data.seeds import derive_seed
+from ..lora.pivotal import PivotalTokens
 from ..models.base import Conditioning, ModelBundle
 from .amp import MixedPrecision
 
@@ -22,10 +23,11 @@ class BatchInputs:
     """Set up once (the caches are filled by setup's `build_caches`), then only read."""
 
     def __init__(self, bundle: ModelBundle, amp: MixedPrecision, device: torch.device, *, seed: int,
-                 train_text_encoder: bool) -> None:
+                 train_text_encoder: bool, pivotal: PivotalTokens | None = None) -> None:
         self.bundle, self.amp, self.device = bundle, amp, device
         self.seed = seed
         self.train_text_encoder = train_text_encoder
+        self.pivotal = pivotal  # while its rows train, the text encoders run with gradients
         self.latent_cache: LatentCache | None = None
         self.text_cache: EmbeddingCache | None = None
 
@@ -57,5 +59,6 @@ class BatchInputs:
         if self.text_cache is not None:
             text = {k: v.to(self.device) for k, v in self.text_cache.get_batch(captions).items()}
         else:
-            text = self.encode_text(captions, grad=self.train_text_encoder)
+            grad = self.train_text_encoder or (self.pivotal is not None and self.pivotal.training)
+            text = self.encode_text(captions, grad=grad)
         return self.bundle.family.make_conditioning(self.bundle, text, batch["sizes"][rows])

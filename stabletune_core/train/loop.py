@@ -84,6 +84,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                           "checkpoint and the LoRA.", step=state.step, console=True)
                 stop_reason = "stopped"
                 break
+            freeze_embeddings(s)
             batches = step.next_batches(s.feed, state, s.config.gradient_accumulation_steps)
             state.batch_paths = [str(p) for b in batches for p in b["path"]]
             loss, grad_norm, clip_threshold = training_step(s, batches)
@@ -165,6 +166,18 @@ def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[step.StepL
     s.lr_scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, max_norm if math.isfinite(max_norm) else None
+
+
+def freeze_embeddings(s: Session) -> None:
+    """Pivotal tuning: from `pivotal_freeze_step` on (embedding_train_fraction of the run) the new token rows get
+    no gradient, so they stay bitwise as they are while the LoRA goes on learning around them. A resumed run
+    past that step freezes them before its first step, as the uninterrupted run did."""
+    if s.pivotal is None or not s.pivotal.training or s.state.step < s.pivotal_freeze_step:
+        return
+    s.pivotal.set_training(False)
+    s.run.event(events.CONFIG, f"Pivotal tuning: the new token embeddings freeze at step {s.state.step} "
+                f"(embedding_train_fraction {s.config.embedding_train_fraction:g}); the LoRA trains on.",
+                step=s.state.step, console=True)
 
 
 def forward_backward(s: Session, batches: list[dict[str, Any]], *, micro_batch_size: int | None = None
@@ -305,7 +318,7 @@ def roll_back(s: Session, verdict: RollBack) -> None:
         restore_snapshot(s.params, s.optimizer, snapshot)
         source = f"rolled the LoRA and optimizer back to step {snapshot.step} (in memory)"
     elif (checkpoint := latest_good_checkpoint(s.run.paths.checkpoints)) is not None:
-        restore_adapter(s.trained, s.ranks, checkpoint.adapter)
+        restore_adapter(s.trained, s.ranks, checkpoint.adapter, s.pivotal)
         s.optimizer.load_state_dict(checkpoint.state["optimizer"])
         source = f"rolled the LoRA and optimizer back to checkpoint {checkpoint.path.name}"
     else:
@@ -328,8 +341,8 @@ def save(s: Session, reason: str) -> Path | None:
     saved = run_state(state, s.optimizer, s.lr_scheduler, s.amp, s.ema, [*s.guards, *s.observers],
                       adapter_settings(s.config))
     try:
-        folder = save_checkpoint(s.run.paths.checkpoint(state.step), state.step, adapter_state(s.trained, s.ranks),
-                                 saved, halfway=s.checkpoint_halfway)
+        folder = save_checkpoint(s.run.paths.checkpoint(state.step), state.step,
+                                 adapter_state(s.trained, s.ranks, s.pivotal), saved, halfway=s.checkpoint_halfway)
     except CheckpointError as exc:
         state.checkpoint_failures += 1
         s.run.event(events.CHECKPOINT_FAILED, str(exc), step=state.step, console=True)
@@ -360,7 +373,7 @@ def resume(s: Session) -> None:
     if checkpoint is None:
         return
     state.resume_from = None  # its tensors are not needed once loaded
-    restore_adapter(s.trained, s.ranks, checkpoint.adapter)
+    restore_adapter(s.trained, s.ranks, checkpoint.adapter, s.pivotal)
     ema_kept = restore_run_state(checkpoint.state, state, s.optimizer, s.lr_scheduler, s.amp, s.ema,
                                  [*s.guards, *s.observers])
     if not ema_kept:
@@ -376,7 +389,8 @@ def export(s: Session, name: str | None = None, *, step: int | None = None) -> P
     step the weights come from (the file's ss_steps), when not the current one."""
     name = name or s.config.output_name
     where = dict(step=s.state.step if step is None else step, epoch=s.state.epoch, max_steps=s.max_steps,
-                 config=s.config, ranks=s.ranks, run=s.run, bundle=s.bundle, trained=s.trained, data=s.data)
+                 config=s.config, ranks=s.ranks, run=s.run, bundle=s.bundle, trained=s.trained, data=s.data,
+                 pivotal=s.pivotal)
     with evaluation_weights(s.optimizer):  # schedule-free: export the averaged weights, not the training point
         path = write_lora(name, **where)
     if s.ema:
@@ -394,17 +408,17 @@ def export_best(s: Session) -> Path | None:
     if not s.state.best_checkpoint:
         return None
     best = load_checkpoint(Path(s.state.best_checkpoint))
-    current = adapter_state(s.trained, s.ranks)
+    current = adapter_state(s.trained, s.ranks, s.pivotal)
     current_optimizer = s.optimizer.state_dict()  # load_state_dict replaces these tensors, it does not write them
     current_ema = s.ema.state_dict() if s.ema else None
     try:
-        restore_adapter(s.trained, s.ranks, best.adapter)
+        restore_adapter(s.trained, s.ranks, best.adapter, s.pivotal)
         s.optimizer.load_state_dict(best.state["optimizer"])
         if s.ema and best.state.get("ema"):
             s.ema.load_state_dict(best.state["ema"])
         return export(s, f"{s.config.output_name}_best", step=best.step)  # ss_steps: the step it comes from
     finally:
-        restore_adapter(s.trained, s.ranks, current)
+        restore_adapter(s.trained, s.ranks, current, s.pivotal)
         s.optimizer.load_state_dict(current_optimizer)
         if current_ema is not None:
             s.ema.load_state_dict(current_ema)

@@ -11,7 +11,8 @@ import torch
 
 from ..config import PATH_KNOBS, TrainConfig
 from ..data.examples import DatasetView
-from ..lora.export import export_kohya_lora
+from ..lora.export import export_kohya_lora, write_embedding_files
+from ..lora.pivotal import PivotalTokens, bundle_tensors
 from ..models.base import ModelBundle
 from ..runs import events
 from ..runs.writer import RunWriter
@@ -20,10 +21,12 @@ from .ranks import Ranks
 
 
 def write_lora(name: str, *, step: int, epoch: int, max_steps: int, config: TrainConfig, ranks: Ranks,
-               run: RunWriter, bundle: ModelBundle, trained: dict[str, torch.nn.Module], data: DatasetView
-               ) -> Path | None:
+               run: RunWriter, bundle: ModelBundle, trained: dict[str, torch.nn.Module], data: DatasetView,
+               pivotal: PivotalTokens | None = None) -> Path | None:
     """RUN/output/NAME.safetensors from the trained modules as they are now (and NAME_diffusers/ when asked),
-    with kohya's metadata of the run at `step`; None on processes that do not write the run."""
+    with kohya's metadata of the run at `step`; None on processes that do not write the run. With pivotal
+    tuning the new tokens' vectors go into the file (`bundle_emb.*`, as A1111 reads them) and each token also
+    into an embedding file of its own, RUN/output/NAME_embeddings/TOKEN.safetensors."""
     ranks.wait()
     if not ranks.is_main:
         return None
@@ -34,11 +37,19 @@ def write_lora(name: str, *, step: int, epoch: int, max_steps: int, config: Trai
     metadata = {**bundle.family.metadata(bundle),
                 **training_metadata(config, data, started_at=run.started_at, step=step, epoch=epoch,
                                     max_steps=max_steps)}
+    dtype = precision_dtype(config.save_precision)
+    vectors = pivotal.vectors_by_token() if pivotal else {}
     path = export_kohya_lora(path, unet, encoders, bundle.family, rank=config.lora_rank,
-                             alpha=config.effective_lora_alpha, metadata=metadata,
-                             dtype=precision_dtype(config.save_precision),
+                             alpha=config.effective_lora_alpha, metadata=metadata, dtype=dtype,
+                             embeddings=bundle_tensors(vectors, bundle.family, dtype) if vectors else None,
                              overwrite=True)  # RUN/output is this run's own: prepare_run_dir moved any other aside
     run.event(events.EXPORTED, f"Wrote LoRA {path.name} at step {step}.", step=step, path=str(path))
+    if vectors:
+        folder = run.paths.output / f"{name}_embeddings"
+        files = write_embedding_files(folder, vectors, bundle.family, dtype)
+        run.event(events.EXPORTED, f"Wrote the new tokens' embeddings into {path.name} (bundle_emb, for A1111 and "
+                  f"Forge) and as {', '.join(f'{folder.name}/{p.name}' for p in files)} (A1111, ComfyUI, diffusers' "
+                  "load_textual_inversion).", step=step, paths=[str(p) for p in files])
     if config.export_diffusers_format:
         from ..lora.export import export_diffusers_lora
 

@@ -19,6 +19,7 @@ from ..data.loader import BatchFeed
 from ..data.order import BucketBatchSampler
 from ..data.scan import DataItem
 from ..lora.layers import LoraLayerView
+from ..lora.pivotal import PivotalTokens
 from ..models.base import ModelBundle, Objective
 from ..runs.layout import RunPaths
 from ..runs.writer import RunWriter
@@ -90,6 +91,8 @@ class Session:
     ema: AdapterEMA | None = None  # ema_decay > 0: the moving average of the adapter weights
     evaluator: Evaluator | None = None  # measures the model without changing it (validation loss, probes)
     checkpoint_halfway: Callable[[int], None] = nothing  # test-only: the fault harness (faults.arm) sets it
+    pivotal: PivotalTokens | None = None  # pivotal_tokens: the new tokens' trained embedding rows
+    pivotal_freeze_step: int = 0  # from this step on the new token rows are frozen (embedding_train_fraction)
 
     @property
     def device(self) -> torch.device:

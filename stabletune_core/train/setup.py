@@ -25,6 +25,7 @@ from ..data.scan import SkippedFile, scan_dataset
 from ..data.seeds import derive_seed
 from ..lora.inject import adapter_mismatch, adapter_settings, add_lora, lora_parameters
 from ..lora.layers import run_lora_layers
+from ..lora.pivotal import add_pivotal_tokens, pivotal_problems
 from ..models.base import ModelBundle
 from ..models.loading import load_model
 from ..runs import events
@@ -155,6 +156,7 @@ def setup(config: TrainConfig) -> Session:
     RUN/config.toml is written once the config is resolved (a random seed drawn, validation epochs counted in
     steps): exactly the config the run uses."""
     problems = check_inputs(config) + perceptual_problems(config) + optimizer_problems(config)
+    problems += pivotal_problems(config) if not problems else []  # reads the model's tokenizer: needs the model
     if problems:
         raise ConfigError(problems)
     prepare_run_dir(config)  # compares with what is there as the user (or the UI) wrote it
@@ -230,6 +232,7 @@ def setup(config: TrainConfig) -> Session:
         run.event(events.THREADS, sentence, console=True, threads=threads)
     objective = bundle.family.objective(bundle, config)
     add_lora(bundle, config)
+    pivotal = add_pivotal_tokens(bundle, config)
     bundle.vae.to(device, dtype=torch.float32 if config.mixed_precision == "fp16" else amp.weight_dtype)
     bundle.unet.to(device, dtype=amp.weight_dtype)
     for encoder in bundle.text_encoders:
@@ -239,6 +242,8 @@ def setup(config: TrainConfig) -> Session:
     for module in trained.values():  # adapters train in fp32 whatever the base runs in
         for p in lora_parameters(module):
             p.data = p.data.float()
+    for p in pivotal.parameters() if pivotal else []:  # the new token rows too
+        p.data = p.data.float()
     if config.gradient_checkpointing:
         bundle.unet.enable_gradient_checkpointing()
         if config.train_text_encoder:
@@ -252,6 +257,11 @@ def setup(config: TrainConfig) -> Session:
     if config.train_text_encoder:
         te_params = [p for e in bundle.text_encoders for p in lora_parameters(e)]
         groups.append({"params": te_params, "lr": config.text_encoder_lr or config.learning_rate})
+    if pivotal:
+        groups.append({"params": pivotal.parameters(), "lr": config.embedding_lr})
+        tokens = ", ".join(f"{t.token} (from '{t.init_word}')" for t in pivotal.tokens)
+        run.event(events.CONFIG, f"Pivotal tuning: training the embeddings of {tokens}, {pivotal.vectors} vector(s) "
+                  f"each, at learning rate {config.embedding_lr:g}.", console=True)
     params = [p for g in groups for p in g["params"]]
     effective_batch = config.train_batch_size * config.gradient_accumulation_steps * ranks.count
     if ranks.several:
@@ -269,7 +279,8 @@ def setup(config: TrainConfig) -> Session:
     *prepared, optimizer = ranks.prepare(*trained.values(), optimizer)
     trained = dict(zip(trained, prepared))
 
-    inputs = BatchInputs(bundle, amp, device, seed=config.seed, train_text_encoder=config.train_text_encoder)
+    inputs = BatchInputs(bundle, amp, device, seed=config.seed, train_text_encoder=config.train_text_encoder,
+                         pivotal=pivotal)
     build_caches(config, inputs, data, run, ranks)
     feed = BatchFeed(data, sampler, with_pixels=inputs.latent_cache is None,
                      num_workers=config.dataloader_num_workers, world=ranks.count, rank=ranks.index,
@@ -290,7 +301,8 @@ def setup(config: TrainConfig) -> Session:
                    sampler=sampler, feed=feed, inputs=inputs, optimizer=optimizer, lr_scheduler=lr_scheduler,
                    params=params, trained=trained, lora_layers=lora_layers, amp=amp, max_steps=max_steps, state=state,
                    guards=tuple(make_guards(config)), observers=tuple(observers), validation_items=held_out,
-                   perceptual=perceptual, ema=ema, evaluator=evaluator, checkpoint_halfway=halfway)
+                   perceptual=perceptual, ema=ema, evaluator=evaluator, checkpoint_halfway=halfway, pivotal=pivotal,
+                   pivotal_freeze_step=math.ceil(config.embedding_train_fraction * max_steps))
 
 
 def run_observers(config: TrainConfig, run: RunWriter, ranks: Ranks) -> list[Observer]:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..lora.inject import load_lora_state_dict, lora_state_dict
+from ..lora.pivotal import PivotalTokens
 from .amp import MixedPrecision
 from .ema import AdapterEMA
 from .lr_schedule import LearningRateSchedule
@@ -48,21 +49,27 @@ def restore_rng(rng: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def adapter_state(trained: dict[str, torch.nn.Module], ranks: Ranks) -> dict[str, torch.Tensor]:
-    """Copies of the trained modules' adapter tensors as '<prefix>.<peft key>': a checkpoint's `adapter`, which
-    `restore_adapter` puts back."""
-    return {f"{prefix}.{key}": value for prefix, module in trained.items()
-            for key, value in lora_state_dict(ranks.unwrap(module)).items()}
+def adapter_state(trained: dict[str, torch.nn.Module], ranks: Ranks, pivotal: PivotalTokens | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """Copies of the trained modules' adapter tensors as '<prefix>.<peft key>', and pivotal tuning's new token
+    rows as 'pivotal.te<i>': a checkpoint's `adapter`, which `restore_adapter` puts back."""
+    state = {f"{prefix}.{key}": value for prefix, module in trained.items()
+             for key, value in lora_state_dict(ranks.unwrap(module)).items()}
+    return {**state, **(pivotal.state_dict() if pivotal else {})}
 
 
-def restore_adapter(trained: dict[str, torch.nn.Module], ranks: Ranks, adapter: dict[str, torch.Tensor]) -> None:
-    """Load checkpoint adapter tensors ('<prefix>.<peft key>') into the trained modules."""
+def restore_adapter(trained: dict[str, torch.nn.Module], ranks: Ranks, adapter: dict[str, torch.Tensor],
+                    pivotal: PivotalTokens | None = None) -> None:
+    """Load checkpoint adapter tensors ('<prefix>.<peft key>') into the trained modules (and the new token rows
+    into `pivotal`)."""
     by_prefix: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in adapter.items():
         prefix, name = key.split(".", 1)
         by_prefix.setdefault(prefix, {})[name] = value
     for prefix, module in trained.items():
         load_lora_state_dict(ranks.unwrap(module), by_prefix.get(prefix, {}))
+    if pivotal is not None:
+        pivotal.load_state_dict(adapter)
 
 
 def run_state(state: TrainState, optimizer: torch.optim.Optimizer, lr_scheduler: LearningRateSchedule,

@@ -144,7 +144,7 @@ class Evaluator:
             out.captions.append(item.caption)
             out.sizes.append({k: example[k] for k in ("original_size", "crop_top_left", "target_size")})
             out.paths.append(str(item.path))
-        if not config.train_text_encoder and items:
+        if not (config.train_text_encoder or config.pivotal_tokens) and items:  # else the text changes as it trains
             with on_device(bundle.text_encoders, self.device), self.amp.autocast():
                 text = bundle.family.encode_text(bundle, out.captions)
             out.text = [{k: v[i : i + 1].to(self.device) for k, v in text.items()} for i in range(len(items))]

@@ -32,6 +32,7 @@ from .base import Conditioning, ModelBundle, ModelLoadError
 CONFIGS_DIR = Path(__file__).parent / "configs"
 SHIPPED_CONFIGS = {"4b": CONFIGS_DIR / "flux2-klein-4b", "9b": CONFIGS_DIR / "flux2-klein-9b"}
 VARIANT_NAMES = {"4b": "FLUX.2 Klein 4B", "9b": "FLUX.2 Klein 9B"}
+RELEASED_WIDTHS = (3072, 4096)  # the transformers' hidden sizes: Klein 4B, Klein 9B (the shipped configs)
 TEXT_ENCODER_NAMES = {"4b": "Qwen3-4B (qwen_3_4b.safetensors)", "9b": "Qwen3-8B (qwen_3_8b.safetensors)"}
 BASE_MODEL_FILES = {"4b": "flux-2-klein-base-4b.safetensors", "9b": "flux-2-klein-base-9b.safetensors"}
 BASE_MODEL_REPOS = {"4b": "black-forest-labs/FLUX.2-klein-base-4B", "9b": "black-forest-labs/FLUX.2-klein-base-9B"}
@@ -553,30 +554,42 @@ class Flux2Klein:
         return self.make_conditioning(bundle, self.encode_text(bundle, prompts), sizes)
 
     @torch.no_grad()
-    def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor) -> torch.Tensor:
-        """Pixels in [-1, 1] -> normalised, patchified latents (the VAE's mode: no random numbers)."""
+    def encode_latents(self, bundle: ModelBundle, pixels: torch.Tensor, *,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pixels in [-1, 1] -> normalised, patchified latents, fp32. The VAE's mode, as the pipeline and diffusers'
+        Klein script encode: `generator` is not drawn from (no posterior sample), so the run's random stream is the
+        same with and without a latent cache."""
         vae = bundle.vae
         raw = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        return normalize_latents(vae, raw)
+        return normalize_latents(vae, raw).float()
 
-    @torch.no_grad()
     def decode_latents(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of encode_latents, in the VAE's dtype; gradients flow when the caller allows them (the
+        perceptual term decodes the predicted clean latents)."""
         vae = bundle.vae
         return vae.decode(denormalize_latents(vae, latents.to(vae.device, vae.dtype)), return_dict=False)[0]
+
+    def decode_sampled(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
+        """Flux2KleinPipeline's output_type="latent" is the VAE's own latents (already denormalised and
+        unpatchified): the VAE decodes them as they are."""
+        vae = bundle.vae
+        return vae.decode(latents.to(vae.device, vae.dtype), return_dict=False)[0]
 
     def latent_downscale(self, bundle: ModelBundle) -> int:
         """Image side / latent side, the 2 x 2 patchify included (16 for the real VAE)."""
         return 2 ** (len(bundle.vae.config.block_out_channels) - 1) * 2
 
-    def objective(self, bundle: ModelBundle, **scheme: Any):
-        """The flow-matching objective of this bundle (scheme: weighting_scheme, logit_mean, logit_std,
-        mode_scale, shift)."""
+    def objective(self, bundle: ModelBundle, options: Any):
+        """The flow-matching objective of this bundle, drawn and weighted as `options` (the TrainConfig) asks:
+        weighting_scheme, logit_mean, logit_std, mode_scale and flow_shift."""
         from .flow_matching import FlowMatching
 
         config = dict(bundle.noise_scheduler.config)
-        if "shift" in scheme:  # an explicit shift is the user's: the table uses it whatever the scheduler does
-            config.update(shift=scheme.pop("shift"), use_dynamic_shifting=False)
-        return FlowMatching.from_scheduler(config, call_denoiser=call_transformer, **scheme)
+        if options.flow_shift is not None:  # an explicit shift is the user's: the table uses it, dynamic or not
+            config.update(shift=options.flow_shift, use_dynamic_shifting=False)
+        return FlowMatching.from_scheduler(config, call_denoiser=call_transformer,
+                                           weighting_scheme=options.weighting_scheme, logit_mean=options.logit_mean,
+                                           logit_std=options.logit_std, mode_scale=options.mode_scale)
 
     def lora_target_modules(self, model: torch.nn.Module, targets: list[str]) -> list[str]:
         return lora_target_modules(model, targets)
@@ -590,6 +603,32 @@ class Flux2Klein:
                                   vae=bundle.vae, text_encoder=bundle.text_encoders[0],
                                   tokenizer=bundle.tokenizers[0], transformer=bundle.unet,
                                   is_distilled=bundle.extra["distillation"].verdict == "distilled")
+
+    def validation_sampler(self, bundle: ModelBundle, options: Any) -> tuple[Any, dict[str, Any]]:
+        """Klein's own FlowMatchEulerDiscreteScheduler (a copy: sampling sets its timesteps); the SD samplers
+        of validation_sampler do not apply (config/families.py refuses them)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_config(bundle.noise_scheduler.config), {}
+
+    def load_notes(self, bundle: ModelBundle) -> list[str]:
+        """Which Klein this is (variant, base or distilled, where the text encoder came from), then the
+        distilled-model warning when there is one."""
+        self.describe(bundle)
+        distillation = bundle.extra["distillation"]
+        kind = {"distilled": "the step-distilled model", "base": "the base model"}.get(
+            distillation.verdict, "base or distilled: not known")
+        name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)
+        config = bundle.unet.config
+        width = config["num_attention_heads"] * config["attention_head_dim"]
+        what = VARIANT_NAMES[self.variant] if width in RELEASED_WIDTHS else \
+            f"a FLUX.2 Klein-layout transformer of width {width}, not a released size,"
+        notes = [f"Loaded {name} as {what} {kind} ({distillation.evidence})."]
+        if bundle.extra.get("chat_template_replaced"):
+            notes.append("The tokenizer's own chat template renders prompts differently from Klein's, so Klein's "
+                         "template is used (as ComfyUI and diffusers render them).")
+        warning = self.distillation_note(bundle)
+        return notes + ([warning] if warning else [])
 
     # -------------------------------------------------------------- metadata
     def metadata(self, bundle: ModelBundle) -> dict[str, str]:

@@ -216,6 +216,28 @@ class SD1:
             requires_safety_checker=False,
         )
 
+    def validation_sampler(self, bundle: ModelBundle, options: Any) -> tuple[Any, dict[str, Any]]:
+        """The validation_sampler the user chose, on the model's own schedule (DDIM with its eta)."""
+        from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
+                               EulerDiscreteScheduler)
+
+        samplers = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler,
+                    "euler_a": EulerAncestralDiscreteScheduler, "dpm++": DPMSolverMultistepScheduler}
+        scheduler = samplers[options.validation_sampler].from_config(bundle.noise_scheduler.config)
+        extra = {"eta": options.validation_ddim_eta} if options.validation_sampler == "ddim" else {}
+        return scheduler, extra
+
+    def decode_sampled(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
+        """SD pipelines stop at the UNet's (scaled) latents: the same as decode_latents."""
+        return self.decode_latents(bundle, latents)
+
+    def latent_downscale(self, bundle: ModelBundle) -> int:
+        return bundle.vae_scale_factor
+
+    def load_notes(self, bundle: ModelBundle) -> list[str]:
+        name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)
+        return [f"Loaded {name} as {self.display_name} ({bundle.prediction_type} prediction)."]
+
     # -------------------------------------------------------------- metadata
     def metadata(self, bundle: ModelBundle) -> dict[str, str]:
         name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)

@@ -16,6 +16,7 @@ from accelerate.utils import set_seed
 
 from ..cache import cache_root
 from ..config import ConfigError, TrainConfig, check_inputs, resolve
+from ..config.families import family_defaults, family_problems
 from ..data.caches import EmbeddingCache, LatentCache, module_fingerprint
 from ..data.examples import DatasetView
 from ..data.loader import BatchFeed
@@ -26,7 +27,7 @@ from ..data.seeds import derive_seed
 from ..lora.inject import adapter_mismatch, adapter_settings, add_lora, lora_parameters
 from ..lora.layers import run_lora_layers
 from ..models.base import ModelBundle
-from ..models.loading import load_model
+from ..models.loading import family_name, load_model
 from ..runs import events
 from ..runs.earlier import earlier_run
 from ..runs.layout import RunPaths
@@ -157,6 +158,10 @@ def setup(config: TrainConfig) -> Session:
     problems = check_inputs(config) + perceptual_problems(config) + optimizer_problems(config)
     if problems:
         raise ConfigError(problems)
+    family = family_name(config)  # read from the checkpoint's configs or keys, nothing loaded yet
+    if problems := family_problems(config, family):  # model_family auto: the knobs of the detected family
+        raise ConfigError(problems)
+    config = config.model_copy(update=family_defaults(config, family))
     prepare_run_dir(config)  # compares with what is there as the user (or the UI) wrote it
     random_seed = draw_seed(config)
     config = resolve(config, seed=random_seed)
@@ -224,6 +229,8 @@ def setup(config: TrainConfig) -> Session:
 
     run.status("loading", step=0)
     bundle = load_model(config)
+    for note in bundle.family.load_notes(bundle):  # which model this is, and a warning when it is a poor base
+        run.event(events.MODEL, note, console=True, family=bundle.family.name)
     device = ranks.device
     if device.type == "cpu":  # torch's one thread per core is wrong for small models and busy machines
         threads, sentence = set_cpu_threads(bundle.denoiser)

@@ -181,7 +181,7 @@ def test_distilled_klein_is_named_before_training(paths, folder_bundle, tmp_path
     note = family.distillation_note(distilled)
     assert note and one_sentence(note) and "step-distilled FLUX.2 Klein 4B" in note
     assert "is_distilled: true" in note and "flux-2-klein-base-4b.safetensors" in note
-    assert "validation_model_name_or_path" in note  # the separate preview model the loop will offer
+    assert "preview_model" in note  # the separate preview model the loop offers
     assert family.distillation_note(folder_bundle) is None  # the base model: nothing to say
     assert family.make_pipeline(distilled).config.is_distilled  # and its previews sample as distilled
     assert detect_distillation(tmp_path / "flux-2-klein-9b.safetensors").verdict == "distilled"

@@ -102,7 +102,7 @@ class Distillation:
         if self.verdict == "distilled":
             return (f"This is the step-distilled {VARIANT_NAMES[variant]} ({self.evidence}), and LoRAs trained on it "
                     f"come out grey or generic: train on {base} and preview on the distilled model with "
-                    "validation_model_name_or_path.")
+                    "preview_model.")
         if self.verdict == "unknown":
             return (f"Could not tell whether this is {VARIANT_NAMES[variant]} base or the step-distilled model "
                     f"({self.evidence}); LoRAs trained on the distilled one come out grey or generic, so make sure "

@@ -42,6 +42,7 @@ from .rollback import restore_snapshot, take_snapshot
 from .session import Session, SessionView
 from .setup import setup
 from .state import adapter_state, restore_adapter, restore_rng, restore_run_state, rng_state, run_state
+from .preview import with_trained_adapters
 from .validation_images import make_validation_images
 
 #: status.json while training is rewritten at most this often: the UI polls it about once a second, and a
@@ -448,7 +449,8 @@ def sample(s: Session, *, then: str = "training") -> None:
     s.run.status("sampling", step=step_now, max_steps=s.max_steps)
     folder = s.run.paths.sample_dir(step_now)
     with evaluation_weights(s.optimizer), optional_swap(s.ema, s.config.validation_with_ema):
-        paths = make_validation_images(s.bundle, s.config, folder, s.device, autocast=s.amp.autocast)
+        bundle = s.bundle if s.preview is None else with_trained_adapters(s.preview, s.bundle.unet)
+        paths = make_validation_images(bundle, s.config, folder, s.device, autocast=s.amp.autocast)
     s.run.event(events.SAMPLES, f"Made {len(paths)} validation images at step {step_now}.", step=step_now)
     view = SessionView(s)
     for observer in s.observers:

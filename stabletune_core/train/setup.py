@@ -46,6 +46,7 @@ from .optim import make_lr_scheduler, make_optimizer, optimizer_problems, unet_p
 from .outcome import RunFailed
 from .perceptual import Perceptual, perceptual_problems
 from .placement import frozen_modules_to_offload, offload
+from .preview import load_preview
 from .ranks import Ranks
 from .observers.sample_judge import make_judge
 from .session import Session, TrainState
@@ -252,6 +253,11 @@ def setup(config: TrainConfig) -> Session:
             for encoder in bundle.text_encoders:
                 encoder.gradient_checkpointing_enable()
     enable_fast_attention(bundle, config, run)
+    preview = load_preview(config, bundle, device, amp.weight_dtype) if config.preview_model else None
+    if preview is not None:
+        for note in preview.family.load_notes(preview)[:1]:
+            run.event(events.MODEL, f"Validation images (preview_model, the trained LoRA applied): "
+                      f"{note[0].lower()}{note[1:]}", console=True, family=preview.family.name, preview=True)
     if config.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -297,7 +303,7 @@ def setup(config: TrainConfig) -> Session:
                    sampler=sampler, feed=feed, inputs=inputs, optimizer=optimizer, lr_scheduler=lr_scheduler,
                    params=params, trained=trained, lora_layers=lora_layers, amp=amp, max_steps=max_steps, state=state,
                    guards=tuple(make_guards(config)), observers=tuple(observers), validation_items=held_out,
-                   perceptual=perceptual, ema=ema, evaluator=evaluator, checkpoint_halfway=halfway)
+                   perceptual=perceptual, ema=ema, evaluator=evaluator, checkpoint_halfway=halfway, preview=preview)
 
 
 def run_observers(config: TrainConfig, run: RunWriter, ranks: Ranks) -> list[Observer]:

@@ -179,3 +179,85 @@ def test_a_distilled_base_is_named_in_one_sentence_before_training(paths, shapes
     warning = next(e["message"] for e in events_of(run, "model") if "grey or generic" in e["message"])
     assert one_sentence(warning) and "step-distilled" in warning and "preview_model" in warning
     assert done.stderr.index(f"model: {warning}") < done.stderr.index("training:")
+
+
+# ---- item 4 of the issue: the stability promise on Klein ----------------------------------------------------------
+STEPS = 6
+
+
+def fault_config(folder: Path, paths, shapes_dataset: Path, **overrides) -> Path:
+    """test_faults.py's 6-step run on the tiny Klein: LoRA dropout and flips on (every RNG matters), 8 images in
+    batches of 2 (an epoch boundary), checkpoints every 2 steps."""
+    from test_faults import write_config
+
+    values = dict(model_family="flux2_klein", resolution=64, max_bucket_reso=128)
+    return write_config(folder, paths["folder"], shapes_dataset, **{**values, **overrides})
+
+
+@pytest.fixture(scope="module")
+def background(tmp_path_factory, paths, shapes_dataset):
+    """The clean reference run and the NaN/OOM run, started once, while the kill/resume chain runs."""
+    from test_faults import start
+
+    root = tmp_path_factory.mktemp("klein-faults")
+    clean = fault_config(root / "clean", paths, shapes_dataset)
+    faulty = fault_config(root / "faulty", paths, shapes_dataset, nan_window=4, nan_max_bad=2)
+    processes = {"clean": (start(clean), clean), "faulty": (start(faulty, "nan_loss@2,nan_grad@3,oom@4"), faulty)}
+    yield processes
+    for process, _ in processes.values():
+        if process.poll() is None:
+            process.kill()
+
+
+def test_killed_mid_step_and_mid_checkpoint_then_resumed_is_bitwise_the_uninterrupted_run(background, paths,
+                                                                                          shapes_dataset, tmp_path):
+    import signal
+
+    from test_faults import finish, run as run_cli
+
+    from stabletune_core.train.checkpoint import latest_good_checkpoint, load_checkpoint
+
+    config = fault_config(tmp_path, paths, shapes_dataset)
+    run = tmp_path / "run"
+    first = run_cli(config, faults="kill@step:3")
+    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+    second = run_cli(config, faults="kill@checkpoint:6", resume=True)
+    assert second.returncode == -signal.SIGKILL, second.stderr[-2000:]
+    assert latest_good_checkpoint(run / "checkpoints").step == 4
+    third = run_cli(config, resume=True)
+    assert third.returncode == 0, third.stderr[-3000:]
+
+    clean_process, clean_config = background["clean"]
+    finish(clean_process, clean_config)
+    clean = clean_config.parent / "run"
+    expected, got = RunReader(clean).metrics(), RunReader(run).metrics()
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in expected]
+    a, b = load_file(clean / "output" / "lora.safetensors"), load_file(run / "output" / "lora.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    last_a = load_checkpoint(clean / "checkpoints" / "step_000006")
+    last_b = load_checkpoint(run / "checkpoints" / "step_000006")
+    assert all(torch.equal(last_a.adapter[k], last_b.adapter[k]) for k in last_a.adapter)
+    moments_a, moments_b = last_a.state["optimizer"]["state"], last_b.state["optimizer"]["state"]
+    assert moments_a.keys() == moments_b.keys() and moments_a
+    assert all(torch.equal(moments_a[i][k], moments_b[i][k]) for i in moments_a for k in moments_a[i])
+    assert [Path(e["path"]).name for e in events_of(run, "resumed_from_checkpoint")] == ["step_000002",
+                                                                                         "step_000004"]
+
+
+def test_nan_is_rolled_back_and_oom_halves_the_micro_batch(background):
+    from test_faults import finish
+
+    process, config = background["faulty"]
+    finish(process, config)
+    run = config.parent / "run"
+    assert RunReader(run).status()["state"] == "finished"
+    assert [(e["step"], e["what"]) for e in events_of(run, "nonfinite")] == [(2, "loss"), (3, "gradients")]
+    assert len(events_of(run, "rollback")) == 1
+    assert [(e["step"], e["old_micro_batch"], e["new_micro_batch"]) for e in events_of(run, "oom")] == [(4, 2, 1)]
+    metrics = RunReader(run).metrics()
+    assert [m["micro_batch_size"] for m in metrics] == [2, 2, 2, 1, 1, 1]
+    assert [m["images_seen"] for m in metrics] == [2, 4, 6, 8, 10, 12]  # the effective batch stayed 2
+    weights = load_file(run / "output" / "lora.safetensors")
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    assert any(t.abs().sum() > 0 for k, t in weights.items() if "lora_up" in k)

@@ -261,3 +261,133 @@ def test_nan_is_rolled_back_and_oom_halves_the_micro_batch(background):
     weights = load_file(run / "output" / "lora.safetensors")
     assert all(torch.isfinite(t).all() for t in weights.values())
     assert any(t.abs().sum() > 0 for k, t in weights.items() if "lora_up" in k)
+
+
+def in_process(paths, shapes_dataset: Path, out: Path, **overrides):
+    """A 4-step Klein run in this process (setup + train); returns the session and the run's metrics."""
+    from stabletune_core.config import build_config
+    from stabletune_core.train.loop import setup, train
+
+    values = dict(model_family="flux2_klein", pretrained_model_name_or_path=str(paths["folder"]),
+                  train_data_dir=str(shapes_dataset), output_dir=str(out), resolution=64, bucket_step=8,
+                  min_bucket_reso=32, max_bucket_reso=128, train_batch_size=2, learning_rate=1e-3,
+                  max_train_steps=4, lora_rank=4, save_steps=1000, seed=3, save_precision="fp32", validation_split=0)
+    config = build_config({**values, **overrides})
+    session = setup(config)
+    train(config, session=session)
+    return session, RunReader(out).metrics()
+
+
+def losses(metrics: list[dict]) -> list[tuple[float, float]]:
+    return [(m["loss"], m["grad_norm"]) for m in metrics]
+
+
+def test_gradient_checkpointing_recomputes_and_changes_no_number(paths, shapes_dataset, tmp_path, one_thread):
+    _, plain = in_process(paths, shapes_dataset, tmp_path / "plain")
+    calls = []
+    from stabletune_core.train import setup as setup_module
+
+    session, checkpointed = None, None
+    original = setup_module.enable_fast_attention
+
+    def count_block_calls(bundle, config, run):  # a set-up step after checkpointing is on: count block 0's forward
+        block = bundle.unet.transformer_blocks[0]  # (a forward hook would not see the recomputation)
+        forward = type(block).forward
+        block.forward = lambda *args, **kwargs: (calls.append(1), forward(block, *args, **kwargs))[1]
+        return original(bundle, config, run)
+
+    setup_module.enable_fast_attention = count_block_calls
+    try:
+        session, checkpointed = in_process(paths, shapes_dataset, tmp_path / "ckpt", gradient_checkpointing=True)
+    finally:
+        setup_module.enable_fast_attention = original
+    assert session.bundle.unet.is_gradient_checkpointing
+    assert len(calls) == 2 * 4  # each step's block forward runs again in the backward pass
+    assert losses(checkpointed) == losses(plain)
+
+
+def test_latent_and_text_caches_train_what_encoding_each_step_trains(paths, shapes_dataset, tmp_path, one_thread):
+    """Klein encodes the VAE's mode (no posterior sample), so cached latents are the ones encoded each step; the
+    text embeddings are encoded in other batches, which moves float sums in the last bits only."""
+    _, plain = in_process(paths, shapes_dataset, tmp_path / "plain")
+    session, cached = in_process(paths, shapes_dataset, tmp_path / "cached", cache_latents=True,
+                                 cache_text_embeddings=True)
+    assert session.inputs.latent_cache is not None and session.inputs.text_cache is not None
+    placed = events_of(tmp_path / "cached", "placement")
+    assert placed and "vae" in placed[0]["modules"] and "text_encoder_0" in placed[0]["modules"]
+    torch.testing.assert_close(torch.tensor(losses(cached)), torch.tensor(losses(plain)), rtol=1e-5, atol=0)
+
+
+def test_bf16_trains_and_fp16_that_keeps_overflowing_falls_back(paths, shapes_dataset, tmp_path, one_thread):
+    session, bf16 = in_process(paths, shapes_dataset, tmp_path / "bf16", mixed_precision="bf16")
+    assert session.bundle.unet.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in session.params)
+    assert all(m["loss"] == m["loss"] for m in bf16)
+    # A rate of 1.0 overflows fp16 from step 4 on; two overflowing steps in a row switch the run to fp32 (what a
+    # CPU falls back to; a bf16 GPU picks bf16), and it trains on finite.
+    session, fp16 = in_process(paths, shapes_dataset, tmp_path / "fp16", mixed_precision="fp16", learning_rate=1.0,
+                               clip_mode="off", fp16_max_skips=2, max_train_steps=9)
+    (switch,) = [e for e in events_of(tmp_path / "fp16", "precision") if e.get("precision")]
+    assert switch["precision"] == "no" and session.amp.precision == "no" and session.amp.scaler is None
+    assert session.bundle.unet.dtype == torch.float32
+    after = [m for m in fp16 if m["step"] > switch["step"]]
+    assert after and all(m["loss"] == m["loss"] and "loss_scale" not in m for m in after)
+    assert all(torch.isfinite(p).all() for p in session.params)
+
+
+def test_diagnostics_validation_loss_perceptual_term_and_ema_work(paths, shapes_dataset, tmp_path, one_thread):
+    run = tmp_path / "run"
+    session, metrics = in_process(paths, shapes_dataset, run, diagnostics_every=2, activation_stats_every=2,
+                                  validation_loss_every=2, validation_split=0.25, ema_decay=0.9,
+                                  perceptual_lambda=0.5, perceptual_random_backbone=True,
+                                  perceptual_timestep_max=1000)
+    for name in ("spectra", "activations", "val_loss"):
+        rows = RunReader(run).diagnostics(f"{name}.jsonl")
+        assert [r["step"] for r in rows][-1] == 4, name
+    bands = [k for k in metrics[-1] if k.startswith("val_loss_")]
+    assert sorted(bands) == ["val_loss_high_noise", "val_loss_low_noise", "val_loss_mid_noise"]
+    assert events_of(run, "perceptual") and session.perceptual is not None
+    ema, lora = load_file(run / "output" / "lora-ema.safetensors"), load_file(run / "output" / "lora.safetensors")
+    assert ema.keys() == lora.keys() and any(not torch.equal(ema[k], lora[k]) for k in lora if "lora_up" in k)
+
+
+def test_rising_validation_loss_stops_early_and_exports_the_best(paths, shapes_dataset, tmp_path, one_thread):
+    """A rate ramped far too high on six images: held-out loss falls, then climbs (1.35, 1.28, 1.29, 1.32, 1.37
+    measured); the tiny model's loss lives in a narrow band, so the factor is 1.01 and one trigger stops."""
+    from stabletune_core.train.checkpoint import load_checkpoint
+
+    run = tmp_path / "run"
+    session, _ = in_process(paths, shapes_dataset, run, max_train_steps=60, lora_rank=8, learning_rate=0.5,
+                            lr_scheduler="constant_with_warmup", lr_warmup_steps=50, validation_split=0.25,
+                            validation_loss_every=4, validation_timesteps=4,
+                            unet_lora_targets=KLEIN_LORA_TARGETS[:4] + ["ff.linear_in", "ff.linear_out"]
+                            + KLEIN_LORA_TARGETS[-2:], early_stopping=True,
+                            early_stopping_window=4, early_stopping_factor=1.01, early_stopping_patience=1,
+                            early_stopping_min_steps=0, diagnostics_every=0, activation_stats_every=0,
+                            checkpoints_total_limit=1, save_steps=4)
+    curve = RunReader(run).diagnostics("val_loss.jsonl")
+    best = min(curve, key=lambda r: r["val_loss"])
+    assert session.state.step < 60 and curve[-1]["val_loss"] > best["val_loss"]
+    (stop,) = events_of(run, "early_stop")
+    assert stop["best_step"] == best["step"]
+    exported = load_file(run / "output" / "lora_best.safetensors")
+    adapter = load_checkpoint(run / "checkpoints" / f"step_{best['step']:06d}").adapter
+    down = next(k for k in exported if k.endswith("lora_down.weight"))
+    assert any(torch.equal(exported[down], v) for v in adapter.values() if v.shape == exported[down].shape)
+
+
+def test_a_signal_saves_a_checkpoint_and_the_lora_then_stops(paths, shapes_dataset, tmp_path):
+    import signal
+
+    from test_failures import _start, _wait_for_step
+
+    run = tmp_path / "run"
+    proc = _start(small_args(paths["folder"], shapes_dataset, run, max_train_steps=100000))
+    _wait_for_step(run, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "Traceback" not in stderr
+    status = RunReader(run).status()
+    assert status["state"] == "stopped" and status["step"] >= 1
+    assert (run / "checkpoints" / f"step_{status['step']:06d}" / "manifest.json").is_file()
+    assert (run / "output" / "lora.safetensors").is_file()

@@ -190,3 +190,27 @@ def test_distilled_klein_is_named_before_training(paths, folder_bundle, tmp_path
     assert unknown.verdict == "unknown" and one_sentence(unknown.sentence("9b"))
     assert detect_distillation(tmp_path / "x.safetensors", {"modelspec.title": "FLUX.2 klein base 4B"}).verdict == "base"
     assert Distillation("base", "").sentence() is None
+
+
+def test_the_files_beside_a_comfyui_transformer_are_found_past_decoys(paths, tmp_path):
+    """One finder (brief item 7: the twin text-encoder and VAE finders merged) reads only headers and takes the
+    first file that fits: a Qwen3 of another width and an SD VAE sorted before the right files are passed over."""
+    from safetensors.torch import save_file
+
+    from stabletune_core.models.flux2_klein import _find_beside, _is_flux2_vae, _is_qwen3_of_width
+
+    comfy = tmp_path / "ComfyUI"
+    transformer = comfy / "models" / "diffusion_models" / paths["transformer"].name
+    for folder, right in (("text_encoders", paths["text_encoder"]), ("vae", paths["vae"])):
+        (comfy / "models" / folder).mkdir(parents=True)
+        shutil.copy(right, comfy / "models" / folder / f"z_{right.name}")
+    transformer.parent.mkdir(parents=True)
+    shutil.copy(paths["transformer"], transformer)
+    wide = {"model.layers.0.self_attn.q_norm.weight": torch.zeros(8),
+            "model.layers.0.post_attention_layernorm.weight": torch.zeros(4096)}
+    save_file(wide, comfy / "models" / "text_encoders" / "a_qwen_3_8b.safetensors")
+    save_file({"decoder.conv_in.weight": torch.zeros(1)}, comfy / "models" / "vae" / "a_sd_vae.safetensors")
+    hidden = get_family("flux2_klein").load(paths["folder"]).text_encoders[0].config.hidden_size
+    assert _find_beside(transformer, "text_encoders", _is_qwen3_of_width(hidden)).name.startswith("z_")
+    assert _find_beside(transformer, "vae", _is_flux2_vae).name.startswith("z_")
+    assert _find_beside(tmp_path / "elsewhere.safetensors", "vae", _is_flux2_vae) is None  # not in a ComfyUI

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -233,35 +233,37 @@ def _comfy_root(path: Path) -> Path | None:
     return next((parent.parent for parent in path.resolve().parents if parent.name == "models"), None)
 
 
-def _find_text_encoder(transformer: Path, hidden: int) -> Path | None:
+Shapes = dict[str, tuple[int, ...]]
+
+
+def _find_beside(transformer: Path, folder: str, fits: Callable[[Shapes], bool]) -> Path | None:
+    """The first .safetensors file in ComfyUI's ``models/<folder>`` (of the ComfyUI the transformer lives in) whose
+    keys and shapes `fits` accepts; None when there is no such folder or file. Only headers are read."""
     root = _comfy_root(transformer)
-    folder = root / "models" / "text_encoders" if root else None
-    if folder is None or not folder.is_dir():
+    where = root / "models" / folder if root else None
+    if where is None or not where.is_dir():
         return None
-    for candidate in sorted(folder.glob("*.safetensors")):
+    for candidate in sorted(where.glob("*.safetensors")):
         try:
             shapes, _ = _safetensors_header(candidate)
         except (OSError, ValueError):
             continue
+        if fits(shapes):
+            return candidate
+    return None
+
+
+def _is_qwen3_of_width(hidden: int) -> Callable[[Shapes], bool]:
+    """A Qwen3 text encoder of the width the transformer reads (Qwen3 has q_norm; Qwen2.5 does not)."""
+    def fits(shapes: Shapes) -> bool:
         norm = shapes.get("model.layers.0.post_attention_layernorm.weight")
-        if "model.layers.0.self_attn.q_norm.weight" in shapes and norm and norm[0] == hidden:
-            return candidate  # a Qwen3 of the width this transformer reads
-    return None
+        return "model.layers.0.self_attn.q_norm.weight" in shapes and bool(norm) and norm[0] == hidden
+    return fits
 
 
-def _find_vae(transformer: Path) -> Path | None:
-    root = _comfy_root(transformer)
-    folder = root / "models" / "vae" if root else None
-    if folder is None or not folder.is_dir():
-        return None
-    for candidate in sorted(folder.glob("*.safetensors")):
-        try:
-            shapes, _ = _safetensors_header(candidate)
-        except (OSError, ValueError):
-            continue
-        if "bn.running_mean" in shapes and "decoder.conv_in.weight" in shapes:
-            return candidate  # the FLUX.2 VAE: the only LDM VAE with a latent batch norm
-    return None
+def _is_flux2_vae(shapes: Shapes) -> bool:
+    """The FLUX.2 VAE: the only LDM-layout VAE with a batch norm over its latents."""
+    return "bn.running_mean" in shapes and "decoder.conv_in.weight" in shapes
 
 
 def _find_tokenizer(transformer: Path, text_encoder: Path | None) -> Path | None:
@@ -406,12 +408,13 @@ class Flux2Klein:
             raise ModelLoadError(f"'{path.name}' does not match the config in '{config_dir}' "
                                  f"(file: {facts}, config: {transformer_config_facts(config)}).")
         variant = "9b" if facts["hidden_size"] == 4096 else "4b"
-        te_path = given["text_encoder"] or _find_text_encoder(path, config_dir_text_hidden(config_dir))
+        te_path = given["text_encoder"] or _find_beside(path, "text_encoders",
+                                                         _is_qwen3_of_width(config_dir_text_hidden(config_dir)))
         if te_path is None:
             raise ModelLoadError(
                 f"FLUX.2 Klein needs its Qwen3 text encoder and none was found for '{path.name}': pass text_encoder "
                 f"(the {TEXT_ENCODER_NAMES[variant]} file ComfyUI keeps in models/text_encoders, or a Qwen3 folder).")
-        vae_path = given["vae"] or _find_vae(path)
+        vae_path = given["vae"] or _find_beside(path, "vae", _is_flux2_vae)
         if vae_path is None:
             raise ModelLoadError(f"FLUX.2 Klein needs the FLUX.2 VAE and none was found for '{path.name}': pass vae "
                                  "(flux2-vae.safetensors, which ComfyUI keeps in models/vae).")

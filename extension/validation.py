@@ -7,6 +7,7 @@ makes before it loads a model, so Start never spawns a run that dies on a folder
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +78,25 @@ def dataset_problems(values: dict[str, Any], engine_python: str) -> list[str]:
             "--default-caption", values.get("default_caption") or "", "--no-enable-bucket"]
     answer = ask_engine(argv, engine_python, timeout=900)
     return [answer["error"]] if "error" in answer else []
+
+
+def names_klein(values: dict[str, Any]) -> bool:
+    """The form trains FLUX.2 Klein: the family says so, or (auto) the folder's model_index.json does. A single
+    file under auto is left to the engine's detection at Start (reading its header here would need safetensors)."""
+    family = values.get("model_family") or "auto"
+    if family != "auto":
+        return family == "flux2_klein"
+    index = Path(str(values.get("pretrained_model_name_or_path") or "")).expanduser() / "model_index.json"
+    try:
+        return str(json.loads(index.read_text()).get("_class_name", "")).startswith("Flux2Klein")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def memory_estimate(values: dict[str, Any], engine_python: str) -> str:
+    """The engine's estimate of a FLUX.2 Klein run's GPU memory (models/flux2_memory.py), one sentence shown before
+    Start; empty for the other families (asking costs the engine's start-up, so only Klein asks)."""
+    if not names_klein(values):
+        return ""
+    answer = ask_engine(["memory"], engine_python, stdin=values, timeout=120)
+    return str(answer.get("memory") or "")

@@ -63,6 +63,7 @@ def test_klein_lora_targets_are_the_familys_preset():
     ("auto", "validation_sampler", "euler_a"),
     ("sd1", "weighting_scheme", "logit_normal"),
     ("sdxl", "flow_shift", "3.0"),
+    ("sd1", "vae_path", "/some/flux2-vae.safetensors"),
 ])
 def test_knobs_of_another_family_are_refused_in_one_sentence(paths, shapes_dataset, tmp_path, family, knob, value):
     run = tmp_path / "run"
@@ -73,6 +74,26 @@ def test_knobs_of_another_family_are_refused_in_one_sentence(paths, shapes_datas
     assert "Traceback" not in done.stderr and "Loading weights" not in done.stderr  # refused before loading
     status = RunReader(run).status()
     assert status["state"] == "failed" and status["error"] == error
+
+
+def test_a_lone_transformer_file_trains_with_its_files_named(paths, shapes_dataset, tmp_path):
+    """Outside a ComfyUI folder nothing is found beside the transformer: text_encoder_path, vae_path and
+    tokenizer_path name the files; a missing one is refused before loading."""
+    import shutil
+
+    lone = tmp_path / "downloads" / paths["transformer"].name
+    lone.parent.mkdir()
+    shutil.copy(paths["transformer"], lone)
+    files = dict(text_encoder_path=paths["text_encoder"], vae_path=paths["vae"], tokenizer_path=paths["tokenizer"],
+                 model_config_dir=paths["config"])  # the tiny widths match no shipped config tree
+    run = tmp_path / "run"
+    done = cli(*small_args(lone, shapes_dataset, run, max_train_steps=1, **files))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "FLUX.2 Klein" in events_of(run, "model")[0]["message"]
+    missing = cli(*small_args(lone, shapes_dataset, tmp_path / "run2", max_train_steps=1,
+                              **{**files, "vae_path": tmp_path / "flux2-vae.safetensors"}))
+    error = missing.stderr.strip().splitlines()[-1].removeprefix("error: ")
+    assert missing.returncode != 0 and error.startswith("vae_path ") and one_sentence(error)
 
 
 # ---- item 2: trains through the real loop from the command line; what was loaded is said; the LoRA loads ----------

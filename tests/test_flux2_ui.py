@@ -62,4 +62,4 @@ def test_family_picker_offers_klein_and_check_settings_shows_the_estimate(ui, tm
     assert "Settings are valid" in message and "🧮 Estimated GPU memory for FLUX.2 Klein" in message, message
     sd = raw_form(ui, model_family="sd1", pretrained_model_name_or_path=str(paths["folder"]),
                   train_data_dir=str(shapes_dataset), output_dir=str(out), weighting_scheme="cosmap")
-    assert "belongs to the flow-matching objective" in model_tab._check(ui, *sd)[0]
+    assert "belongs to FLUX.2 Klein (its flow-matching objective)" in model_tab._check(ui, *sd)[0]

@@ -48,8 +48,11 @@ _SD_ONLY = (
                            "scheduler"),
     ("validation_ddim_eta", "belongs to the DDIM sampler, which FLUX.2 Klein does not use"),
 )
-#: Knobs of the flow-matching objective that mean nothing on a DDPM UNet.
-_FLOW_ONLY = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow_shift")
+#: Knobs of the flow-matching objective, and of FLUX.2 Klein's separate files, that mean nothing on an SD model.
+_FLOW_ONLY = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow_shift", "text_encoder_path",
+              "vae_path", "tokenizer_path")
+#: The knobs naming a model's separate files (the family's load() takes them by these names minus "_path").
+MODEL_FILE_KNOBS = ("text_encoder_path", "vae_path", "tokenizer_path")
 
 
 def _default(config: Any, name: str) -> Any:
@@ -76,8 +79,10 @@ def family_problems(config: Any, family: str) -> list[str]:
         return [f"{name} is set to {getattr(config, name)!r}, but it {why}; {_leave(config, name)} for "
                 f"model_family {family}."
                 for name, why in _SD_ONLY if _changed(config, name)]
-    return [f"{name} is set to {getattr(config, name)!r}, but it belongs to the flow-matching objective of FLUX.2 "
-            f"Klein and {FAMILY_NAMES.get(family, family)} trains with DDPM; {_leave(config, name)}." for name in _FLOW_ONLY if _changed(config, name)]
+    return [f"{name} is set to {getattr(config, name)!r}, but it belongs to FLUX.2 Klein ("
+            f"{'its separate model files' if name in MODEL_FILE_KNOBS else 'its flow-matching objective'}) and "
+            f"{FAMILY_NAMES.get(family, family)} has no such thing; {_leave(config, name)}."
+            for name in _FLOW_ONLY if _changed(config, name)]
 
 
 def family_defaults(config: Any, family: str) -> dict[str, Any]:
@@ -86,3 +91,9 @@ def family_defaults(config: Any, family: str) -> dict[str, Any]:
     if family in FLOW_FAMILIES and list(config.unet_lora_targets) == SD_LORA_TARGETS:
         return {"unet_lora_targets": list(KLEIN_LORA_TARGETS)}
     return {}
+
+
+def model_file_options(config: Any) -> dict[str, str]:
+    """The separate model files a config names, as keyword arguments of the family's load() (text_encoder, vae,
+    tokenizer); only set ones, so a family without such files is never handed one (family_problems refused it)."""
+    return {name.removesuffix("_path"): getattr(config, name) for name in MODEL_FILE_KNOBS if getattr(config, name)}

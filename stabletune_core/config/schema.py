@@ -64,6 +64,16 @@ class TrainConfigSchema(BaseModel):
     model_config_dir: Optional[str] = knob(
         None, "Config tree for a single-file checkpoint whose architecture is not a standard one; "
         "normally left empty and the shipped config of the family is used.", "model", path=True)
+    text_encoder_path: Optional[str] = knob(
+        None, "FLUX.2 Klein from a single transformer file: its Qwen3 text encoder (qwen_3_4b.safetensors for 4B, "
+        "qwen_3_8b.safetensors for 9B, or a Qwen3 folder). Empty = found in the ComfyUI folder the transformer is "
+        "in (models/text_encoders).", "model", path=True)
+    vae_path: Optional[str] = knob(
+        None, "FLUX.2 Klein from a single transformer file: the FLUX.2 VAE (flux2-vae.safetensors). Empty = found in "
+        "the ComfyUI folder the transformer is in (models/vae).", "model", path=True)
+    tokenizer_path: Optional[str] = knob(
+        None, "FLUX.2 Klein: a folder with Qwen3's tokenizer files. Empty = the model folder's own, or the one "
+        "ComfyUI ships (comfy/text_encoders/qwen25_tokenizer).", "model", path=True)
     local_files_only: bool = knob(
         True, "Never touch the network when loading the model.", "model")
 

@@ -58,6 +58,11 @@ def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
                         "with (a .safetensors checkpoint or a diffusers folder), or leave it empty.")
     elif preview is not None:
         problems += [f"preview_model: {p}" for p in _model_problems(preview)]
+    for knob in ("text_encoder_path", "vae_path", "tokenizer_path"):  # FLUX.2 Klein's separate files
+        given = getattr(config, knob)
+        if given and not Path(given).expanduser().exists():
+            problems.append(f"{knob} {given} does not exist; point it at the file or folder, or leave it empty to "
+                            "find it beside the model.")
     resume = config.resume_from_checkpoint
     if resume and resume not in ("auto", "latest") and not Path(resume).expanduser().is_dir():
         problems.append(f"resume_from_checkpoint: {resume} is not a checkpoint folder; give a folder "

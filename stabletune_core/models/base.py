@@ -172,6 +172,13 @@ class ModelFamily(Protocol):
         """Image side / the side of the latents the denoiser trains on."""
         ...
 
+    def caption_tokens(self, model: Any) -> tuple[Any, int, str]:
+        """(count, limit, where) for checking captions before training (tools/doctor.py): count(caption) is the
+        number of tokens the text encoder reads of it, limit how many it reads at most, where names the tokenizer.
+        `model`: a local model path or None (the family's shipped tokenizer). ModelLoadError (one sentence) when no
+        tokenizer can be read."""
+        ...
+
     def load_notes(self, bundle: ModelBundle) -> list[str]:
         """What a user must know about the loaded model before training, one sentence each: which model and variant
         it is, and a warning when it is a poor base (e.g. the step-distilled FLUX.2 Klein). The first is the

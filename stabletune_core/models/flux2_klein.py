@@ -614,6 +614,28 @@ class Flux2Klein:
 
         return FlowMatchEulerDiscreteScheduler.from_config(bundle.noise_scheduler.config), {}
 
+    def caption_tokens(self, model: Path | None) -> tuple[Any, int, str]:
+        """Qwen3 counts of the whole Klein prompt (the chat template around the caption) against the 512 tokens the
+        pipeline pads and truncates it to; the tokenizer of a Klein folder, or the one found for a transformer file
+        (beside it, or ComfyUI's). The shipped config trees carry no tokenizer, so a model is needed."""
+        path = None
+        if model is not None and model.is_dir():
+            path = next((f for f in (model / "tokenizer", model) if (f / "tokenizer_config.json").is_file()), None)
+        elif model is not None and model.is_file():
+            path = _find_tokenizer(model, None)
+        if path is None:
+            raise ModelLoadError("Counting caption tokens for FLUX.2 Klein needs Qwen3's tokenizer: give --model a "
+                                 "Klein diffusers folder, or a transformer file inside ComfyUI (which ships it).")
+        tokenizer = self._tokenizer(path, True)
+        use_klein_chat_template(tokenizer)
+
+        def count(text: str) -> int:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                   add_generation_prompt=True, enable_thinking=False)
+            return len(tokenizer(prompt, truncation=False, verbose=False).input_ids)
+
+        return count, MAX_SEQUENCE_LENGTH, f"the Qwen3 tokenizer in {path}"
+
     def load_notes(self, bundle: ModelBundle) -> list[str]:
         """Which Klein this is (variant, base or distilled, where the text encoder came from), then the
         distilled-model warning when there is one."""

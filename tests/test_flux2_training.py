@@ -345,11 +345,15 @@ def test_bf16_trains_and_fp16_that_keeps_overflowing_falls_back(paths, shapes_da
     assert all(m["loss"] == m["loss"] for m in bf16)
     # A rate of 1.0 overflows fp16 from step 4 on; two overflowing steps in a row switch the run to fp32 (what a
     # CPU falls back to; a bf16 GPU picks bf16), and it trains on finite.
+    # The preview model (validation images at the end, after the switch) is recast with the trained one.
     session, fp16 = in_process(paths, shapes_dataset, tmp_path / "fp16", mixed_precision="fp16", learning_rate=1.0,
-                               clip_mode="off", fp16_max_skips=2, max_train_steps=9)
+                               clip_mode="off", fp16_max_skips=2, max_train_steps=9, validation_prompt="a red circle",
+                               validation_steps=9, validation_inference_steps=2, num_validation_images=1,
+                               preview_model=str(paths["distilled_folder"]))
     (switch,) = [e for e in events_of(tmp_path / "fp16", "precision") if e.get("precision")]
     assert switch["precision"] == "no" and session.amp.precision == "no" and session.amp.scaler is None
-    assert session.bundle.unet.dtype == torch.float32
+    assert session.bundle.unet.dtype == torch.float32 and session.preview.unet.dtype == torch.float32
+    assert (tmp_path / "fp16" / "samples" / "step_000009" / "p00_s3.png").is_file()
     after = [m for m in fp16 if m["step"] > switch["step"]]
     assert after and all(m["loss"] == m["loss"] and "loss_scale" not in m for m in after)
     assert all(torch.isfinite(p).all() for p in session.params)

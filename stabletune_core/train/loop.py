@@ -42,7 +42,7 @@ from .rollback import restore_snapshot, take_snapshot
 from .session import Session, SessionView
 from .setup import setup
 from .state import adapter_state, restore_adapter, restore_rng, restore_run_state, rng_state, run_state
-from .preview import with_trained_adapters
+from .preview import preview_adapters, with_trained_adapters
 from .validation_images import make_validation_images
 
 #: status.json while training is rewritten at most this often: the UI polls it about once a second, and a
@@ -256,6 +256,8 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
             case SwitchPrecision():
                 s.amp.switch_to(verdict.precision)
                 s.amp.recast_frozen([s.bundle.unet, *s.bundle.text_encoders], s.params)
+                if s.preview is not None:  # its denoiser samples under the same autocast as the trained one
+                    s.amp.recast_frozen([s.preview.unet], preview_adapters(s.preview))
                 write_event(s, verdict.event)
             case ScaleWeights():
                 layers, factors = [s.lora_layers[i] for i in verdict.layers], list(verdict.factors)

@@ -52,3 +52,9 @@ def with_trained_adapters(preview: ModelBundle, trained: torch.nn.Module) -> Mod
     """`preview` with the adapter weights `trained` holds now (the EMA's while the caller swapped them in)."""
     load_lora_state_dict(preview.unet, lora_state_dict(trained))
     return preview
+
+
+def preview_adapters(preview: ModelBundle) -> list[torch.nn.Parameter]:
+    """The preview denoiser's adapter weights (fp32 copies of the trained ones): what a precision switch leaves
+    alone when it recasts the preview's frozen weights."""
+    return [p for name, p in preview.unet.named_parameters() if is_adapter_parameter(name)]

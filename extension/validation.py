@@ -49,7 +49,7 @@ def validate(values: dict[str, Any], engine_python: str) -> tuple[list[str], lis
             config = build_config(values)
         except ConfigError as exc:
             return exc.problems + world_problems(values, exc.problems, build_config, check_inputs, ConfigError), []
-        problems, notes = check_inputs(config), config.notes()
+        problems, notes = check_inputs(config) + detected_family_problems(values, config), config.notes()
     if not problems:
         problems = dataset_problems(values, engine_python)
     return problems, warnings(values) + notes
@@ -100,3 +100,13 @@ def memory_estimate(values: dict[str, Any], engine_python: str) -> str:
         return ""
     answer = ask_engine(["memory"], engine_python, stdin=values, timeout=120)
     return str(answer.get("memory") or "")
+
+
+def detected_family_problems(values: dict[str, Any], config: Any) -> list[str]:
+    """With model_family auto and a Klein folder, the knobs Klein refuses (config/families.py), as the engine
+    would at Start; the schema only judges a family that is named."""
+    if (values.get("model_family") or "auto") != "auto" or not names_klein(values):
+        return []
+    from stabletune_core.config.families import family_problems
+
+    return family_problems(config, "flux2_klein")

@@ -56,6 +56,11 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
             rest = []
         return {"problems": exc.problems + [p for p in rest if p not in exc.problems], "config": None, "notes": []}
     problems = check_inputs(config)
+    if not problems and config.model_family == "auto":  # the knobs of the family the checkpoint says it is
+        from .config.families import family_problems
+        from .models.loading import family_name
+
+        problems = family_problems(config, family_name(config))
     if not problems and args.write:
         config.save_toml(args.write)
     return {"problems": problems, "config": config.model_dump(mode="json"), "notes": config.notes()}

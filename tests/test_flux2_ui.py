@@ -63,3 +63,25 @@ def test_family_picker_offers_klein_and_check_settings_shows_the_estimate(ui, tm
     sd = raw_form(ui, model_family="sd1", pretrained_model_name_or_path=str(paths["folder"]),
                   train_data_dir=str(shapes_dataset), output_dir=str(out), weighting_scheme="cosmap")
     assert "belongs to FLUX.2 Klein (its flow-matching objective)" in model_tab._check(ui, *sd)[0]
+
+
+def test_check_settings_judges_the_knobs_of_a_detected_klein(ui, tmp_path_factory, shapes_dataset):  # noqa: F811
+    """model_family auto with a Klein folder: Check settings lists what the engine would refuse at Start."""
+    from extension.tabs import model as model_tab
+
+    paths = tiny_klein_paths(tmp_path_factory)
+    raw = raw_form(ui, pretrained_model_name_or_path=str(paths["folder"]), train_data_dir=str(shapes_dataset),
+                   output_dir=str(tmp_path_factory.mktemp("ui-auto") / "run"), snr_gamma=5.0)
+    message = model_tab._check(ui, *raw)[0]
+    assert "Fix these before starting" in message and "weights DDPM timesteps" in message, message
+
+
+def test_the_engine_validate_answer_judges_a_detected_klein_too(tmp_path_factory, shapes_dataset):
+    """The same through `query_cli validate` (AUTOMATIC1111's Python cannot build the config itself)."""
+    paths = tiny_klein_paths(tmp_path_factory)
+    values = {"pretrained_model_name_or_path": str(paths["folder"]), "train_data_dir": str(shapes_dataset),
+              "output_dir": str(tmp_path_factory.mktemp("engine-auto") / "run"), "snr_gamma": 5.0}
+    done = subprocess.run([sys.executable, "-m", "stabletune_core.query_cli", "validate"], input=json.dumps(values),
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    problems = json.loads(done.stdout.strip().splitlines()[-1])["problems"]
+    assert len(problems) == 1 and problems[0].startswith("snr_gamma is set to 5.0")

@@ -7,6 +7,7 @@ makes before it loads a model, so Start never spawns a run that dies on a folder
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ def validate(values: dict[str, Any], engine_python: str) -> tuple[list[str], lis
             config = build_config(values)
         except ConfigError as exc:
             return exc.problems + world_problems(values, exc.problems, build_config, check_inputs, ConfigError), []
-        problems, notes = check_inputs(config), config.notes()
+        problems, notes = check_inputs(config) + detected_family_problems(values, config), config.notes()
     if not problems:
         problems = dataset_problems(values, engine_python)
     return problems, warnings(values) + notes
@@ -77,3 +78,35 @@ def dataset_problems(values: dict[str, Any], engine_python: str) -> list[str]:
             "--default-caption", values.get("default_caption") or "", "--no-enable-bucket"]
     answer = ask_engine(argv, engine_python, timeout=900)
     return [answer["error"]] if "error" in answer else []
+
+
+def names_klein(values: dict[str, Any]) -> bool:
+    """The form trains FLUX.2 Klein: the family says so, or (auto) the folder's model_index.json does. A single
+    file under auto is left to the engine's detection at Start (reading its header here would need safetensors)."""
+    family = values.get("model_family") or "auto"
+    if family != "auto":
+        return family == "flux2_klein"
+    index = Path(str(values.get("pretrained_model_name_or_path") or "")).expanduser() / "model_index.json"
+    try:
+        return str(json.loads(index.read_text()).get("_class_name", "")).startswith("Flux2Klein")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def memory_estimate(values: dict[str, Any], engine_python: str) -> str:
+    """The engine's estimate of a FLUX.2 Klein run's GPU memory (models/flux2_memory.py), one sentence shown before
+    Start; empty for the other families (asking costs the engine's start-up, so only Klein asks)."""
+    if not names_klein(values):
+        return ""
+    answer = ask_engine(["memory"], engine_python, stdin=values, timeout=120)
+    return str(answer.get("memory") or "")
+
+
+def detected_family_problems(values: dict[str, Any], config: Any) -> list[str]:
+    """With model_family auto and a Klein folder, the knobs Klein refuses (config/families.py), as the engine
+    would at Start; the schema only judges a family that is named."""
+    if (values.get("model_family") or "auto") != "auto" or not names_klein(values):
+        return []
+    from stabletune_core.config.families import family_problems
+
+    return family_problems(config, "flux2_klein")

@@ -1,4 +1,4 @@
-"""`python -m stabletune_core.query_cli scan|validate|demo-assets`: engine answers for a torch-free UI.
+"""`python -m stabletune_core.query_cli scan|validate|memory|demo-assets`: engine answers for a torch-free UI.
 
 The UI process never imports torch (and, inside AUTOMATIC1111, may not even have pydantic 2), but the
 dataset scan lives next to torch code and validation needs pydantic 2. So the UI asks the engine's Python
@@ -56,9 +56,30 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
             rest = []
         return {"problems": exc.problems + [p for p in rest if p not in exc.problems], "config": None, "notes": []}
     problems = check_inputs(config)
+    if not problems and config.model_family == "auto":  # the knobs of the family the checkpoint says it is
+        from .config.families import family_problems
+        from .models.loading import family_name
+
+        problems = family_problems(config, family_name(config))
     if not problems and args.write:
         config.save_toml(args.write)
     return {"problems": problems, "config": config.model_dump(mode="json"), "notes": config.notes()}
+
+
+def memory(args: argparse.Namespace) -> dict[str, Any]:
+    """Values (JSON on stdin) -> the training-memory estimate of a FLUX.2 Klein run ({"memory": sentence, "gib"}),
+    or {"memory": None} for a family the estimate does not cover."""
+    from .config import build_config
+    from .models.loading import family_name
+
+    config = build_config(json.load(sys.stdin))
+    family = family_name(config) if config.pretrained_model_name_or_path or config.model_family != "auto" else "auto"
+    if family != "flux2_klein":
+        return {"memory": None, "gib": None}
+    from .models.flux2_memory import config_memory_sentence
+
+    sentence, estimate = config_memory_sentence(config)
+    return {"memory": sentence, "gib": round(estimate.total_gib, 2)}
 
 
 def demo_assets(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     v = commands.add_parser("validate", help="Validate config values given as JSON on stdin.")
     v.add_argument("--write", help="Write the resolved config.toml here when it is valid.")
     v.set_defaults(handler=validate)
+
+    m = commands.add_parser("memory", help="Estimate the GPU memory of a FLUX.2 Klein run from config values given "
+                            "as JSON on stdin (models/flux2_memory.py); null for other families.")
+    m.set_defaults(handler=memory)
 
     d = commands.add_parser("demo-assets", help="Build (once) and print the demo model and dataset paths.")
     d.set_defaults(handler=demo_assets)

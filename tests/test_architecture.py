@@ -583,9 +583,10 @@ def test_config_is_cut_by_job_and_imports_no_torch():
     folder = CORE / "config"
     assert not (CORE / "config.py").exists()
     assert {p.stem for p in folder.glob("*.py")} == {"__init__", "schema", "files", "world", "flags", "resolve",
-                                                   "tokens"}
+                                                     "families", "tokens"}
     code = ("import sys; from stabletune_core.config import TrainConfig, build_config, ConfigError, check_inputs, "
-            "add_config_arguments, resolve, PATH_KNOBS; assert 'torch' not in sys.modules")
+            "add_config_arguments, resolve, PATH_KNOBS; from stabletune_core.config.families import "
+            "family_problems; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=CORE.parent)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,7 +182,7 @@ def test_distilled_klein_is_named_before_training(paths, folder_bundle, tmp_path
     note = family.distillation_note(distilled)
     assert note and one_sentence(note) and "step-distilled FLUX.2 Klein 4B" in note
     assert "is_distilled: true" in note and "flux-2-klein-base-4b.safetensors" in note
-    assert "validation_model_name_or_path" in note  # the separate preview model the loop will offer
+    assert "preview_model" in note  # the separate preview model the loop offers
     assert family.distillation_note(folder_bundle) is None  # the base model: nothing to say
     assert family.make_pipeline(distilled).config.is_distilled  # and its previews sample as distilled
     assert detect_distillation(tmp_path / "flux-2-klein-9b.safetensors").verdict == "distilled"
@@ -190,3 +191,54 @@ def test_distilled_klein_is_named_before_training(paths, folder_bundle, tmp_path
     assert unknown.verdict == "unknown" and one_sentence(unknown.sentence("9b"))
     assert detect_distillation(tmp_path / "x.safetensors", {"modelspec.title": "FLUX.2 klein base 4B"}).verdict == "base"
     assert Distillation("base", "").sentence() is None
+
+
+def test_the_files_beside_a_comfyui_transformer_are_found_past_decoys(paths, tmp_path):
+    """One finder (the twin text-encoder and VAE finders merged) reads only headers and takes the first file that
+    fits: a Qwen3 of another width and an SD VAE sorted before the right files are passed over."""
+    from safetensors.torch import save_file
+
+    from stabletune_core.models.flux2_klein import _find_beside, _is_flux2_vae, _is_qwen3_of_width
+
+    comfy = tmp_path / "ComfyUI"
+    transformer = comfy / "models" / "diffusion_models" / paths["transformer"].name
+    for folder, right in (("text_encoders", paths["text_encoder"]), ("vae", paths["vae"])):
+        (comfy / "models" / folder).mkdir(parents=True)
+        shutil.copy(right, comfy / "models" / folder / f"z_{right.name}")
+    transformer.parent.mkdir(parents=True)
+    shutil.copy(paths["transformer"], transformer)
+    wide = {"model.layers.0.self_attn.q_norm.weight": torch.zeros(8),
+            "model.layers.0.post_attention_layernorm.weight": torch.zeros(4096)}
+    save_file(wide, comfy / "models" / "text_encoders" / "a_qwen_3_8b.safetensors")
+    save_file({"decoder.conv_in.weight": torch.zeros(1)}, comfy / "models" / "vae" / "a_sd_vae.safetensors")
+    hidden = get_family("flux2_klein").load(paths["folder"]).text_encoders[0].config.hidden_size
+    assert _find_beside(transformer, "text_encoders", _is_qwen3_of_width(hidden)).name.startswith("z_")
+    assert _find_beside(transformer, "vae", _is_flux2_vae).name.startswith("z_")
+    assert _find_beside(tmp_path / "elsewhere.safetensors", "vae", _is_flux2_vae) is None  # not in a ComfyUI
+
+
+def test_doctor_counts_captions_with_the_klein_prompt(paths, tmp_path, capsys):
+    """`doctor` on a Klein model asks the family how its text encoder reads captions (the Qwen3 chat prompt,
+    512 tokens) instead of loading CLIP tokenizers from it, which failed with a traceback; without a Klein model
+    there is no tokenizer to count with, and it says so in one sentence."""
+    from PIL import Image
+
+    from stabletune_core.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, caption, colour in (("short", "a red circle", (200, 30, 30)), ("long", "red " * 600, (30, 30, 200))):
+        Image.new("RGB", (64, 64), colour).save(data / f"{name}.png")
+        (data / f"{name}.txt").write_text(caption)
+    report_file = tmp_path / "report.json"
+    assert main(["doctor", str(data), "--model", str(paths["folder"]), "--family", "flux2_klein", "--resolution",
+                 "64", "--json", str(report_file)]) == 0
+    captions = json.loads(report_file.read_text())["captions"]
+    assert captions["limit"] == 512 and "Qwen3 tokenizer" in captions["tokenizer"]
+    assert [Path(c["path"]).name for c in captions["too_long"]] == ["long.png"]
+    tokens = {Path(i["path"]).name: i["tokens"] for i in json.loads(report_file.read_text())["items"]}
+    assert 10 < tokens["short.png"] < 40  # the caption inside the chat template's turns
+    capsys.readouterr()
+    assert main(["doctor", str(data), "--family", "flux2_klein", "--resolution", "64"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1].removeprefix("error: ")
+    assert "needs Qwen3's tokenizer" in error and one_sentence(error)

@@ -9,7 +9,7 @@ from .. import models, presets
 from ..compat import listen, make, update
 from ..context import UIContext
 from ..form import field_of
-from ..validation import validate
+from ..validation import memory_estimate, validate
 from stabletune_core.launch import ask_engine
 
 TITLE = "Model & hyperparameters"
@@ -81,13 +81,17 @@ def _grid(ctx: UIContext, names: list[str], per_row: int = 3) -> None:
             ctx.form.build(names[start:start + per_row])
 
 
-def problems_text(problems: list[str], notes: list[str], form: Any = None, *, started: bool = False) -> str:
-    """Problems block the start; notes (valid, probably not meant) are warnings: the run starts anyway."""
+def problems_text(problems: list[str], notes: list[str], form: Any = None, *, started: bool = False,
+                  memory: str = "") -> str:
+    """Problems block the start; notes (valid, probably not meant) are warnings: the run starts anyway. `memory`:
+    the engine's GPU-memory estimate (FLUX.2 Klein), shown with valid settings."""
     words = form.labelled if form else (lambda p: p)
     if problems:
         text = "**Fix these before starting:**\n\n" + "\n".join(f"- ⚠ {words(p)}" for p in problems)
     else:
         text = "" if started else "✅ Settings are valid."
+        if memory:
+            text += ("\n\n" if text else "") + f"🧮 {memory}"
     if notes:
         text += ("\n\n" if text else "") + "**Check these (they do not stop a run):**\n\n" + "\n".join(
             f"- ⚠ {words(n)}" for n in notes)
@@ -106,8 +110,9 @@ def check(ctx: UIContext, raw: tuple[Any, ...]) -> tuple[dict[str, Any], list[st
 
 
 def _check(ctx: UIContext, *raw: Any) -> list[Any]:
-    _, problems, notes = check(ctx, raw)
-    return [problems_text(problems, notes, ctx.form), *ctx.form.problem_updates(problems, notes),
+    values, problems, notes = check(ctx, raw)
+    memory = "" if problems else memory_estimate(values, ctx.settings.engine_python)
+    return [problems_text(problems, notes, ctx.form, memory=memory), *ctx.form.problem_updates(problems, notes),
             *group_marks(ctx, problems)]
 
 

@@ -10,6 +10,7 @@ import gradio as gr
 from ..compat import listen, make, unchanged, update, user_change
 from ..context import UIContext
 from ..status import run_status, status_line, stop_state
+from ..validation import memory_estimate
 from .model import accordions, check, group_marks, problems_text
 from stabletune_core import runqueue
 from stabletune_core.launch import LaunchError, write_run_config
@@ -108,9 +109,10 @@ def _start(ctx: UIContext, *raw: Any) -> list[Any]:
     started = None
     if not problems:
         values["output_dir"] = str(runqueue.new_run_dir(values, ctx.settings.runs_dir))
+        memory = memory_estimate(values, ctx.settings.engine_python)
         message, started = _launch(ctx, values)
-        if notes:
-            message += "\n\n" + problems_text([], notes, ctx.form, started=True)
+        if notes or memory:
+            message += "\n\n" + problems_text([], notes, ctx.form, started=True, memory=memory)
     else:
         message = problems_text(problems, notes, ctx.form)
     # The page follows the run it started: its dropdown says so (a refresh tick never sets it back, see refresh).

@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..train.observers.judges import SAMPLE_JUDGES
+from .families import FAMILY_CHOICES, SD_LORA_TARGETS, WEIGHTING_SCHEMES, family_problems
 from .tokens import multi_vector_clash
 
 # Where a field lands in the UI and how its flags look.
@@ -58,11 +59,22 @@ class TrainConfigSchema(BaseModel):
     pretrained_model_name_or_path: str = knob(
         "", "The base model: a diffusers folder, a single .safetensors checkpoint (A1111 style), or a hub id "
         "(hub ids need internet the first time).", "model", aliases=("model",), path=True)
-    model_family: Literal["auto", "sd1", "sd2", "sdxl"] = knob(
-        "auto", "Model family. 'auto' detects it from the checkpoint.", "model")
+    model_family: Literal[FAMILY_CHOICES] = knob(  # type: ignore[valid-type]  (config/families.py)
+        "auto", "Model family: sd1, sd2, sdxl or flux2_klein (FLUX.2 Klein 4B and 9B). 'auto' detects it from the "
+        "checkpoint.", "model")
     model_config_dir: Optional[str] = knob(
         None, "Config tree for a single-file checkpoint whose architecture is not a standard one; "
         "normally left empty and the shipped config of the family is used.", "model", path=True)
+    text_encoder_path: Optional[str] = knob(
+        None, "FLUX.2 Klein from a single transformer file: its Qwen3 text encoder (qwen_3_4b.safetensors for 4B, "
+        "qwen_3_8b.safetensors for 9B, or a Qwen3 folder). Empty = found in the ComfyUI folder the transformer is "
+        "in (models/text_encoders).", "model", path=True)
+    vae_path: Optional[str] = knob(
+        None, "FLUX.2 Klein from a single transformer file: the FLUX.2 VAE (flux2-vae.safetensors). Empty = found in "
+        "the ComfyUI folder the transformer is in (models/vae).", "model", path=True)
+    tokenizer_path: Optional[str] = knob(
+        None, "FLUX.2 Klein: a folder with Qwen3's tokenizer files. Empty = the model folder's own, or the one "
+        "ComfyUI ships (comfy/text_encoders/qwen25_tokenizer).", "model", path=True)
     local_files_only: bool = knob(
         True, "Never touch the network when loading the model.", "model")
 
@@ -122,8 +134,10 @@ class TrainConfigSchema(BaseModel):
         False, "DoRA: also learn each layer's weight magnitude (per input channel), beside the LoRA direction; often "
         "closer to full fine-tuning at the same rank, at about twice the compute of the adapted layers. The file "
         "(a dora_scale per layer) loads in A1111 1.9+, Forge and ComfyUI; not in diffusers.", "lora")
-    unet_lora_targets: list[str] = knob(["to_q", "to_k", "to_v", "to_out.0"],
-                                        "UNet modules (name suffixes) that get a LoRA.", "lora")
+    unet_lora_targets: list[str] = knob(list(SD_LORA_TARGETS),
+                                        "UNet (or FLUX.2 transformer) modules (name suffixes) that get a LoRA. On "
+                                        "FLUX.2 Klein this default stands for Klein's own: the attention of the "
+                                        "double blocks and both fused layers of the single blocks.", "lora")
     train_text_encoder: bool = knob(False, "Also train LoRA adapters on the text encoder(s).", "lora")
     text_encoder_lr: Optional[float] = knob(None, "Learning rate of the text-encoder LoRA. Empty = learning_rate.",
                                             "lora", gt=0)
@@ -190,6 +204,20 @@ class TrainConfigSchema(BaseModel):
     debiased_estimation_loss: bool = knob(
         False, "Debiased estimation loss: weight each sample by 1/sqrt(SNR) of its timestep (v-prediction: "
         "1/(SNR+1)), as kohya's sd-scripts.", "optimization")
+    weighting_scheme: Literal[WEIGHTING_SCHEMES] = knob(  # type: ignore[valid-type]  (config/families.py)
+        "none", "FLUX.2 Klein: how training sigmas are drawn and weighted, as diffusers' Klein script offers: none "
+        "(uniform), logit_normal and mode (more draws mid-schedule), sigma_sqrt and cosmap (uniform draws, weighted "
+        "loss).", "optimization")
+    logit_mean: float = knob(0.0, "FLUX.2 Klein, weighting_scheme logit_normal: mean of the normal draw.",
+                             "optimization", ge=-10.0, le=10.0)
+    logit_std: float = knob(1.0, "FLUX.2 Klein, weighting_scheme logit_normal: std of the normal draw.",
+                            "optimization", gt=0.0, le=10.0)
+    mode_scale: float = knob(1.29, "FLUX.2 Klein, weighting_scheme mode: how strongly draws gather mid-schedule.",
+                             "optimization", ge=0.0, le=10.0)
+    flow_shift: Optional[float] = knob(
+        None, "FLUX.2 Klein: shift of the training sigmas towards noise (3.0 is FLUX's value at 1024 px). Empty = "
+        "the model scheduler's (Klein's shifts only when sampling, so training draws unshifted sigmas, as "
+        "diffusers' Klein script does).", "optimization", gt=0.0, le=100.0)
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = knob(
         None, "Override the model's prediction type. Empty = the model's own.", "optimization")
     seed: int = knob(42, "Seed of everything random: the same seed gives the same run. -1 = a random seed, "
@@ -288,6 +316,11 @@ class TrainConfigSchema(BaseModel):
     validation_sampler: Literal["ddim", "euler", "euler_a", "dpm++"] = knob(
         "ddim", "Sampler for validation images.", "validation")
     validation_ddim_eta: float = knob(0.0, "DDIM eta (0 = deterministic).", "validation", ge=0.0, le=1.0)
+    preview_model: Optional[str] = knob(
+        None, "Make the validation images with this model instead of the one being trained (the trained LoRA "
+        "applied to it): e.g. train on FLUX.2 Klein base and preview on the step-distilled Klein, which samples in "
+        "4 steps. The same family and architecture as the base model. Empty = the trained model.", "validation",
+        path=True)
     validation_with_ema: bool = knob(True, "With ema_decay above 0: validation images show the EMA weights "
                                      "(off: the weights as trained).", "validation")
     sample_judge: Literal[tuple(SAMPLE_JUDGES)] = knob(  # type: ignore[valid-type]  (train/observers/judges.py)
@@ -380,6 +413,8 @@ class TrainConfigSchema(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "TrainConfigSchema":
+        for problem in family_problems(self, self.model_family)[:1]:  # config/families.py: knobs per family
+            raise ValueError(problem.rstrip("."))
         if self.use_8bit_adam and self.optimizer == "adamw":
             object.__setattr__(self, "optimizer", "adamw8bit")
         if self.min_bucket_reso > self.max_bucket_reso:

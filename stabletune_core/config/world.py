@@ -52,6 +52,17 @@ def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
         elif not _looks_like_path(model) and config.local_files_only and not _in_hub_cache(model):
             problems.append(f"Model '{model}' is not a local file or folder and is not in the local hub cache; "
                             "download it once or set local_files_only=false with internet access.")
+    preview = Path(config.preview_model).expanduser() if config.preview_model else None
+    if preview is not None and not preview.exists():
+        problems.append(f"preview_model {preview} does not exist; point it at the model to make validation images "
+                        "with (a .safetensors checkpoint or a diffusers folder), or leave it empty.")
+    elif preview is not None:
+        problems += [f"preview_model: {p}" for p in _model_problems(preview)]
+    for knob in ("text_encoder_path", "vae_path", "tokenizer_path"):  # FLUX.2 Klein's separate files
+        given = getattr(config, knob)
+        if given and not Path(given).expanduser().exists():
+            problems.append(f"{knob} {given} does not exist; point it at the file or folder, or leave it empty to "
+                            "find it beside the model.")
     resume = config.resume_from_checkpoint
     if resume and resume not in ("auto", "latest") and not Path(resume).expanduser().is_dir():
         problems.append(f"resume_from_checkpoint: {resume} is not a checkpoint folder; give a folder "

@@ -158,6 +158,33 @@ class ModelFamily(Protocol):
         """A diffusers inference pipeline sharing the bundle's modules (for validation images)."""
         ...
 
+    def validation_sampler(self, bundle: ModelBundle, options: Any) -> tuple[Any, dict[str, Any]]:
+        """(scheduler, extra pipeline-call arguments) the validation images are sampled with, as `options` (the
+        TrainConfig) asks: an SD family's choice of validation_sampler, a flow model's own Euler scheduler."""
+        ...
+
+    def decode_sampled(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
+        """What the family's pipeline returns for output_type="latent", decoded to images in [-1, 1] in the VAE's
+        dtype (SD pipelines return the denoiser's latents, FLUX.2 Klein's the VAE's own)."""
+        ...
+
+    def latent_downscale(self, bundle: ModelBundle) -> int:
+        """Image side / the side of the latents the denoiser trains on."""
+        ...
+
+    def caption_tokens(self, model: Any) -> tuple[Any, int, str]:
+        """(count, limit, where) for checking captions before training (tools/doctor.py): count(caption) is the
+        number of tokens the text encoder reads of it, limit how many it reads at most, where names the tokenizer.
+        `model`: a local model path or None (the family's shipped tokenizer). ModelLoadError (one sentence) when no
+        tokenizer can be read."""
+        ...
+
+    def load_notes(self, bundle: ModelBundle) -> list[str]:
+        """What a user must know about the loaded model before training, one sentence each: which model and variant
+        it is, and a warning when it is a poor base (e.g. the step-distilled FLUX.2 Klein). The first is the
+        console line every run prints."""
+        ...
+
     def metadata(self, bundle: ModelBundle) -> dict[str, str]: ...
 
 

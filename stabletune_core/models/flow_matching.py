@@ -23,9 +23,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-#: Timestep densities and loss weightings of diffusers' compute_density_for_timestep_sampling /
-#: compute_loss_weighting_for_sd3 (the choices of the Klein example's --weighting_scheme).
-WEIGHTING_SCHEMES = ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap")
+# The timestep densities and loss weightings of diffusers' compute_density_for_timestep_sampling /
+# compute_loss_weighting_for_sd3 (the Klein example's --weighting_scheme), named once for the knob and this objective.
+from ..config.families import WEIGHTING_SCHEMES
 
 #: The transformer's timestep input is the schedule's timestep / 1000, whatever num_train_timesteps is.
 TIMESTEP_INPUT_SCALE = 1000.0
@@ -116,8 +116,11 @@ class FlowMatching:
     def model_timestep(timesteps: torch.Tensor) -> torch.Tensor:
         return timesteps / TIMESTEP_INPUT_SCALE
 
-    def loss_weight(self, timesteps: torch.Tensor) -> torch.Tensor:
-        """[B] float32 weight of each row's loss (compute_loss_weighting_for_sd3's formulas)."""
+    def loss_weight(self, timesteps: torch.Tensor) -> torch.Tensor | None:
+        """[B] float32 weight of each row's loss (compute_loss_weighting_for_sd3's formulas); None where every
+        weight is 1 (the schemes that only shape the draw), as models/base.py `Objective` allows."""
+        if self.weighting_scheme not in ("sigma_sqrt", "cosmap"):
+            return None
         sigmas = self.sigmas(timesteps).float()
         if self.weighting_scheme == "sigma_sqrt":
             return sigmas ** -2.0
@@ -127,8 +130,27 @@ class FlowMatching:
 
     def loss(self, pred: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         """Per-row weighted MSE, shape [B], in float32 (the example's loss before its batch mean)."""
-        weight = _per_row(self.loss_weight(timesteps).to(pred.device), pred.ndim)
+        weight = self.loss_weight(timesteps)
+        weight = _per_row(weight.to(pred.device), pred.ndim) if weight is not None else 1.0
         return (weight * (pred.float() - target.float()) ** 2).reshape(pred.shape[0], -1).mean(dim=1)
+
+    # ------------------------------------------------------------------ reading a prediction, fixed timesteps
+    def predicted_clean(self, noisy: torch.Tensor, prediction: torch.Tensor, timesteps: torch.Tensor
+                        ) -> torch.Tensor:
+        """x0 = x_t - sigma v: the clean latents the predicted velocity implies (fp32)."""
+        sigma = _per_row(self.sigmas(timesteps).float().to(noisy.device), noisy.ndim)
+        return noisy.float() - sigma * prediction.float()
+
+    def validation_timesteps(self, count: int) -> torch.Tensor:
+        """`count` timesteps of the training table, centred in `count` equal bins of sigma (no pure noise, no clean
+        image), as DDPM's are centred in bins of its schedule."""
+        timesteps, _ = self.schedule()
+        n = self.num_train_timesteps
+        return torch.stack([timesteps[n - 1 - int((k + 0.5) * n / count)] for k in range(count)])
+
+    def noise_level(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """sigma: 0 = clean, 1 = pure noise."""
+        return self.sigmas(timesteps).float()
 
     # ------------------------------------------------------------------ the model
     def predict(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, cond: Any

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,6 +32,7 @@ from .base import Conditioning, ModelBundle, ModelLoadError
 CONFIGS_DIR = Path(__file__).parent / "configs"
 SHIPPED_CONFIGS = {"4b": CONFIGS_DIR / "flux2-klein-4b", "9b": CONFIGS_DIR / "flux2-klein-9b"}
 VARIANT_NAMES = {"4b": "FLUX.2 Klein 4B", "9b": "FLUX.2 Klein 9B"}
+RELEASED_WIDTHS = (3072, 4096)  # the transformers' hidden sizes: Klein 4B, Klein 9B (the shipped configs)
 TEXT_ENCODER_NAMES = {"4b": "Qwen3-4B (qwen_3_4b.safetensors)", "9b": "Qwen3-8B (qwen_3_8b.safetensors)"}
 BASE_MODEL_FILES = {"4b": "flux-2-klein-base-4b.safetensors", "9b": "flux-2-klein-base-9b.safetensors"}
 BASE_MODEL_REPOS = {"4b": "black-forest-labs/FLUX.2-klein-base-4B", "9b": "black-forest-labs/FLUX.2-klein-base-9B"}
@@ -101,7 +102,7 @@ class Distillation:
         if self.verdict == "distilled":
             return (f"This is the step-distilled {VARIANT_NAMES[variant]} ({self.evidence}), and LoRAs trained on it "
                     f"come out grey or generic: train on {base} and preview on the distilled model with "
-                    "validation_model_name_or_path.")
+                    "preview_model.")
         if self.verdict == "unknown":
             return (f"Could not tell whether this is {VARIANT_NAMES[variant]} base or the step-distilled model "
                     f"({self.evidence}); LoRAs trained on the distilled one come out grey or generic, so make sure "
@@ -232,35 +233,37 @@ def _comfy_root(path: Path) -> Path | None:
     return next((parent.parent for parent in path.resolve().parents if parent.name == "models"), None)
 
 
-def _find_text_encoder(transformer: Path, hidden: int) -> Path | None:
+Shapes = dict[str, tuple[int, ...]]
+
+
+def _find_beside(transformer: Path, folder: str, fits: Callable[[Shapes], bool]) -> Path | None:
+    """The first .safetensors file in ComfyUI's ``models/<folder>`` (of the ComfyUI the transformer lives in) whose
+    keys and shapes `fits` accepts; None when there is no such folder or file. Only headers are read."""
     root = _comfy_root(transformer)
-    folder = root / "models" / "text_encoders" if root else None
-    if folder is None or not folder.is_dir():
+    where = root / "models" / folder if root else None
+    if where is None or not where.is_dir():
         return None
-    for candidate in sorted(folder.glob("*.safetensors")):
+    for candidate in sorted(where.glob("*.safetensors")):
         try:
             shapes, _ = _safetensors_header(candidate)
         except (OSError, ValueError):
             continue
+        if fits(shapes):
+            return candidate
+    return None
+
+
+def _is_qwen3_of_width(hidden: int) -> Callable[[Shapes], bool]:
+    """A Qwen3 text encoder of the width the transformer reads (Qwen3 has q_norm; Qwen2.5 does not)."""
+    def fits(shapes: Shapes) -> bool:
         norm = shapes.get("model.layers.0.post_attention_layernorm.weight")
-        if "model.layers.0.self_attn.q_norm.weight" in shapes and norm and norm[0] == hidden:
-            return candidate  # a Qwen3 of the width this transformer reads
-    return None
+        return "model.layers.0.self_attn.q_norm.weight" in shapes and bool(norm) and norm[0] == hidden
+    return fits
 
 
-def _find_vae(transformer: Path) -> Path | None:
-    root = _comfy_root(transformer)
-    folder = root / "models" / "vae" if root else None
-    if folder is None or not folder.is_dir():
-        return None
-    for candidate in sorted(folder.glob("*.safetensors")):
-        try:
-            shapes, _ = _safetensors_header(candidate)
-        except (OSError, ValueError):
-            continue
-        if "bn.running_mean" in shapes and "decoder.conv_in.weight" in shapes:
-            return candidate  # the FLUX.2 VAE: the only LDM VAE with a latent batch norm
-    return None
+def _is_flux2_vae(shapes: Shapes) -> bool:
+    """The FLUX.2 VAE: the only LDM-layout VAE with a batch norm over its latents."""
+    return "bn.running_mean" in shapes and "decoder.conv_in.weight" in shapes
 
 
 def _find_tokenizer(transformer: Path, text_encoder: Path | None) -> Path | None:
@@ -405,12 +408,13 @@ class Flux2Klein:
             raise ModelLoadError(f"'{path.name}' does not match the config in '{config_dir}' "
                                  f"(file: {facts}, config: {transformer_config_facts(config)}).")
         variant = "9b" if facts["hidden_size"] == 4096 else "4b"
-        te_path = given["text_encoder"] or _find_text_encoder(path, config_dir_text_hidden(config_dir))
+        te_path = given["text_encoder"] or _find_beside(path, "text_encoders",
+                                                         _is_qwen3_of_width(config_dir_text_hidden(config_dir)))
         if te_path is None:
             raise ModelLoadError(
                 f"FLUX.2 Klein needs its Qwen3 text encoder and none was found for '{path.name}': pass text_encoder "
                 f"(the {TEXT_ENCODER_NAMES[variant]} file ComfyUI keeps in models/text_encoders, or a Qwen3 folder).")
-        vae_path = given["vae"] or _find_vae(path)
+        vae_path = given["vae"] or _find_beside(path, "vae", _is_flux2_vae)
         if vae_path is None:
             raise ModelLoadError(f"FLUX.2 Klein needs the FLUX.2 VAE and none was found for '{path.name}': pass vae "
                                  "(flux2-vae.safetensors, which ComfyUI keeps in models/vae).")
@@ -553,30 +557,42 @@ class Flux2Klein:
         return self.make_conditioning(bundle, self.encode_text(bundle, prompts), sizes)
 
     @torch.no_grad()
-    def encode_images(self, bundle: ModelBundle, pixels: torch.Tensor) -> torch.Tensor:
-        """Pixels in [-1, 1] -> normalised, patchified latents (the VAE's mode: no random numbers)."""
+    def encode_latents(self, bundle: ModelBundle, pixels: torch.Tensor, *,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pixels in [-1, 1] -> normalised, patchified latents, fp32. The VAE's mode, as the pipeline and diffusers'
+        Klein script encode: `generator` is not drawn from (no posterior sample), so the run's random stream is the
+        same with and without a latent cache."""
         vae = bundle.vae
         raw = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        return normalize_latents(vae, raw)
+        return normalize_latents(vae, raw).float()
 
-    @torch.no_grad()
     def decode_latents(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of encode_latents, in the VAE's dtype; gradients flow when the caller allows them (the
+        perceptual term decodes the predicted clean latents)."""
         vae = bundle.vae
         return vae.decode(denormalize_latents(vae, latents.to(vae.device, vae.dtype)), return_dict=False)[0]
+
+    def decode_sampled(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
+        """Flux2KleinPipeline's output_type="latent" is the VAE's own latents (already denormalised and
+        unpatchified): the VAE decodes them as they are."""
+        vae = bundle.vae
+        return vae.decode(latents.to(vae.device, vae.dtype), return_dict=False)[0]
 
     def latent_downscale(self, bundle: ModelBundle) -> int:
         """Image side / latent side, the 2 x 2 patchify included (16 for the real VAE)."""
         return 2 ** (len(bundle.vae.config.block_out_channels) - 1) * 2
 
-    def objective(self, bundle: ModelBundle, **scheme: Any):
-        """The flow-matching objective of this bundle (scheme: weighting_scheme, logit_mean, logit_std,
-        mode_scale, shift)."""
+    def objective(self, bundle: ModelBundle, options: Any):
+        """The flow-matching objective of this bundle, drawn and weighted as `options` (the TrainConfig) asks:
+        weighting_scheme, logit_mean, logit_std, mode_scale and flow_shift."""
         from .flow_matching import FlowMatching
 
         config = dict(bundle.noise_scheduler.config)
-        if "shift" in scheme:  # an explicit shift is the user's: the table uses it whatever the scheduler does
-            config.update(shift=scheme.pop("shift"), use_dynamic_shifting=False)
-        return FlowMatching.from_scheduler(config, call_denoiser=call_transformer, **scheme)
+        if options.flow_shift is not None:  # an explicit shift is the user's: the table uses it, dynamic or not
+            config.update(shift=options.flow_shift, use_dynamic_shifting=False)
+        return FlowMatching.from_scheduler(config, call_denoiser=call_transformer,
+                                           weighting_scheme=options.weighting_scheme, logit_mean=options.logit_mean,
+                                           logit_std=options.logit_std, mode_scale=options.mode_scale)
 
     def lora_target_modules(self, model: torch.nn.Module, targets: list[str]) -> list[str]:
         return lora_target_modules(model, targets)
@@ -590,6 +606,54 @@ class Flux2Klein:
                                   vae=bundle.vae, text_encoder=bundle.text_encoders[0],
                                   tokenizer=bundle.tokenizers[0], transformer=bundle.unet,
                                   is_distilled=bundle.extra["distillation"].verdict == "distilled")
+
+    def validation_sampler(self, bundle: ModelBundle, options: Any) -> tuple[Any, dict[str, Any]]:
+        """Klein's own FlowMatchEulerDiscreteScheduler (a copy: sampling sets its timesteps); the SD samplers
+        of validation_sampler do not apply (config/families.py refuses them)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_config(bundle.noise_scheduler.config), {}
+
+    def caption_tokens(self, model: Path | None) -> tuple[Any, int, str]:
+        """Qwen3 counts of the whole Klein prompt (the chat template around the caption) against the 512 tokens the
+        pipeline pads and truncates it to; the tokenizer of a Klein folder, or the one found for a transformer file
+        (beside it, or ComfyUI's). The shipped config trees carry no tokenizer, so a model is needed."""
+        path = None
+        if model is not None and model.is_dir():
+            path = next((f for f in (model / "tokenizer", model) if (f / "tokenizer_config.json").is_file()), None)
+        elif model is not None and model.is_file():
+            path = _find_tokenizer(model, None)
+        if path is None:
+            raise ModelLoadError("Counting caption tokens for FLUX.2 Klein needs Qwen3's tokenizer: give --model a "
+                                 "Klein diffusers folder, or a transformer file inside ComfyUI (which ships it).")
+        tokenizer = self._tokenizer(path, True)
+        use_klein_chat_template(tokenizer)
+
+        def count(text: str) -> int:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                   add_generation_prompt=True, enable_thinking=False)
+            return len(tokenizer(prompt, truncation=False, verbose=False).input_ids)
+
+        return count, MAX_SEQUENCE_LENGTH, f"the Qwen3 tokenizer in {path}"
+
+    def load_notes(self, bundle: ModelBundle) -> list[str]:
+        """Which Klein this is (variant, base or distilled, where the text encoder came from), then the
+        distilled-model warning when there is one."""
+        self.describe(bundle)
+        distillation = bundle.extra["distillation"]
+        kind = {"distilled": "the step-distilled model", "base": "the base model"}.get(
+            distillation.verdict, "base or distilled: not known")
+        name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)
+        config = bundle.unet.config
+        width = config["num_attention_heads"] * config["attention_head_dim"]
+        what = VARIANT_NAMES[self.variant] if width in RELEASED_WIDTHS else \
+            f"a FLUX.2 Klein-layout transformer of width {width}, not a released size,"
+        notes = [f"Loaded {name} as {what} {kind} ({distillation.evidence})."]
+        if bundle.extra.get("chat_template_replaced"):
+            notes.append("The tokenizer's own chat template renders prompts differently from Klein's, so Klein's "
+                         "template is used (as ComfyUI and diffusers render them).")
+        warning = self.distillation_note(bundle)
+        return notes + ([warning] if warning else [])
 
     # -------------------------------------------------------------- metadata
     def metadata(self, bundle: ModelBundle) -> dict[str, str]:

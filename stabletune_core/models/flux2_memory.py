@@ -17,8 +17,11 @@ What it counts, at the training step's peak:
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
+from typing import Any
 
 from .flux2_klein import LORA_PRESETS, MAX_SEQUENCE_LENGTH, SHIPPED_CONFIGS, lora_target_modules
 
@@ -61,8 +64,9 @@ def klein_sizes(variant: str) -> KleinSizes:
 
 
 @lru_cache(maxsize=None)
-def lora_parameters(variant: str, rank: int, preset: str = "attention") -> int:
-    """Trainable LoRA parameters of a preset at `rank`: rank x (in + out) per adapted Linear layer."""
+def lora_parameters(variant: str, rank: int, preset: str | tuple[str, ...] = "attention") -> int:
+    """Trainable LoRA parameters of a preset (or a tuple of targets) at `rank`: rank x (in + out) per adapted
+    Linear layer."""
     import torch
     from diffusers import Flux2Transformer2DModel
 
@@ -71,7 +75,8 @@ def lora_parameters(variant: str, rank: int, preset: str = "attention") -> int:
             str(SHIPPED_CONFIGS[variant]), subfolder="transformer"))
     modules = dict(transformer.named_modules())
     total = 0
-    for name in lora_target_modules(transformer, LORA_PRESETS[preset]):
+    targets = LORA_PRESETS[preset] if isinstance(preset, str) else list(preset)
+    for name in lora_target_modules(transformer, targets):
         layer: torch.nn.Linear = modules[name]
         total += rank * (layer.in_features + layer.out_features)
     return total
@@ -98,7 +103,8 @@ class MemoryEstimate:
 
 def estimate_training_memory(variant: str = "4b", *, precision: str = "bf16", gradient_checkpointing: bool = True,
                              batch_size: int = 1, resolution: int | tuple[int, int] = 1024, lora_rank: int = 16,
-                             cache_text_embeddings: bool = True, preset: str = "attention") -> MemoryEstimate:
+                             cache_text_embeddings: bool = True,
+                             preset: str | tuple[str, ...] = "attention") -> MemoryEstimate:
     """The peak memory of one training step of a Klein LoRA (see the module docstring for what is counted)."""
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision must be one of {', '.join(PRECISION_BYTES)}, not '{precision}'.")
@@ -115,3 +121,44 @@ def estimate_training_memory(variant: str = "4b", *, precision: str = "bf16", gr
     lora = lora_parameters(variant, lora_rank, preset) * LORA_BYTES_PER_PARAMETER
     overhead = CONTEXT_BYTES + int(FRAGMENTATION * (weights + lora + activations))
     return MemoryEstimate(weights=weights, lora=lora, activations=activations, overhead=overhead)
+
+
+def variant_of(source: str | Path) -> str | None:
+    """"4b" or "9b" for a released Klein's diffusers folder or BFL transformer file, read from its config or header
+    (no weights); None when it cannot be told (not there yet, another width)."""
+    from .flux2_klein import RELEASED_WIDTHS, _safetensors_header
+    from .flux2_single_file import bfl_shape_facts
+
+    path = Path(str(source)).expanduser()
+    try:
+        if path.is_dir():
+            config = json.loads((path / "transformer" / "config.json").read_text())
+            width = config["num_attention_heads"] * config["attention_head_dim"]
+        elif path.is_file():
+            width = bfl_shape_facts(_safetensors_header(path)[0])["hidden_size"]
+        else:
+            return None
+    except (OSError, ValueError, KeyError):
+        return None
+    return dict(zip(RELEASED_WIDTHS, ("4b", "9b"))).get(width)
+
+
+def config_memory_sentence(config: Any) -> tuple[str, MemoryEstimate]:
+    """The estimate for a TrainConfig's run of FLUX.2 Klein, and the sentence the UI shows before Start (the
+    SD default LoRA targets stand for Klein's own, as the run resolves them)."""
+    from ..config.families import family_defaults
+
+    config = config.model_copy(update=family_defaults(config, "flux2_klein"))
+    variant = variant_of(config.pretrained_model_name_or_path)
+    assumed = "" if variant else " (assumed: the model's size is not a released one or could not be read)"
+    variant = variant or "4b"
+    precision = {"no": "fp32"}.get(config.mixed_precision, config.mixed_precision)
+    estimate = estimate_training_memory(
+        variant, precision=precision, gradient_checkpointing=config.gradient_checkpointing,
+        batch_size=config.train_batch_size, resolution=config.resolution, lora_rank=config.lora_rank,
+        cache_text_embeddings=config.cache_text_embeddings, preset=tuple(config.unet_lora_targets))
+    checkpointing = "gradient checkpointing" if config.gradient_checkpointing else "no gradient checkpointing"
+    cached = "text embeddings cached" if config.cache_text_embeddings else "Qwen3 kept loaded"
+    return (f"Estimated GPU memory for FLUX.2 Klein {variant.upper()}{assumed}: about {estimate.total_gib:.1f} GiB "
+            f"at the training step's peak ({config.resolution} px, batch {config.train_batch_size}, {precision}, "
+            f"{checkpointing}, {cached}, rank {config.lora_rank}).", estimate)

@@ -217,6 +217,53 @@ class SD1:
             requires_safety_checker=False,
         )
 
+    def validation_sampler(self, bundle: ModelBundle, options: Any) -> tuple[Any, dict[str, Any]]:
+        """The validation_sampler the user chose, on the model's own schedule (DDIM with its eta)."""
+        from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
+                               EulerDiscreteScheduler)
+
+        samplers = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler,
+                    "euler_a": EulerAncestralDiscreteScheduler, "dpm++": DPMSolverMultistepScheduler}
+        scheduler = samplers[options.validation_sampler].from_config(bundle.noise_scheduler.config)
+        extra = {"eta": options.validation_ddim_eta} if options.validation_sampler == "ddim" else {}
+        return scheduler, extra
+
+    def decode_sampled(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
+        """SD pipelines stop at the UNet's (scaled) latents: the same as decode_latents."""
+        return self.decode_latents(bundle, latents)
+
+    def latent_downscale(self, bundle: ModelBundle) -> int:
+        return bundle.vae_scale_factor
+
+    def caption_tokens(self, model: Path | None) -> tuple[Any, int, str]:
+        """CLIP counts (the longest of the family's tokenizers), without the start and end tokens, against the 75
+        tokens a prompt holds; the tokenizers of a diffusers folder, else the family's shipped config tree."""
+        from transformers import CLIPTokenizer
+
+        if model is not None and model.is_dir():
+            base, where = model, f"{model.name}'s tokenizer"
+        elif model is not None and model.is_file():
+            base, where = self.single_file_config_dir(model), f"the {self.display_name} tokenizer"
+        else:
+            base, where = self.default_config_dir, f"the {self.display_name} tokenizer"
+        tokenizers = []
+        for part in self.tokenizer_parts:
+            try:
+                tokenizers.append(CLIPTokenizer.from_pretrained(str(base / part), local_files_only=True))
+            except (OSError, ValueError) as exc:
+                raise ModelLoadError(f"Cannot read the tokenizer in {base / part} ({str(exc).splitlines()[0][:120]}"
+                                     "); give --model a diffusers folder with its tokenizer, or --family.") from None
+        limit = min(t.model_max_length for t in tokenizers) - 2  # the start and end tokens take two places
+
+        def count(text: str) -> int:
+            return max(len(t(text, truncation=False, verbose=False).input_ids) - 2 for t in tokenizers)
+
+        return count, limit, where
+
+    def load_notes(self, bundle: ModelBundle) -> list[str]:
+        name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)
+        return [f"Loaded {name} as {self.display_name} ({bundle.prediction_type} prediction)."]
+
     # -------------------------------------------------------------- metadata
     def metadata(self, bundle: ModelBundle) -> dict[str, str]:
         name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)

@@ -15,6 +15,7 @@ NOTHING_TO_RESUME = "nothing_to_resume"  # resume was asked for, no checkpoint w
 PREVIOUS_DIED = "previous_died"  # the process before this one died without ending the run
 CONTROL_IGNORED = "control_ignored"  # a control.json that is not a command was removed unread
 # ---- set-up ---------------------------------------------------------------------------------------------------------
+MODEL = "model"  # which model (family, variant) was loaded, and what to know about it (a distilled base, ...)
 CONFIG = "config"  # a note about the settings (valid, probably not what was meant), or a value the engine resolved
 SEED = "seed"  # seed -1: the random seed the run drew
 PRECISION = "precision"  # mixed precision: asked for on a CPU, or the fp16 fallback switched

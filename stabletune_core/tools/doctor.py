@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config.families import FAMILY_CHOICES
 from .common import progress, refuse
 from ..runs.layout import RunPaths
 from .image_losses import FLAG_RATIO, image_losses_path, rank_run
@@ -43,8 +44,9 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--resolution", type=int, default=None, help="Training resolution (default 512, or the config's).")
     p.add_argument("--no_buckets", action="store_true", help="Square crops only (enable_bucket off).")
     p.add_argument("--model", default=None, help="The base model (its tokenizer counts caption tokens).")
-    p.add_argument("--family", choices=("sd1", "sd2", "sdxl"), default=None,
-                   help="Model family whose tokenizer counts tokens when no --model is given (default sd1).")
+    p.add_argument("--family", choices=[f for f in FAMILY_CHOICES if f != "auto"], default=None,
+                   help="Model family whose tokenizer counts tokens (default: detected from --model, else sd1; "
+                   "flux2_klein needs --model, whose Qwen3 tokenizer counts).")
     p.add_argument("--caption_extension", "--caption-extension", default=None)
     p.add_argument("--previews", default=None, help="Write the crop each image trains on (JPEG, at most "
                    f"{PREVIEW_SIDE} px) into this new folder.")
@@ -161,29 +163,17 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return settings
 
 
-def load_tokenizers(settings: Settings) -> tuple[list[Any], str]:
-    """The family's tokenizers (from the model when it is a local diffusers folder, else the family's shipped
-    config tree) and a description of where they came from."""
-    from transformers import CLIPTokenizer
+def caption_counter(settings: Settings) -> tuple[Any, int, str]:
+    """(count, limit, where): the family's caption token count and how many tokens its text encoder reads
+    (models/base.py `caption_tokens`: SD's CLIP tokenizers, FLUX.2 Klein's Qwen3 chat prompt), from the model when
+    one is given, else the family's shipped config tree."""
+    from ..models import ModelLoadError, get_family
 
-    from ..models import get_family
-
-    family = get_family(settings.family)
     model = Path(settings.model).expanduser() if settings.model else None
-    if model is not None and model.is_dir():
-        base, where = model, f"{model.name}'s tokenizer"
-    elif model is not None and model.is_file():
-        base, where = family.single_file_config_dir(model), f"the {family.display_name} tokenizer"
-    else:
-        base, where = family.default_config_dir, f"the {family.display_name} tokenizer"
-    tokenizers = []
-    for part in family.tokenizer_parts:
-        try:
-            tokenizers.append(CLIPTokenizer.from_pretrained(str(base / part), local_files_only=True))
-        except (OSError, ValueError) as exc:
-            raise refuse(f"Cannot read the tokenizer in {base / part} ({str(exc).splitlines()[0][:120]}); give "
-                         "--model a diffusers folder with its tokenizer, or --family.") from None
-    return tokenizers, where
+    try:
+        return get_family(settings.family).caption_tokens(model)
+    except ModelLoadError as exc:
+        raise refuse(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -264,8 +254,7 @@ def examine(settings: Settings, *, previews: Path | None = None, near_distance: 
                                settings.bucket_step)
     else:
         buckets = [(settings.resolution, settings.resolution)]
-    tokenizers, tokenizer_name = load_tokenizers(settings)
-    limit = min(t.model_max_length for t in tokenizers) - 2  # the start and end tokens take two places
+    count_tokens, limit, tokenizer_name = caption_counter(settings)
     report = Report(str(scan.root), {k: str(v) for k, v in settings.__dict__.items()}, images=len(scan.items),
                     unreadable=[{"path": str(s.path), "reason": s.reason} for s in scan.skipped])
     if previews is not None:
@@ -300,7 +289,7 @@ def examine(settings: Settings, *, previews: Path | None = None, near_distance: 
             entry["caption"] = "empty"
             empty.append(path)
         else:
-            tokens = max(len(t(text, truncation=False, verbose=False).input_ids) - 2 for t in tokenizers)
+            tokens = count_tokens(text)
             entry["tokens"] = tokens
             entry["caption"] = "too long" if tokens > limit else "ok"
             if tokens > limit:

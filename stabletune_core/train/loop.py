@@ -42,6 +42,7 @@ from .rollback import restore_snapshot, take_snapshot
 from .session import Session, SessionView
 from .setup import setup
 from .state import adapter_state, restore_adapter, restore_rng, restore_run_state, rng_state, run_state
+from .preview import preview_adapters, with_trained_adapters
 from .validation_images import make_validation_images
 
 #: status.json while training is rewritten at most this often: the UI polls it about once a second, and a
@@ -268,6 +269,8 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
             case SwitchPrecision():
                 s.amp.switch_to(verdict.precision)
                 s.amp.recast_frozen([s.bundle.unet, *s.bundle.text_encoders], s.params)
+                if s.preview is not None:  # its denoiser samples under the same autocast as the trained one
+                    s.amp.recast_frozen([s.preview.unet], preview_adapters(s.preview))
                 write_event(s, verdict.event)
             case ScaleWeights():
                 layers, factors = [s.lora_layers[i] for i in verdict.layers], list(verdict.factors)
@@ -462,7 +465,8 @@ def sample(s: Session, *, then: str = "training") -> None:
     s.run.status("sampling", step=step_now, max_steps=s.max_steps)
     folder = s.run.paths.sample_dir(step_now)
     with evaluation_weights(s.optimizer), optional_swap(s.ema, s.config.validation_with_ema):
-        paths = make_validation_images(s.bundle, s.config, folder, s.device, autocast=s.amp.autocast)
+        bundle = s.bundle if s.preview is None else with_trained_adapters(s.preview, s.bundle.unet)
+        paths = make_validation_images(bundle, s.config, folder, s.device, autocast=s.amp.autocast)
     s.run.event(events.SAMPLES, f"Made {len(paths)} validation images at step {step_now}.", step=step_now)
     view = SessionView(s)
     for observer in s.observers:

@@ -103,7 +103,7 @@ class Perceptual:
         with torch.autocast(x0.device.type, enabled=False):
             decoded = bundle.family.decode_latents(bundle, x0).float()
             target = self.training_pixels(batch, rows, local).to(decoded.device)
-            expected = tuple(d * bundle.vae_scale_factor for d in x0.shape[-2:])
+            expected = tuple(d * bundle.family.latent_downscale(bundle) for d in x0.shape[-2:])
             if tuple(target.shape[-2:]) != expected:  # never assume the VAE scale: ask the bundle
                 target = torch.nn.functional.interpolate(target, size=expected, mode="bilinear", antialias=True)
             distance = self.net(decoded, target, normalize=False).flatten()  # both in [-1, 1]

@@ -90,6 +90,7 @@ class Session:
     perceptual: Perceptual | None = None  # the LPIPS regulariser (perceptual.py) when perceptual_lambda > 0
     ema: AdapterEMA | None = None  # ema_decay > 0: the moving average of the adapter weights
     evaluator: Evaluator | None = None  # measures the model without changing it (validation loss, probes)
+    preview: ModelBundle | None = None  # preview_model: validation images from this denoiser (preview.py)
     checkpoint_halfway: Callable[[int], None] = nothing  # test-only: the fault harness (faults.arm) sets it
     pivotal: PivotalTokens | None = None  # pivotal_tokens: the new tokens' trained embedding rows
     pivotal_freeze_step: int = 0  # from this step on the new token rows are frozen (embedding_train_fraction)

@@ -16,6 +16,7 @@ from accelerate.utils import set_seed
 
 from ..cache import cache_root
 from ..config import ConfigError, TrainConfig, check_inputs, resolve
+from ..config.families import family_defaults, family_problems
 from ..data.caches import EmbeddingCache, LatentCache, module_fingerprint
 from ..data.examples import DatasetView
 from ..data.loader import BatchFeed
@@ -27,7 +28,7 @@ from ..lora.inject import adapter_mismatch, adapter_settings, add_lora, lora_par
 from ..lora.layers import run_lora_layers
 from ..lora.pivotal import add_pivotal_tokens, pivotal_problems
 from ..models.base import ModelBundle
-from ..models.loading import load_model
+from ..models.loading import family_name, load_model
 from ..runs import events
 from ..runs.earlier import earlier_run
 from ..runs.layout import RunPaths
@@ -46,6 +47,7 @@ from .optim import make_lr_scheduler, make_optimizer, optimizer_problems, unet_p
 from .outcome import RunFailed
 from .perceptual import Perceptual, perceptual_problems
 from .placement import frozen_modules_to_offload, offload
+from .preview import load_preview
 from .ranks import Ranks
 from .observers.sample_judge import make_judge
 from .session import Session, TrainState
@@ -159,6 +161,10 @@ def setup(config: TrainConfig) -> Session:
     problems += pivotal_problems(config) if not problems else []  # reads the model's tokenizer: needs the model
     if problems:
         raise ConfigError(problems)
+    family = family_name(config)  # read from the checkpoint's configs or keys, nothing loaded yet
+    if problems := family_problems(config, family):  # model_family auto: the knobs of the detected family
+        raise ConfigError(problems)
+    config = config.model_copy(update=family_defaults(config, family))
     prepare_run_dir(config)  # compares with what is there as the user (or the UI) wrote it
     random_seed = draw_seed(config)
     config = resolve(config, seed=random_seed)
@@ -226,6 +232,8 @@ def setup(config: TrainConfig) -> Session:
 
     run.status("loading", step=0)
     bundle = load_model(config)
+    for note in bundle.family.load_notes(bundle):  # which model this is, and a warning when it is a poor base
+        run.event(events.MODEL, note, console=True, family=bundle.family.name)
     device = ranks.device
     if device.type == "cpu":  # torch's one thread per core is wrong for small models and busy machines
         threads, sentence = set_cpu_threads(bundle.denoiser)
@@ -250,6 +258,11 @@ def setup(config: TrainConfig) -> Session:
             for encoder in bundle.text_encoders:
                 encoder.gradient_checkpointing_enable()
     enable_fast_attention(bundle, config, run)
+    preview = load_preview(config, bundle, device, amp.weight_dtype) if config.preview_model else None
+    if preview is not None:
+        for note in preview.family.load_notes(preview)[:1]:
+            run.event(events.MODEL, f"Validation images (preview_model, the trained LoRA applied): "
+                      f"{note[0].lower()}{note[1:]}", console=True, family=preview.family.name, preview=True)
     if config.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -301,7 +314,8 @@ def setup(config: TrainConfig) -> Session:
                    sampler=sampler, feed=feed, inputs=inputs, optimizer=optimizer, lr_scheduler=lr_scheduler,
                    params=params, trained=trained, lora_layers=lora_layers, amp=amp, max_steps=max_steps, state=state,
                    guards=tuple(make_guards(config)), observers=tuple(observers), validation_items=held_out,
-                   perceptual=perceptual, ema=ema, evaluator=evaluator, checkpoint_halfway=halfway, pivotal=pivotal,
+                   perceptual=perceptual, ema=ema, evaluator=evaluator, checkpoint_halfway=halfway, preview=preview,
+                   pivotal=pivotal,
                    pivotal_freeze_step=math.ceil(config.embedding_train_fraction * max_steps))
 
 

@@ -9,16 +9,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
-                       EulerDiscreteScheduler)
 
 from ..config import TrainConfig
 from ..models.base import ModelBundle
 from .placement import on_device
-
-SAMPLERS = {"ddim": DDIMScheduler, "euler": EulerDiscreteScheduler, "euler_a": EulerAncestralDiscreteScheduler,
-            "dpm++": DPMSolverMultistepScheduler}
-
 
 def sample_seeds(config: TrainConfig) -> list[int]:
     return [config.seed + i for i in range(config.num_validation_images)]
@@ -39,7 +33,7 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
     prompts = config.validation_prompts
     if not prompts:
         return []
-    scheduler = SAMPLERS[config.validation_sampler].from_config(bundle.noise_scheduler.config)
+    scheduler, extra = bundle.family.validation_sampler(bundle, config)
     pipe = bundle.family.make_pipeline(bundle, scheduler)
     pipe.set_progress_bar_config(disable=True)
     size = resolution or config.resolution
@@ -47,7 +41,6 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
     for module in (bundle.unet, *bundle.text_encoders):
         module.eval()  # LoRA dropout off while sampling
     folder.mkdir(parents=True, exist_ok=True)
-    extra = {"eta": config.validation_ddim_eta} if config.validation_sampler == "ddim" else {}
     try:
         with on_device((bundle.vae, *bundle.text_encoders), device):  # they may wait on the CPU (placement.py)
             paths = _render(pipe, bundle, prompts, config, folder, size, extra, autocast)
@@ -68,11 +61,11 @@ def _render(pipe, bundle: ModelBundle, prompts: list[str], config: TrainConfig, 
         for seed in sample_seeds(config):
             generator = torch.Generator("cpu").manual_seed(seed)
             with autocast():
-                latents = pipe(prompt, height=size, width=size,
+                latents = pipe(prompt=prompt, height=size, width=size,
                                num_inference_steps=config.validation_inference_steps,
                                guidance_scale=config.validation_guidance_scale, generator=generator,
                                output_type="latent", **extra).images
-            pixels = bundle.family.decode_latents(bundle, latents)
+            pixels = bundle.family.decode_sampled(bundle, latents)
             image = pipe.image_processor.postprocess(pixels.float(), output_type="pil")[0]
             path = folder / f"p{p:02d}_s{seed}.png"
             image.save(path)

@@ -1,0 +1,99 @@
+"""The model families a config can name, and which knobs apply to which, in one place.
+
+The SD families (sd1, sd2, sdxl) train a UNet on a DDPM schedule; FLUX.2 Klein (flux2_klein) trains a
+flow-matching transformer beside a frozen Qwen3 text encoder. A knob one kind of model has no meaning for is
+refused in one sentence before any model loads, never silently ignored. The schema asks this module when the
+family is named; with model_family auto the run's set-up asks it again once the checkpoint says which family it is.
+
+Torch-free, like the rest of config/ (the UI reads it).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+#: What `model_family` accepts: auto (detected from the checkpoint) and every family the engine trains.
+FAMILY_CHOICES = ("auto", "sd1", "sd2", "sdxl", "flux2_klein")
+#: The names users know them by (the UI's picker, sentences).
+FAMILY_NAMES = {"auto": "detect from the checkpoint", "sd1": "Stable Diffusion 1.x", "sd2": "Stable Diffusion 2.x",
+                "sdxl": "Stable Diffusion XL", "flux2_klein": "FLUX.2 Klein (4B / 9B)"}
+FLOW_FAMILIES = frozenset({"flux2_klein"})
+
+#: The flow-matching timestep densities / loss weightings (diffusers' training_utils, the Klein example's
+#: --weighting_scheme); models/flow_matching.py implements them.
+WEIGHTING_SCHEMES = ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap")
+
+#: The UNet LoRA targets every SD family starts from (the schema's default of unet_lora_targets).
+SD_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+#: Klein's default: the attention of the double blocks (both streams) and both fused layers of the single blocks.
+#: The same list as models/flux2_klein.py LORA_PRESETS["attention"] (a test keeps them equal): a single block's
+#: attention and MLP share those two layers, so attention alone cannot be chosen there.
+KLEIN_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                      "attn.add_v_proj", "attn.to_add_out", "attn.to_qkv_mlp_proj",
+                      "single_transformer_blocks.*.attn.to_out"]
+
+#: Knobs of the SD families' DDPM UNet that mean nothing on a flow-matching transformer: (knob, what it does there).
+_SD_ONLY = (
+    ("prediction_type", "chooses between epsilon and v-prediction, and FLUX.2 Klein predicts the flow velocity"),
+    ("snr_gamma", "weights DDPM timesteps by their signal-to-noise ratio (on FLUX.2 Klein, weighting_scheme "
+                  "weights the timesteps)"),
+    ("debiased_estimation_loss", "weights DDPM timesteps by their signal-to-noise ratio (on FLUX.2 Klein, "
+                                 "weighting_scheme weights the timesteps)"),
+    ("down_lr_scale", "scales the UNet's down blocks, which FLUX.2 Klein's transformer does not have"),
+    ("mid_lr_scale", "scales the UNet's mid block, which FLUX.2 Klein's transformer does not have"),
+    ("up_lr_scale", "scales the UNet's up blocks, which FLUX.2 Klein's transformer does not have"),
+    ("train_text_encoder", "adapts the text encoder, and FLUX.2 Klein's Qwen3 text encoder stays frozen (Klein "
+                           "LoRAs adapt the transformer only)"),
+    ("text_encoder_lr", "is the text encoder's rate, and FLUX.2 Klein's Qwen3 text encoder stays frozen"),
+    ("validation_sampler", "picks an SD sampler, and FLUX.2 Klein samples with its own flow-matching Euler "
+                           "scheduler"),
+    ("validation_ddim_eta", "belongs to the DDIM sampler, which FLUX.2 Klein does not use"),
+)
+#: Knobs of the flow-matching objective, and of FLUX.2 Klein's separate files, that mean nothing on an SD model.
+_FLOW_ONLY = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow_shift", "text_encoder_path",
+              "vae_path", "tokenizer_path")
+#: The knobs naming a model's separate files (the family's load() takes them by these names minus "_path").
+MODEL_FILE_KNOBS = ("text_encoder_path", "vae_path", "tokenizer_path")
+
+
+def _default(config: Any, name: str) -> Any:
+    return type(config).model_fields[name].default
+
+
+def _leave(config: Any, name: str) -> str:
+    default = _default(config, name)
+    return "leave it empty" if default is None else f"leave it at {default!r}"
+
+
+def _changed(config: Any, name: str) -> bool:
+    """True when the knob holds something other than its default (defaults are never refused: a saved
+    config.toml carries every knob)."""
+    return getattr(config, name) != _default(config, name)
+
+
+def family_problems(config: Any, family: str) -> list[str]:
+    """One sentence per knob set on `config` (a TrainConfig) that does not apply to `family` ("sd1", ...,
+    "flux2_klein"; "auto" is not judged: the set-up judges the detected family)."""
+    if family == "auto":
+        return []
+    if family in FLOW_FAMILIES:
+        return [f"{name} is set to {getattr(config, name)!r}, but it {why}; {_leave(config, name)} for "
+                f"model_family {family}."
+                for name, why in _SD_ONLY if _changed(config, name)]
+    return [f"{name} is set to {getattr(config, name)!r}, but it belongs to FLUX.2 Klein ("
+            f"{'its separate model files' if name in MODEL_FILE_KNOBS else 'its flow-matching objective'}) and "
+            f"{FAMILY_NAMES.get(family, family)} has no such thing; {_leave(config, name)}."
+            for name in _FLOW_ONLY if _changed(config, name)]
+
+
+def family_defaults(config: Any, family: str) -> dict[str, Any]:
+    """The knobs whose schema default is an SD family's and which `family` replaces with its own (an update for
+    `config.model_copy`); empty for the SD families, so their runs stay as they were."""
+    if family in FLOW_FAMILIES and list(config.unet_lora_targets) == SD_LORA_TARGETS:
+        return {"unet_lora_targets": list(KLEIN_LORA_TARGETS)}
+    return {}
+
+
+def model_file_options(config: Any) -> dict[str, str]:
+    """The separate model files a config names, as keyword arguments of the family's load() (text_encoder, vae,
+    tokenizer); only set ones, so a family without such files is never handed one (family_problems refused it)."""
+    return {name.removesuffix("_path"): getattr(config, name) for name in MODEL_FILE_KNOBS if getattr(config, name)}

@@ -113,14 +113,20 @@ def test_a_token_that_is_not_new_or_an_init_word_of_several_tokens_is_refused_be
 
 
 def test_flux2_klein_is_refused_in_one_sentence(tmp_path):
-    from stabletune_core.lora.pivotal import pivotal_problems
+    """By the family's knob rules (config/families.py): named, when the config is built; detected (auto), by the
+    same rule the set-up applies before anything loads."""
+    from stabletune_core.config.families import family_problems
+    from stabletune_core.models.loading import family_name
 
     klein = tmp_path / "klein"
     klein.mkdir()
     (klein / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
-    problems = pivotal_problems(build_config(dict(pretrained_model_name_or_path=str(klein),
-                                                  pivotal_tokens=["<p1>=red"])))
-    assert len(problems) == 1 and "FLUX.2 Klein" in problems[0]
+    values = dict(pretrained_model_name_or_path=str(klein), pivotal_tokens=["<p1>=red"])
+    with pytest.raises(ConfigError, match="pivotal_tokens .*FLUX.2 Klein's Qwen3 text encoder has no CLIP token"):
+        build_config({**values, "model_family": "flux2_klein"})
+    config = build_config(values)
+    problems = family_problems(config, family_name(config))
+    assert len(problems) == 1 and "pivotal_tokens" in problems[0] and "FLUX.2 Klein" in problems[0], problems
 
 
 def test_multi_vector_tokens_are_written_out_in_prompts_as_diffusers_does():

@@ -47,6 +47,8 @@ _SD_ONLY = (
     ("validation_sampler", "picks an SD sampler, and FLUX.2 Klein samples with its own flow-matching Euler "
                            "scheduler"),
     ("validation_ddim_eta", "belongs to the DDIM sampler, which FLUX.2 Klein does not use"),
+    ("pivotal_tokens", "adds words to CLIP's token table, and FLUX.2 Klein's Qwen3 text encoder has no CLIP token "
+                       "embeddings to train (pivotal tuning is for SD 1.x, SD 2.x and SDXL)"),
 )
 #: Knobs of the flow-matching objective, and of FLUX.2 Klein's separate files, that mean nothing on an SD model.
 _FLOW_ONLY = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow_shift", "text_encoder_path",

@@ -61,18 +61,14 @@ def tokenizer_folders(config: Any, family: Any) -> list[Path] | None:
     return [base / part for part in family.tokenizer_parts]
 
 
-def pivotal_problems(config: Any) -> list[str]:
-    """The pivotal-tuning refusals a run must hear before its model loads (empty when pivotal_tokens is)."""
+def pivotal_problems(config: Any, family_name: str) -> list[str]:
+    """The pivotal-tuning refusals a run must hear before its model loads (empty when pivotal_tokens is), for
+    a config of the SD family `family_name` (config/families.py refuses pivotal_tokens on the others)."""
     if not config.pivotal_tokens:
         return []
     from ..models import get_family
-    from ..models.loading import family_name
 
-    name = family_name(config)
-    if name == "flux2_klein":
-        return ["pivotal_tokens: FLUX.2 Klein's text encoder (Qwen3) has no CLIP token embeddings to train, so "
-                "pivotal tuning is for SD 1.x, SD 2.x and SDXL; leave pivotal_tokens empty for Klein."]
-    family = get_family(name)
+    family = get_family(family_name)
     folders = tokenizer_folders(config, family)
     if folders is None:
         return []

@@ -158,11 +158,11 @@ def setup(config: TrainConfig) -> Session:
     RUN/config.toml is written once the config is resolved (a random seed drawn, validation epochs counted in
     steps): exactly the config the run uses."""
     problems = check_inputs(config) + perceptual_problems(config) + optimizer_problems(config)
-    problems += pivotal_problems(config) if not problems else []  # reads the model's tokenizer: needs the model
     if problems:
         raise ConfigError(problems)
     family = family_name(config)  # read from the checkpoint's configs or keys, nothing loaded yet
-    if problems := family_problems(config, family):  # model_family auto: the knobs of the detected family
+    # model_family auto: the knobs of the detected family; then the new words against its tokenizer (files only)
+    if problems := family_problems(config, family) or pivotal_problems(config, family):
         raise ConfigError(problems)
     config = config.model_copy(update=family_defaults(config, family))
     prepare_run_dir(config)  # compares with what is there as the user (or the UI) wrote it

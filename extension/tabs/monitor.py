@@ -72,15 +72,14 @@ def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
 
 def waiting_note(status: dict[str, Any], *, trained: bool = False) -> str:
     """What a live run does before its first logged step, so empty charts are not a mystery, and which
-    validation images it is making (the step-0 ones are made between the first training steps)."""
+    validation images it is making (the step-0 ones are made between training steps)."""
     if not status.get("alive"):
         return ""
     state, images = status.get("state"), status.get("images")
     if state == "sampling" and images:
         sampled = status.get("sampling_step", status.get("step")) or 0
         return (f" The engine is making the step-{sampled} validation images ({images[0]} of {images[1]})"
-                + (" before it trains." if not trained else " between training steps."
-                   if sampled != status.get("step") else "."))
+                + ("." if trained else " before it trains."))
     if trained:
         return ""
     doing = {"launching": "starting", "starting": "starting", "loading": "loading the model",

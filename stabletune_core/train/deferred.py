@@ -1,5 +1,8 @@
 """A sampling taken at one step and made a few images at a time between later steps (issue 25.5): the first
-training step does not wait for the step-0 validation images, and the charts fill while they are made.
+training step does not wait for the step-0 validation images, and the charts fill while they are made. One
+image every `every` steps, spread evenly over the steps before the next sampling (or the end of training):
+on the toy demo an image costs about twelve training steps, so one per step would hold the first steps back
+as much as making them all first did.
 
 The images come from the adapter weights frozen when the sampling was taken (the loop swaps them in for each
 image and puts the training weights back, bit for bit: `copy_` into the same parameters), and sampling draws only
@@ -20,6 +23,7 @@ class DeferredSampling:
     folder: Path
     weights: dict[str, torch.Tensor]  # the adapter tensors at `step`, as the validation images use them
     due: int  # images in all (prompts x seeds)
+    every: int = 1  # steps between two images: spread over the steps before the next sampling or the end
     made: list[Path] = field(default_factory=list)
 
     @property

@@ -116,19 +116,17 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                 last_heartbeat = now
             progress.update(1)
             progress.set_postfix(loss=f"{loss.mean:.4f}")
-            if state.deferred is not None:
-                sample_deferred(s, state.deferred, 1)
             if s.config.validation_prompts and state.step % s.config.validation_steps == 0:
                 sample(s)
             if state.step % s.config.save_steps == 0 and state.step < s.max_steps:
                 save(s, "every save_steps")
+            if state.deferred is not None and state.step % state.deferred.every == 0:
+                sample_deferred(s, state.deferred, 1)
             if guard_stops or obey_control(s) == "stop":
                 stop_reason = "stopped"
                 break
     finally:
         progress.close()
-    if state.deferred is not None:  # main process only: the rest of the step-0 images, unless the run stops
-        end_deferred(s, state.deferred, make_the_rest=stop_reason == "finished")
     for guard in s.guards:
         carry_out(s, guard, guard.on_end(view))
     if state.step == first_step and stop_reason == "stopped":  # stopped before any step: nothing new to keep
@@ -136,6 +134,8 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
         run.event(events.STOPPED, f"Run stopped at step {state.step} before training a step; nothing new to save.",
                   step=state.step, console=True)
         return None
+    if state.deferred is not None and not end_deferred(s, state.deferred, make_the_rest=stop_reason == "finished"):
+        stop_reason = "stopped"  # main process only, which alone writes the outcome; every process saves alike
     save(s, stop_reason)
     final_checkpoint_failed = state.checkpoint_failures > 0
     path = export(s)
@@ -485,14 +485,21 @@ def stop_waiting(s: Session) -> bool:
     return signals.requested() is not None or s.run.stop_waiting()
 
 
-def end_deferred(s: Session, deferred: DeferredSampling, *, make_the_rest: bool) -> None:
-    """At the end of training: make the images still due (a stop asked for meanwhile ends that too), or, when
-    the run stops, say how many were made."""
+def end_deferred(s: Session, deferred: DeferredSampling, *, make_the_rest: bool) -> bool:
+    """At the end of training: make the images still due, or, when the run stops, say how many were made.
+    Returns False when a stop asked for while making them ended them (the run then ends `stopped`)."""
     if make_the_rest:
-        sample_deferred(s, deferred, None)
-    else:
-        s.state.deferred = None
-        samples_made(s, deferred.step, deferred.folder, deferred.made, due=deferred.due)
+        if sample_deferred(s, deferred, None):
+            return True
+        s.run.take_control()  # the stop is acted on here: a later resume must not find it
+        if signals.ACTIVE is not None and signals.requested():
+            signals.ACTIVE.honoured = True
+        s.run.event(events.STOP_REQUESTED, f"Stop requested at step {s.state.step} while making the step-"
+                    f"{deferred.step} validation images; saving and exporting.", step=s.state.step)
+        return False
+    s.state.deferred = None
+    samples_made(s, deferred.step, deferred.folder, deferred.made, due=deferred.due)
+    return True
 
 
 def defer_sampling(s: Session) -> DeferredSampling | None:
@@ -501,7 +508,10 @@ def defer_sampling(s: Session) -> DeferredSampling | None:
         return None
     with evaluation_weights(s.optimizer), optional_swap(s.ema, s.config.validation_with_ema):
         weights = adapter_state(s.trained, s.ranks)
-    return DeferredSampling(s.state.step, s.run.paths.sample_dir(s.state.step), weights, image_count(s.config))
+    due = image_count(s.config)
+    until_next = min(s.config.validation_steps, s.max_steps - s.state.step)  # the next sampling, or the end
+    return DeferredSampling(s.state.step, s.run.paths.sample_dir(s.state.step), weights, due,
+                            every=max(1, until_next // due))
 
 
 def sample_deferred(s: Session, deferred: DeferredSampling, count: int | None, *, then: str = "training") -> bool:

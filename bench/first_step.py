@@ -5,7 +5,8 @@ Each trainer runs as its own process under bench/step_probe.py, which notes the 
 optimizer step with one global torch hook, the same for both. "First step" is from the process start (Popen)
 to the end of optimizer step 1: interpreter start, imports, model load, dataset preparation and anything a
 trainer does before training all count. "s/step" is (end of step N - end of step 10) / (N - 10), snapshots
-(checkpoints every --snapshot-steps steps) included.
+(checkpoints every --snapshot-steps steps) included. Every run is configured for 400 steps (the demo's length)
+and stopped with Ctrl-C once it has ended step N.
 
 Rows, all on the toy base and the demo dataset (36 images), seed 7, 64 px, rank 8, batch 4, lr 1e-3:
 - StableTune, same work as the example: presets/demo.toml with what the example does not do turned off (no
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,13 +39,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 from toy_quality import PRESET, check_peer, dataset_images, thread_env, write_imagefolder  # noqa: E402
 
 PROBE = ROOT / "bench" / "step_probe.py"
+STOP_GRACE_S = 120
 SAME_WORK = ["--no-train_text_encoder", "--validation_prompt", "", "--validation_loss_every", "0",
              "--validation_split", "0", "--sample_judge", "none"]
 
 
 def stabletune(model: Path, data: Path, run: Path, steps: int, snapshot_steps: int, same_work: bool) -> list[str]:
+    """The demo preset's own length (400 steps): the bench stops the run after `steps` (see `timed`), so that
+    what depends on the run's length (the cosine schedule, how the step-0 images are spread) is as a user has it."""
     return ["-m", "stabletune_core", "train", "--config", str(PRESET), "--pretrained_model_name_or_path",
-            str(model), "--train_data_dir", str(data), "--output_dir", str(run), "--max_train_steps", str(steps),
+            str(model), "--train_data_dir", str(data), "--output_dir", str(run),
             "--save_steps", str(snapshot_steps), "--checkpoints_total_limit", "100000",
             *(SAME_WORK if same_work else [])]
 
@@ -51,8 +56,15 @@ def stabletune(model: Path, data: Path, run: Path, steps: int, snapshot_steps: i
 def peer(script: Path, model: Path, data: Path, run: Path, steps: int, snapshot_steps: int) -> list[str]:
     return [str(script), "--pretrained_model_name_or_path", str(model), "--train_data_dir", str(data),
             "--output_dir", str(run), "--cache_dir", str(run / "hf-cache"), "--resolution", "64", "--rank", "8",
-            "--seed", "7", "--train_batch_size", "4", "--learning_rate", "1e-3", "--max_train_steps", str(steps),
+            "--seed", "7", "--train_batch_size", "4", "--learning_rate", "1e-3", "--max_train_steps", "400",
             "--checkpointing_steps", str(snapshot_steps)]
+
+
+def step_count(times: Path) -> int:
+    try:
+        return times.read_text().count("\n")
+    except FileNotFoundError:
+        return 0
 
 
 def timed(command: list[str], env: dict[str, str], times: Path, log: Path, steps: int, cwd: Path = ROOT
@@ -61,11 +73,20 @@ def timed(command: list[str], env: dict[str, str], times: Path, log: Path, steps
     load = os.getloadavg()[0]
     with open(log, "w") as out:
         started = time.time()
-        done = subprocess.run([sys.executable, str(PROBE), str(times), *command], env=env, cwd=cwd, stdout=out,
-                              stderr=subprocess.STDOUT)
+        process = subprocess.Popen([sys.executable, str(PROBE), str(times), *command], env=env, cwd=cwd, stdout=out,
+                                   stderr=subprocess.STDOUT)
+        while process.poll() is None and step_count(times) < steps:
+            time.sleep(0.2)
+        if process.poll() is None:  # both trainers stop on Ctrl-C (StableTune saves first); the times are in
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
     ends = {int(a): float(b) for a, b in (line.split() for line in times.read_text().splitlines())}
-    if done.returncode or len(ends) < steps:
-        raise SystemExit(f"{command[:3]} ended with code {done.returncode} after {len(ends)} steps; see {log}.")
+    if len(ends) < steps:
+        raise SystemExit(f"{command[:3]} ended with code {process.returncode} after {len(ends)} steps; see {log}.")
     return {"first_step_s": ends[1] - started, "step10_s": ends[10] - started, "last_step_s": ends[steps] - started,
             "sec_per_step": (ends[steps] - ends[10]) / (steps - 10), "load": load}
 

@@ -53,7 +53,8 @@ def run_status(hub: Any, run: Path) -> tuple[dict[str, Any], list[dict[str, Any]
     live = bool(status.get("alive")) and state not in FINAL_STATES
     status["paused"] = state == "paused" or (live and paused_now(events))
     status["stop"] = stop_state(reader.paths.control, events) if live else None
-    status["images"] = images_progress(run, int(status.get("step") or 0)) if live and state == "sampling" else None
+    sampled = status.get("sampling_step", status.get("step"))  # the step-0 images are made while training runs
+    status["images"] = images_progress(run, int(sampled or 0)) if live and state == "sampling" else None
     if not status.get("summary"):
         learned = [e for e in events if e.get("kind") == LEARNING_EVENT and e.get("message")]
         if learned and state in ("finished", "stopped"):

@@ -161,3 +161,43 @@ def test_doctor_refusals(dataset, config, tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith("error: The run folder")
     assert main(["doctor", str(dataset), "--resolution", "100"]) == 2
     assert "not a multiple of the bucket step 64" in capsys.readouterr().err
+
+
+def test_a_real_run_records_per_image_losses_that_the_doctor_ranks(tiny_model, small_config, shapes_dataset,
+                                                                    tmp_path, capsys):
+    """Issue 26.3, after a run: the engine writes RUN/diagnostics/image_losses.jsonl from its own per-image losses
+    (one line per step, every image of the step with its unweighted loss and timestep), and `doctor --run RUN`
+    ranks the run's images from it."""
+    import torch
+
+    from stabletune_core.tools.image_losses import read_samples
+    from stabletune_core.train.loop import train
+
+    run = tmp_path / "run"
+    config = small_config(tiny_model, run, max_train_steps=6, validation_loss_every=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(config)
+    finally:
+        torch.set_num_threads(threads)
+    lines = [json.loads(line) for line in image_losses_path(run).read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
+    dataset_images = {str(p) for p in shapes_dataset.rglob("*.png")}
+    for record in lines:
+        assert len(record["paths"]) == len(record["losses"]) == len(record["timesteps"]) == 4
+        assert set(record["paths"]) <= dataset_images and not any(record["reg"])
+        assert all(0 <= t < 1000 for t in record["timesteps"]) and all(v > 0 for v in record["losses"])
+
+    report_file = tmp_path / "report.json"
+    assert main(["doctor", "--run", str(run), "--json", str(report_file)]) == 0
+    ranking = json.loads(report_file.read_text())["loss_ranking"]["images"]
+    seen = {s.path for s in read_samples(image_losses_path(run))}
+    assert {i["path"] for i in ranking} == seen and len(seen) >= 6
+    assert [i["score"] for i in ranking] == sorted((i["score"] for i in ranking), reverse=True)
+    late = [r for r in lines if r["step"] > 3.5]  # the ranking reads the run's second half when it saw most images
+    late = late if len({p for r in late for p in r["paths"]}) * 2 >= len(seen) else lines
+    for image in ranking:  # each image's mean is the mean of its own recorded losses
+        own = [v for r in late for p, v in zip(r["paths"], r["losses"]) if p == image["path"]]
+        assert image["samples"] == len(own) and image["mean_loss"] == pytest.approx(sum(own) / len(own))
+    assert "Hardest images to fit" in capsys.readouterr().out

@@ -229,8 +229,6 @@ def test_stop_while_sampling_shows_stop_requested_at_once(stopped_while_sampling
     assert done["state"] == "stopped"
 
 
-@pytest.mark.xfail(strict=True, reason="engine half of issue 25.4: make_validation_images must check for a stop "
-                   "between images (train/validation_images.py, train/loop.py); lands after the engine refactor")
 def test_stop_while_sampling_is_honoured_between_images(stopped_while_sampling: dict) -> None:
     """Issue 25.4 (engine half): a stop asked for during the step-0 images ends the sampling at the next image:
     the run stops with the images made so far, not after all 12 (minutes on a loaded machine)."""
@@ -260,14 +258,13 @@ def first_points(ui, tiny_model: Path, shapes_dataset: Path) -> dict:
 
 
 def test_monitor_says_what_the_engine_does_before_its_first_point(first_points: dict) -> None:
-    """Issue 25.5 (UI half): while the step-0 images are made, Monitor's empty charts say why, and how far."""
+    """Issue 25.5 (UI half): while the step-0 images are made, Monitor says so, and how far. The engine makes
+    them between its first training steps, so the charts already have points then (the engine half, below)."""
     summary = first_points["summary"]
-    assert summary.startswith("No metrics yet") and "making the step-0 validation images (" in summary, summary
-    assert " of 12) before it trains" in summary
+    assert "making the step-0 validation images (" in summary and " of 12)" in summary, summary
+    assert " of 12)." in summary or (summary.startswith("No metrics yet") and " of 12) before it trains." in summary)
 
 
-@pytest.mark.xfail(strict=True, reason="engine half of issue 25.5: the first training step must not wait for the "
-                   "step-0 validation images (train/loop.py); lands after the engine refactor")
 def test_first_metric_is_logged_before_the_step0_images_are_done(first_points: dict) -> None:
     """Issue 25.5 (engine half): training metrics reach metrics.jsonl (and so the charts) while the step-0 images
     are still being made, not after them."""
@@ -290,9 +287,6 @@ def test_train_tab_shows_the_summary_the_engine_recorded(ui) -> None:
     assert "Written in status.json." in train_tab.refresh(ui, {"run": writer.paths.root})[0]
 
 
-@pytest.mark.xfail(strict=True, reason="engine half of issue 25.9: the learning summary must be computed from the "
-                   "run's step-0 and last sampling folders (train/loop.py), not from this process's first sampling; "
-                   "lands after the engine refactor")
 def test_summary_after_resume_counts_from_the_runs_step0_sampling(ui, toy_cache: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 25.9 (engine half): a toy run stopped after its step-8 sampling and continued with the Train tab's

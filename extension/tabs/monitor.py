@@ -53,7 +53,7 @@ def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
     metrics = reader.metrics() if reader else []
     events = reader.events() if reader else []
     val = diagnostics.val_loss_records(reader) if reader else []
-    waiting = waiting_note(run_status(ctx.hub, run)[0]) if reader and not metrics else ""
+    waiting = waiting_note(run_status(ctx.hub, run)[0], trained=bool(metrics)) if reader else ""
     key = (str(run), len(metrics), len(events), len(val), waiting)
     if seen.get("monitor") == key:  # nothing new: send nothing, the browser keeps its plots
         return [unchanged()] * 6
@@ -70,14 +70,18 @@ def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
     return [plots.summary(frame) + waiting, *values, plots.events_frame(events)]
 
 
-def waiting_note(status: dict[str, Any]) -> str:
-    """What a live run does before its first logged step, so empty charts are not a mystery."""
+def waiting_note(status: dict[str, Any], *, trained: bool = False) -> str:
+    """What a live run does before its first logged step, so empty charts are not a mystery, and which
+    validation images it is making (the step-0 ones are made between training steps)."""
     if not status.get("alive"):
         return ""
     state, images = status.get("state"), status.get("images")
     if state == "sampling" and images:
-        return (f" The engine is making the step-{status.get('step') or 0} validation images ({images[0]} of "
-                f"{images[1]}) before it trains.")
+        sampled = status.get("sampling_step", status.get("step")) or 0
+        return (f" The engine is making the step-{sampled} validation images ({images[0]} of {images[1]})"
+                + ("." if trained else " before it trains."))
+    if trained:
+        return ""
     doing = {"launching": "starting", "starting": "starting", "loading": "loading the model",
              "caching": "caching latents and captions", "training": "training its first step"}.get(state)
     return f" The engine is {doing}." if doing else ""

@@ -60,6 +60,11 @@ class RunWriter:
         if self.enabled:
             append_jsonl(self.paths.metrics, {"step": step, "time": time.time(), **values})
 
+    def image_losses(self, record: dict[str, Any]) -> None:
+        """One step's per-image losses (tools/image_losses.py `loss_record`), for the doctor's ranking."""
+        if self.enabled:
+            append_jsonl(self.paths.image_losses, record)
+
     def event(self, kind: str, message: str, *, step: int | None = None, console: bool = False,
               **data: Any) -> None:
         """A decision the engine took and why, in a sentence a user can read. `kind` is one of events.py's; `console`:
@@ -74,6 +79,17 @@ class RunWriter:
             tqdm.write(f"{kind}: {message}" if step is None else f"{kind} (step {step}): {message}", file=sys.stderr)
         append_jsonl(self.paths.events, {"time": time.time(), "step": step, "kind": kind, "message": message,
                                          **data})
+
+    def stop_waiting(self) -> bool:
+        """True while control.json holds a stop the loop has not taken yet (it takes it between steps): read, never
+        consumed, so a long sampling can end at its next image (issue 25.4)."""
+        if not self.enabled or not self.paths.control.exists():
+            return False
+        try:
+            command = read_json(self.paths.control)
+        except ValueError:
+            return False
+        return isinstance(command, dict) and command.get("command") == "stop"
 
     def take_control(self) -> dict[str, Any] | None:
         """Commands the UI left in control.json (stop, save, sample, pause, resume); each is consumed once."""

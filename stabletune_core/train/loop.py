@@ -21,10 +21,13 @@ from tqdm.auto import tqdm
 
 from ..config import TrainConfig
 from ..lora.inject import adapter_settings
+from ..models.base import ModelBundle
 from ..runs import events
+from ..tools.image_losses import loss_record
 from . import signals, step
 from .checkpoint import (CheckpointError, latest_good_checkpoint, list_checkpoints, load_checkpoint,
                          prune_checkpoints, save_checkpoint)
+from .deferred import DeferredSampling
 from .ema import optional_swap
 from .guards import Guard, OutOfMemoryStop
 from .guards.out_of_memory import free_memory
@@ -43,7 +46,7 @@ from .session import Session, SessionView
 from .setup import setup
 from .state import adapter_state, restore_adapter, restore_rng, restore_run_state, rng_state, run_state
 from .preview import preview_adapters, with_trained_adapters
-from .validation_images import make_validation_images
+from .validation_images import image_count, make_validation_images
 
 #: status.json while training is rewritten at most this often: the UI polls it about once a second, and a
 #: fast step would otherwise spend more on the heartbeat than on all the guards together (bench/RESULTS.md).
@@ -64,7 +67,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     if s.config.preflight:
         apply_preflight(s)
     if s.config.validation_prompts and state.step == 0 and not stop_signal(s):
-        sample(s)
+        state.deferred = defer_sampling(s)  # made one image per step from step 1 on: training starts at once
     run.status("training", step=state.step, max_steps=s.max_steps)
     progress = tqdm(total=s.max_steps, initial=state.step, desc="training", unit="step", disable=not s.ranks.is_main)
     last_time, sec_per_step = time.perf_counter(), None
@@ -90,6 +93,9 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
             state.batch_paths = [str(p) for b in batches for p in b["path"]]
             loss, grad_norm, clip_threshold = training_step(s, batches)
             state.step += 1
+            if loss.per_image is not None:
+                run.image_losses(loss_record(state.step, loss.per_image.paths, loss.per_image.losses,
+                                             loss.per_image.timesteps, loss.per_image.reg))
             state.images_seen += s.ranks.total(sum(len(b["caption"]) for b in batches))
 
             now = time.perf_counter()
@@ -117,6 +123,8 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                 sample(s)
             if state.step % s.config.save_steps == 0 and state.step < s.max_steps:
                 save(s, "every save_steps")
+            if state.deferred is not None and state.step % state.deferred.every == 0:
+                sample_deferred(s, state.deferred, 1)
             if guard_stops or obey_control(s) == "stop":
                 stop_reason = "stopped"
                 break
@@ -129,6 +137,8 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
         run.event(events.STOPPED, f"Run stopped at step {state.step} before training a step; nothing new to save.",
                   step=state.step, console=True)
         return None
+    if state.deferred is not None and not end_deferred(s, state.deferred, make_the_rest=stop_reason == "finished"):
+        stop_reason = "stopped"  # main process only, which alone writes the outcome; every process saves alike
     save(s, stop_reason)
     final_checkpoint_failed = state.checkpoint_failures > 0
     path = export(s)
@@ -459,19 +469,93 @@ def stop_signal(s: Session) -> int | None:
 
 
 def sample(s: Session, *, then: str = "training") -> None:
+    """The validation images of this step (after the rest of a deferred sampling: samplings stay in step order).
+    A stop asked for meanwhile ends it at the next image."""
     if not s.ranks.is_main:
         return
+    if s.state.deferred is not None and not sample_deferred(s, s.state.deferred, None, then=then):
+        return  # a stop is waiting
     step_now = s.state.step
-    s.run.status("sampling", step=step_now, max_steps=s.max_steps)
+    s.run.status("sampling", step=step_now, max_steps=s.max_steps, sampling_step=step_now)
     folder = s.run.paths.sample_dir(step_now)
     with evaluation_weights(s.optimizer), optional_swap(s.ema, s.config.validation_with_ema):
-        bundle = s.bundle if s.preview is None else with_trained_adapters(s.preview, s.bundle.unet)
-        paths = make_validation_images(bundle, s.config, folder, s.device, autocast=s.amp.autocast)
-    s.run.event(events.SAMPLES, f"Made {len(paths)} validation images at step {step_now}.", step=step_now)
-    view = SessionView(s)
+        paths = make_validation_images(sampling_bundle(s), s.config, folder, s.device, autocast=s.amp.autocast,
+                                       should_stop=lambda: stop_waiting(s))
+    samples_made(s, step_now, folder, paths, due=image_count(s.config))
+    s.run.status(then, step=step_now, max_steps=s.max_steps)
+
+
+def sampling_bundle(s: Session) -> ModelBundle:
+    """What the validation images are made with: the trained model, or the preview model (preview_model)
+    carrying the adapter weights the trained one holds now."""
+    return s.bundle if s.preview is None else with_trained_adapters(s.preview, s.bundle.unet)
+
+
+def samples_made(s: Session, step_taken: int, folder: Path, paths: list[Path], *, due: int) -> None:
+    """Say so; the observers (the sample judge) look at a complete sampling only."""
+    if len(paths) < due:
+        s.run.event(events.SAMPLES, f"Made {len(paths)} of {due} validation images at step {step_taken}; a stop "
+                    "ended the sampling.", step=step_taken)
+        return
+    s.run.event(events.SAMPLES, f"Made {len(paths)} validation images at step {step_taken}.", step=step_taken)
+    view = SessionView(s, step=step_taken)
     for observer in s.observers:
         record(s, observer.on_samples(view, folder, paths))
-    s.run.status(then, step=step_now, max_steps=s.max_steps)
+
+
+def stop_waiting(s: Session) -> bool:
+    """A stop asked for (Ctrl-C, SIGTERM, the UI) that the loop has not acted on yet. Main process only: asked
+    while sampling, which only the main process does."""
+    return signals.requested() is not None or s.run.stop_waiting()
+
+
+def end_deferred(s: Session, deferred: DeferredSampling, *, make_the_rest: bool) -> bool:
+    """At the end of training: make the images still due, or, when the run stops, say how many were made.
+    Returns False when a stop asked for while making them ended them (the run then ends `stopped`)."""
+    if make_the_rest:
+        if sample_deferred(s, deferred, None):
+            return True
+        s.run.take_control()  # the stop is acted on here: a later resume must not find it
+        if signals.ACTIVE is not None and signals.requested():
+            signals.ACTIVE.honoured = True
+        s.run.event(events.STOP_REQUESTED, f"Stop requested at step {s.state.step} while making the step-"
+                    f"{deferred.step} validation images; saving and exporting.", step=s.state.step)
+        return False
+    s.state.deferred = None
+    samples_made(s, deferred.step, deferred.folder, deferred.made, due=deferred.due)
+    return True
+
+
+def defer_sampling(s: Session) -> DeferredSampling | None:
+    """Freeze this step's adapter weights as the validation images use them, to make the images later."""
+    if not s.ranks.is_main:
+        return None
+    with evaluation_weights(s.optimizer), optional_swap(s.ema, s.config.validation_with_ema):
+        weights = adapter_state(s.trained, s.ranks)
+    due = image_count(s.config)
+    until_next = min(s.config.validation_steps, s.max_steps - s.state.step)  # the next sampling, or the end
+    return DeferredSampling(s.state.step, s.run.paths.sample_dir(s.state.step), weights, due,
+                            every=max(1, until_next // due))
+
+
+def sample_deferred(s: Session, deferred: DeferredSampling, count: int | None, *, then: str = "training") -> bool:
+    """Make `count` more of a deferred sampling's images (None: the rest) with the weights it froze, then put
+    the training weights back. Returns True once all are made (the deferral is then over), False when a stop
+    is waiting."""
+    s.run.status("sampling", step=s.state.step, max_steps=s.max_steps, sampling_step=deferred.step)
+    current = adapter_state(s.trained, s.ranks)
+    restore_adapter(s.trained, s.ranks, deferred.weights)
+    try:
+        deferred.made += make_validation_images(sampling_bundle(s), s.config, deferred.folder, s.device,
+                                                autocast=s.amp.autocast, only=deferred.next_images(count),
+                                                should_stop=lambda: stop_waiting(s))
+    finally:
+        restore_adapter(s.trained, s.ranks, current)
+    s.run.status(then, step=s.state.step, max_steps=s.max_steps)
+    if deferred.done or (count is None and stop_waiting(s)):
+        s.state.deferred = None
+        samples_made(s, deferred.step, deferred.folder, deferred.made, due=deferred.due)
+    return deferred.done
 
 
 def sample_now(s: Session, state_after: str) -> None:

@@ -25,6 +25,7 @@ from ..runs.layout import RunPaths
 from ..runs.writer import RunWriter
 from .amp import MixedPrecision
 from .checkpoint import Checkpoint, nothing
+from .deferred import DeferredSampling
 from .ema import AdapterEMA
 from .guards.base import Guard
 from .inputs import BatchInputs
@@ -54,6 +55,7 @@ class TrainState:
     best_checkpoint: Path | None = None  # the best one (early stopping); pruning always keeps it
     snapshot: Snapshot | None = None  # the last in-memory good state (non-finite guard)
     checkpoint_failures: int = 0  # checkpoints in a row that could not be written (a full disk)
+    deferred: DeferredSampling | None = None  # the step-0 images, made one per step while training runs
 
     def counters(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COUNTERS}
@@ -109,14 +111,15 @@ class SessionView:
     """The `GuardView` (guards/base.py) and `ObserverView` (observers.py) of a live session: read-only, read when
     asked."""
 
-    __slots__ = ("_s",)
+    __slots__ = ("_s", "_step")
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, *, step: int | None = None) -> None:
         self._s = session
+        self._step = step  # a sampling made after its step (deferred.py) is seen at the step it was taken
 
     @property
     def step(self) -> int:
-        return self._s.state.step
+        return self._s.state.step if self._step is None else self._step
 
     @property
     def max_steps(self) -> int:

@@ -42,6 +42,17 @@ def micro_chunks(n: int, size: int) -> list[slice]:
 class StepLoss:
     mean: float  # over every image of the step, on every process
     parts: dict[str, float] = field(default_factory=dict)  # instance / prior images' unweighted means (reg_data_dir)
+    # this process's images, in order, with their loss before any weighting, timestep and whether it is a class
+    # image: the doctor's per-image ranking (tools/image_losses.py)
+    per_image: PerImageLosses | None = None
+
+
+@dataclass(frozen=True)
+class PerImageLosses:
+    paths: list[str]
+    losses: list[float]
+    timesteps: list[float]
+    reg: list[bool]
 
 
 def forward_backward(batches: list[dict[str, Any]], *, inputs: BatchInputs, objective: Objective,
@@ -84,14 +95,21 @@ def forward_backward(batches: list[dict[str, Any]], *, inputs: BatchInputs, obje
         images, perceptual_count = (int(n) for n in ranks.agree([images, perceptual_count], failure))
     loss_sum = torch.zeros((), device=ranks.device)
     parts = LossParts()
+    raw_losses, drawn_at, paths, regs = [], [], [], []
     try:
         with ranks.no_sync(trained.values()):  # with several processes, gradients are summed once, below
             for batch, rows, noisy, target, timesteps, mask, chosen in work:
                 cond = inputs.conditioning(batch, rows)
-                pred, per_sample = predict_and_loss(objective, denoiser, noisy[rows], target[rows], timesteps[rows],
-                                                    cond, dtype=amp.weight_dtype, autocast=amp.autocast,
-                                                    weighted=True, mask=None if mask is None else mask[rows])
+                pred, raw = predict_and_loss(objective, denoiser, noisy[rows], target[rows], timesteps[rows], cond,
+                                             dtype=amp.weight_dtype, autocast=amp.autocast,
+                                             mask=None if mask is None else mask[rows])
+                weight = objective.loss_weight(timesteps[rows])  # min-SNR and the like (what weighted=True does)
+                per_sample = raw if weight is None else raw * weight
                 is_reg = batch["is_reg"][rows]
+                raw_losses.append(raw.detach())
+                drawn_at.append(timesteps[rows].detach())
+                paths += [str(p) for p in batch["path"][rows]]
+                regs += [bool(r) for r in is_reg]
                 parts.add(per_sample, is_reg)
                 loss = (per_sample * prior_weights(is_reg, prior_loss_weight, per_sample.device)).sum()
                 objective_value = loss / images
@@ -107,7 +125,9 @@ def forward_backward(batches: list[dict[str, Any]], *, inputs: BatchInputs, obje
     if ranks.several:
         (loss_sum,) = ranks.agree([loss_sum], failure)
         ranks.sum_gradients(params)
-    return StepLoss(float(loss_sum) / images, parts.means())
+    per_image = PerImageLosses(paths, torch.cat(raw_losses).float().tolist(),
+                               torch.cat(drawn_at).float().tolist(), regs) if raw_losses else None
+    return StepLoss(float(loss_sum) / images, parts.means(), per_image)
 
 
 def nonfinite_gradients(trained: dict[str, torch.nn.Module]) -> list[str]:

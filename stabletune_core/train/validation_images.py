@@ -6,7 +6,7 @@ import gc
 import json
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -18,11 +18,22 @@ def sample_seeds(config: TrainConfig) -> list[int]:
     return [config.seed + i for i in range(config.num_validation_images)]
 
 
+def image_count(config: TrainConfig) -> int:
+    """How many images one sampling makes: every validation prompt with every fixed seed."""
+    return len(config.validation_prompts) * config.num_validation_images
+
+
 @torch.no_grad()
 def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Path, device: torch.device,
                            *, resolution: int | None = None,
-                           autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> list[Path]:
+                           autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+                           only: Sequence[int] | None = None, should_stop: Callable[[], bool] | None = None
+                           ) -> list[Path]:
     """Render every validation prompt with every fixed seed into `folder` as p<prompt>_s<seed>.png.
+
+    `only`: the images to make now, by their place in that prompt x seed order (the loop makes a deferred
+    sampling a few images at a time between steps); `should_stop`: asked before each image after the first, so a
+    stop asked for while sampling ends it at the next image (issue 25.4). Returns the images made.
 
     The pipeline stops at the latents and the family decodes them (in the VAE's own dtype: under fp16 the UNet and
     text encoders run in fp16 while the VAE stays fp32, so the pipeline's own decode would feed fp16 latents to
@@ -43,7 +54,7 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
     folder.mkdir(parents=True, exist_ok=True)
     try:
         with on_device((bundle.vae, *bundle.text_encoders), device):  # they may wait on the CPU (placement.py)
-            paths = _render(pipe, bundle, prompts, config, folder, size, extra, autocast)
+            paths = _render(pipe, bundle, prompts, config, folder, size, extra, autocast, only, should_stop)
     finally:
         for module, was_training in zip((bundle.unet, *bundle.text_encoders), training):
             module.train(was_training)
@@ -55,20 +66,23 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
 
 
 def _render(pipe, bundle: ModelBundle, prompts: list[str], config: TrainConfig, folder: Path, size: int,
-            extra: dict, autocast: Callable[[], AbstractContextManager[Any]]) -> list[Path]:
-    paths = []
-    for p, prompt in enumerate(prompts):
-        for seed in sample_seeds(config):
-            generator = torch.Generator("cpu").manual_seed(seed)
-            with autocast():
-                latents = pipe(prompt=prompt, height=size, width=size,
-                               num_inference_steps=config.validation_inference_steps,
-                               guidance_scale=config.validation_guidance_scale, generator=generator,
-                               output_type="latent", **extra).images
-            pixels = bundle.family.decode_sampled(bundle, latents)
-            image = pipe.image_processor.postprocess(pixels.float(), output_type="pil")[0]
-            path = folder / f"p{p:02d}_s{seed}.png"
-            image.save(path)
-            paths.append(path)
+            extra: dict, autocast: Callable[[], AbstractContextManager[Any]], only: Sequence[int] | None,
+            should_stop: Callable[[], bool] | None) -> list[Path]:
+    paths: list[Path] = []
+    jobs = [(p, prompt, seed) for p, prompt in enumerate(prompts) for seed in sample_seeds(config)]
+    for p, prompt, seed in (jobs if only is None else [jobs[i] for i in only]):
+        if paths and should_stop is not None and should_stop():
+            break
+        generator = torch.Generator("cpu").manual_seed(seed)
+        with autocast():
+            latents = pipe(prompt=prompt, height=size, width=size,
+                           num_inference_steps=config.validation_inference_steps,
+                           guidance_scale=config.validation_guidance_scale, generator=generator,
+                           output_type="latent", **extra).images
+        pixels = bundle.family.decode_sampled(bundle, latents)
+        image = pipe.image_processor.postprocess(pixels.float(), output_type="pil")[0]
+        path = folder / f"p{p:02d}_s{seed}.png"
+        image.save(path)
+        paths.append(path)
     (folder / "prompts.json").write_text(json.dumps({"prompts": prompts, "seeds": sample_seeds(config)}))
     return paths

@@ -33,8 +33,9 @@ class ToyColorJudge(Observer):
         from ...toy.judge import judge_samples
 
         scores = judge_samples(folder)
-        if self.first is None:
-            self.first = scores
+        if self.first is None:  # after a resume too, the summary counts from the run's step-0 images (issue 25.9)
+            step0 = view.run_paths.sample_dir(0) if view.run_paths else folder
+            self.first = judge_samples(step0) if step0 != folder and any(step0.glob("*.png")) else scores
         self.last = scores
         return Observation(events=(Event(events.SAMPLE_SCORE, "Validation images showing their prompt's colour: " +
                                          ", ".join(f"{color} {value:.0%}" for color, value in scores.items()) + ".",

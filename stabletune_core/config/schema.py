@@ -278,8 +278,10 @@ class TrainConfigSchema(BaseModel):
     validation_with_ema: bool = knob(True, "With ema_decay above 0: validation images show the EMA weights "
                                      "(off: the weights as trained).", "validation")
     sample_judge: Literal[tuple(SAMPLE_JUDGES)] = knob(  # type: ignore[valid-type]  (train/observers/judges.py)
-        "none", "Score every set of validation images with a built-in judge. 'toy_colors': each image of a toy-world "
-        "prompt ('a purple circle') must show the prompt's colour; the run ends with a learning summary (the demo).",
+        "none", "Measure every set of validation images with a built-in judge. 'toy_colors' (toy-world prompts such "
+        "as 'a purple circle'): the concept colour's hue error in degrees against the run's training images, each "
+        "known colour's drift in degrees against the base model's step-0 image, shapes right in percent; the run "
+        "ends with a learning summary (the demo).",
         "validation")
 
     # ---- diagnostics (overfitting control) -----------------------------------------------------------

@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     build = commands.add_parser("build", help="Train the toy base model (about 25 minutes on 2 CPU cores).")
     build.add_argument("--out", type=Path, default=None, help="Folder for the weights (default: the shipped one).")
     build.add_argument("--vae-steps", type=int, default=600)
-    build.add_argument("--unet-steps", type=int, default=1600)
+    build.add_argument("--unet-steps", type=int, default=3200)
     score = commands.add_parser("score", help="Score a toy-base model folder (and optionally a LoRA on it).")
     score.add_argument("model", type=Path, nargs="?", default=None)
     score.add_argument("--lora", type=Path, default=None)

@@ -25,6 +25,11 @@ CONCEPT_COLOR = "purple"
 CONCEPT_RGB = (135, 45, 200)
 ALL_COLORS = {**BASE_COLORS, CONCEPT_COLOR: CONCEPT_RGB}
 SHAPES = ("circle", "square", "triangle")
+#: The shape the base model never sees (the VAE does, so the codec can draw it): the shape concept a LoRA
+#: teaches (`demo --concept shape`), which shows a LoRA learns structure, not only tint.
+CONCEPT_SHAPE = "ring"
+ALL_SHAPES = (*SHAPES, CONCEPT_SHAPE)
+RING_HOLE = 0.55  # the ring's hole, as a fraction of its radius
 IMAGE_SIZE = 64
 
 
@@ -57,6 +62,10 @@ def draw_scene(scene: Scene, size: int = IMAGE_SIZE) -> Image.Image:
     elif scene.shape == "square":
         side = int(radius * 0.9)
         draw.rectangle((cx - side, cy - side, cx + side, cy + side), fill=color)
+    elif scene.shape == CONCEPT_SHAPE:
+        draw.ellipse(box, fill=color)
+        hole = int(radius * RING_HOLE)
+        draw.ellipse((cx - hole, cy - hole, cx + hole, cy + hole), fill=background)
     else:
         draw.polygon([(cx, cy - radius), (cx - radius, cy + radius), (cx + radius, cy + radius)], fill=color)
     return image

@@ -103,3 +103,34 @@ def test_a_shape_drawn_wrong_counts_against_shapes(tmp_path):
     draw_scene(Scene("red", "square", 3)).save(folder / "p00_s7.png")  # asked for a circle
     assert judge_samples(folder)["shapes"] == 0.5
     assert set(BASE_COLORS) >= {"red", "green", "cyan"}
+
+
+def test_a_concept_shape_is_measured_by_how_many_images_show_it(tmp_path):
+    """Issue 21.3: 'a red ring' (a shape the base never drew, in a colour it knows) counts as drawn right only
+    when the image shows a ring; the base prompts still report drift and shapes."""
+    run = fake_run(tmp_path, concept_hue=274.0, steps={0: {"a red ring": 0.0, "a green square": 128.0},
+                                                       100: {"a red ring": 0.0, "a green square": 128.0}})
+    for seed in (7, 8):  # at step 0 the base draws a red circle for "a red ring"
+        draw_scene(Scene("red", "circle", seed)).save(run / "samples" / "step_000000" / f"p00_s{seed}.png")
+    first = judge_samples(run / "samples" / "step_000000")
+    last = judge_samples(run / "samples" / "step_000100")
+    assert first["concept_shapes"] == {"ring": 0.0} and last["concept_shapes"] == {"ring": 1.0}
+    assert last["concept"] == {} and last["drift"] == {"green": 0.0} and last["shapes"] == 1.0
+    assert learning_summary(run) == ("ring: 0 % -> 100 % drawn as a ring; kept: green drift 0 deg; shapes 100 %; "
+                                     "pass (concept shape right in 70 % of its images, kept colours within 3 deg "
+                                     "of the base)")
+
+
+def test_an_unknown_demo_concept_is_one_sentence_before_anything_is_built(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "STABLETUNE_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "stabletune_core", "demo", "--concept", "star", "--output_dir",
+                           str(tmp_path / "run")], cwd=Path(__file__).resolve().parent.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: The demo has no concept 'star': choose 'colour' (the toy base learns "
+                                   "purple) or 'shape' (it learns to draw rings).")
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()  # nothing built, nothing loaded

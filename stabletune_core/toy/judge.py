@@ -7,8 +7,9 @@ purple circle"). For each colour word of the prompts:
   against the hue measured on the run's own training images captioned with that word;
 - a *kept* colour (one the base draws, e.g. red): the drift in degrees of each image against the run's first
   sampling (step 0: the base model's own image) at the same prompt and seed;
-and over every image whose prompt names a shape the judge knows, the fraction drawn in that shape. The
-pass/fail view (for humans) states its thresholds in degrees: CONCEPT_PASS_DEG and KEPT_PASS_DEG.
+- a *concept shape* (one the base never drew, the ring, in a known colour): the fraction drawn in that shape;
+and over every image whose prompt names a base shape, the fraction drawn in that shape. The pass/fail view
+(for humans) states its thresholds in degrees: CONCEPT_PASS_DEG and KEPT_PASS_DEG (CONCEPT_SHAPE_PASS).
 """
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from PIL import Image
 
 from ..runs.layout import RunPaths
 from .score import SHAPE_PROTOTYPES, caption_parts, hue_distance, judge, reference_hue
-from .world import BASE_COLORS
+from .world import BASE_COLORS, SHAPES
 
 CONCEPT_PASS_DEG = 8.0  # the concept is learned when its images are this close to its training images' hue
 KEPT_PASS_DEG = 3.0  # a kept colour is kept when its images moved no more than this from the base's
+CONCEPT_SHAPE_PASS = 0.7  # a concept shape is learned when this fraction of its images show it
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
@@ -100,31 +102,39 @@ def judge_samples(folder: Path, run_dir: Path | None = None, *,
     references = dict(references or {})
     errors: dict[str, list[float]] = {}
     drifts: dict[str, list[float]] = {}
+    learned_shapes: dict[str, list[bool]] = {}
     shapes: list[bool] = []
     for (prompt, seed), path in images.items():
         color, shape = caption_parts(prompt)
         hue, drawn = _hue(path)
-        if shape in SHAPE_PROTOTYPES:
-            shapes.append(drawn == shape)
-        if color in BASE_COLORS:
-            base = first.get((prompt, seed))
-            if base is not None:
-                drifts.setdefault(color, []).append(hue_distance(hue, _hue(base)[0]))
-        else:
+        if color not in BASE_COLORS:  # a concept colour: how far from its training images
             if color not in references:
                 references[color] = concept_reference(run_dir, color)
             if not math.isnan(references[color]):
                 errors.setdefault(color, []).append(hue_distance(hue, references[color]))
+            if shape in SHAPES:
+                shapes.append(drawn == shape)
+        elif shape not in SHAPES:  # a concept shape in a known colour: is it drawn in that shape
+            if shape in SHAPE_PROTOTYPES:
+                learned_shapes.setdefault(shape, []).append(drawn == shape)
+        else:  # the base's own vocabulary: how far it moved from the base's image, and its shape
+            shapes.append(drawn == shape)
+            base = first.get((prompt, seed))
+            if base is not None:
+                drifts.setdefault(color, []).append(hue_distance(hue, _hue(base)[0]))
     return {"concept": {c: round(_mean(v), 2) for c, v in errors.items()},
+            "concept_shapes": {s: round(_mean([float(x) for x in v]), 4) for s, v in learned_shapes.items()},
             "drift": {c: round(_mean(v), 2) for c, v in drifts.items()},
             "shapes": round(_mean([float(s) for s in shapes]), 4) if shapes else None,
             "images": len(images)}
 
 
 def passed(measures: dict[str, Any]) -> bool:
-    """The human view: every concept within CONCEPT_PASS_DEG of its training images and every kept colour
-    within KEPT_PASS_DEG of the base."""
+    """The human view: every concept colour within CONCEPT_PASS_DEG of its training images, every concept
+    shape drawn right in CONCEPT_SHAPE_PASS of its images, and every kept colour within KEPT_PASS_DEG of the
+    base."""
     return (all(e <= CONCEPT_PASS_DEG for e in measures["concept"].values())
+            and all(f >= CONCEPT_SHAPE_PASS for f in measures.get("concept_shapes", {}).values())
             and all(d <= KEPT_PASS_DEG for d in measures["drift"].values()))
 
 
@@ -132,6 +142,10 @@ def describe(measures: dict[str, Any], first: dict[str, Any] | None = None) -> s
     """'purple: 61 deg off -> 4 deg off; kept: red drift 1 deg, green drift 2 deg; shapes 92 %' (with `first`,
     the concept's error at the first sampling comes before the arrow)."""
     parts = []
+    for shape, right in measures.get("concept_shapes", {}).items():
+        before = (first or {}).get("concept_shapes", {}).get(shape)
+        parts.append(f"{shape}: {_percent(before)} -> {_percent(right)} drawn as a {shape}" if before is not None
+                     else f"{shape}: {_percent(right)} drawn as a {shape}")
     for color, error in measures["concept"].items():
         before = (first or {}).get("concept", {}).get(color)
         parts.append(f"{color}: {before:.0f} deg off -> {error:.0f} deg off" if before is not None
@@ -139,14 +153,20 @@ def describe(measures: dict[str, Any], first: dict[str, Any] | None = None) -> s
     if measures["drift"]:
         parts.append("kept: " + ", ".join(f"{c} drift {d:.0f} deg" for c, d in measures["drift"].items()))
     if measures["shapes"] is not None:
-        parts.append(f"shapes {measures['shapes']:.0%}".replace("%", " %"))
+        parts.append(f"shapes {_percent(measures['shapes'])}")
     return "; ".join(parts)
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction:.0%}".replace("%", " %")
 
 
 def verdict(measures: dict[str, Any]) -> str:
     """The pass/fail view, with its thresholds in degrees."""
-    rule = f"concept within {CONCEPT_PASS_DEG:.0f} deg of its training images, kept colours within " \
-           f"{KEPT_PASS_DEG:.0f} deg of the base"
+    concept = (f"concept shape right in {_percent(CONCEPT_SHAPE_PASS)} of its images"
+               if measures.get("concept_shapes") and not measures["concept"]
+               else f"concept within {CONCEPT_PASS_DEG:.0f} deg of its training images")
+    rule = f"{concept}, kept colours within {KEPT_PASS_DEG:.0f} deg of the base"
     return f"pass ({rule})" if passed(measures) else f"not yet ({rule})"
 
 

@@ -82,6 +82,12 @@ def concept_scenes(count: int, seed: int = 1) -> list[Scene]:
     return [Scene(CONCEPT_COLOR, SHAPES[i % len(SHAPES)], seed=seed * 1_000_003 + 500_000 + i) for i in range(count)]
 
 
+def shape_concept_scenes(count: int, seed: int = 2) -> list[Scene]:
+    """Scenes of the held-out shape in the base colours (the base knows the colours, not the shape)."""
+    colors = list(BASE_COLORS)
+    return [Scene(colors[i % len(colors)], CONCEPT_SHAPE, seed=seed * 1_000_003 + 700_000 + i) for i in range(count)]
+
+
 def write_dataset(folder: Path, scenes: list[Scene], *, size: int = IMAGE_SIZE) -> Path:
     """PNG + same-name .txt caption per scene. Refuses to write into a folder that already has images."""
     folder = Path(folder)
@@ -100,3 +106,8 @@ def base_prompts() -> list[str]:
 
 def concept_prompts() -> list[str]:
     return [f"a {CONCEPT_COLOR} {s}" for s in SHAPES]
+
+
+def shape_concept_prompts() -> list[str]:
+    """The held-out shape in every base colour."""
+    return [f"a {c} {CONCEPT_SHAPE}" for c in BASE_COLORS]

@@ -158,3 +158,28 @@ def test_the_demo_teaches_loha_and_lokr_at_the_rates_they_need(network_type, tmp
     before, after, red, green = (int(g) for g in line.groups())
     assert before >= 30 and after <= LYCORIS_CONCEPT_MAX_DEG and max(red, green) <= LYCORIS_DRIFT_MAX_DEG, line.group(0)
     assert f'network_type = "{network_type}"' in (run / "config.toml").read_text()
+
+
+def test_demo_shape_concept_learns_rings_and_keeps_the_base(tmp_path, toy_cache, toy_pipe, toy_base, one_thread):
+    """Issue 21.3: `demo --concept shape` teaches the toy base a shape it never drew (a ring, in the colours it
+    knows): >= 70 % of the ring prompts' images are rings (8 seeds), and the base keeps its colours (drift <= 3
+    degrees each) and its shapes (>= 90 %). Structure, not tint."""
+    from stabletune_core.toy import load_toy_pipeline
+    from stabletune_core.toy.world import CONCEPT_SHAPE, shape_concept_prompts
+
+    run = tmp_path / "demo-shape"
+    env = {**os.environ, "STABLETUNE_CACHE": str(toy_cache), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "stabletune_core", "demo", "--concept", "shape", "--output_dir",
+                           str(run)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console[-3000:]
+    assert re.search(rf"Learning summary.*: {CONCEPT_SHAPE}: (\d+) % -> (\d+) % drawn as a {CONCEPT_SHAPE}; kept: ",
+                     console), console[-2000:]
+    pipe = load_toy_pipeline(toy_base)
+    pipe.load_lora_weights(str(run / "output"), weight_name="demo_ring_lora.safetensors")
+    before = mean(p["shape"] for p in scores(render(toy_pipe, shape_concept_prompts(), SEEDS)).values())
+    after = mean(p["shape"] for p in scores(render(pipe, shape_concept_prompts(), SEEDS)).values())
+    assert before <= 0.2 and after >= 0.70, (before, after)
+    moved = drift_by_colour(toy_pipe, pipe)
+    assert max(moved.values()) <= DRIFT_MAX_DEG, moved
+    assert mean(p["shape"] for p in scores(render(pipe, base_prompts(), SEEDS)).values()) >= 0.90

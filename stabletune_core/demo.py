@@ -3,7 +3,7 @@
 The toy base (stabletune_core/toy) is a small pretrained SD 1.x that draws red, yellow, green and cyan
 shapes when asked; it has never seen purple. The demo trains a LoRA on 12 purple shapes, and its validation
 images (same prompts, same seeds at every sampling) show purple appearing; the run ends with a one-line
-learning summary scored by the toy world's colour judge. Nothing is downloaded.
+learning summary measured by the toy judge in degrees (toy/judge.py). Nothing is downloaded.
 
 `draw_demo_dataset` (random shapes in the base colours) stays for tests on random-weight models.
 """

@@ -14,8 +14,10 @@ belongs to a budget when its last file was written within that many seconds of t
 start-up (imports, model load, dataset preparation, StableTune's first validation images) and the time spent
 writing snapshots count against each trainer. After the runs, each budget's snapshot is loaded into a fresh
 toy pipeline with diffusers' `load_lora_weights` (StableTune's checkpoints are first exported to its
-kohya-format LoRA with `python -m stabletune_core export`) and scored by the toy world's colour judge:
-concept % = purple images among the purple prompts', base % = the right colour among the base prompts'.
+kohya-format LoRA with `python -m stabletune_core export`) and measured by the toy world's judge over 8
+seeds: the concept's hue error in degrees (purple prompts' images against the hue of the purple training
+images), the worst base colour's drift in degrees (the base prompts' images against the base model's own
+image at the same prompt and seed) and the base shapes right in percent.
 
     python bench/toy_quality.py --peer-script /tmp/peer/train_text_to_image_lora.py \\
         --peer-pythonpath /tmp/peerlib --budgets 1,2,4 --threads 2 --out /tmp/toy-quality
@@ -40,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 PRESET = ROOT / "presets" / "demo.toml"
-SCORE_SEEDS_PER_PROMPT = 4  # seeds 1000..1003, as tests/test_toy_learning.py scores the demo's LoRA
+SCORE_SEEDS_PER_PROMPT = 8  # seeds 1000..1007, as tests/test_toy_learning.py measures the demo's LoRA
 PEER_LEARNING_RATES = (1e-4, 1e-3)
 STOP_GRACE_S = 30
 
@@ -169,13 +171,18 @@ def peer_lora(checkpoint: Path) -> Path:
     return checkpoint / "pytorch_lora_weights.safetensors"
 
 
-def score(model: Path, lora: Path | None) -> dict[str, float]:
-    """Concept and base colour scores of the toy base with `lora` (None: the base alone), in a fresh pipeline."""
+def score(model: Path, lora: Path | None, data: Path, base_images: dict | None = None) -> dict:
+    """The toy base with `lora` (None: the base alone), in a fresh pipeline, measured in degrees over
+    SCORE_SEEDS_PER_PROMPT seeds: the concept prompts' hue error against the concept's training images in
+    `data`, and the base prompts' drift against `base_images` (the base's own renders, same prompts and seeds;
+    None: this is the base, drift 0). Returns the measures and, under "images", the base prompts' renders."""
     import diffusers
     import transformers
 
     from stabletune_core.toy import load_toy_pipeline
-    from stabletune_core.toy.evaluate import base_report
+    from stabletune_core.toy.evaluate import drift, mean, render, scores
+    from stabletune_core.toy.judge import concept_reference_in
+    from stabletune_core.toy.world import CONCEPT_COLOR, base_prompts, concept_prompts
 
     for library in (diffusers, transformers):  # a line per loaded LoRA would bury the table
         library.utils.logging.set_verbosity_error()
@@ -183,22 +190,31 @@ def score(model: Path, lora: Path | None) -> dict[str, float]:
     pipe = load_toy_pipeline(model)
     if lora is not None:
         pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
-    report = base_report(pipe, seeds_per_prompt=SCORE_SEEDS_PER_PROMPT)
-    return {"concept": report["concept_score"], "base": report["base_color_score"]}
+    seeds = list(range(1000, 1000 + SCORE_SEEDS_PER_PROMPT))
+    reference = concept_reference_in(data, CONCEPT_COLOR)
+    concept = scores(render(pipe, concept_prompts(), seeds), {CONCEPT_COLOR: reference})
+    images = render(pipe, base_prompts(), seeds)
+    drifts = drift(base_images or images, images)
+    by_colour: dict[str, list[float]] = {}
+    for prompt, value in drifts.items():
+        by_colour.setdefault(prompt.split()[-2], []).append(value)
+    return {"concept_error": round(mean(p["hue_error"] for p in concept.values()), 2),
+            "worst_drift": round(max(mean(v) for v in by_colour.values()), 2),
+            "shapes": round(mean(p["shape"] for p in scores(images).values()), 4), "images": images}
 
 
 # ----------------------------------------------------------------------------------------------- report
 def markdown_table(rows: list[dict], budgets: list[float]) -> str:
-    """One line per trainer and budget: steps reached, concept %, base %."""
-    lines = ["| trainer | budget | load avg at start | steps | concept % | base % |",
-             "|---|---:|---:|---:|---:|---:|"]
+    """One line per trainer and budget: steps reached, concept hue error, worst base drift, base shapes."""
+    lines = ["| trainer | budget | load avg at start | steps | concept hue error (deg) | worst base colour drift "
+             "(deg) | base shapes % |", "|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         for budget, cell in zip(budgets, row["budgets"]):
             if cell is None:
-                lines.append(f"| {row['name']} | {budget:g} min | {row['load']:.2f} | 0 | (no snapshot yet) | |")
+                lines.append(f"| {row['name']} | {budget:g} min | {row['load']:.2f} | 0 | (no snapshot yet) | | |")
             else:
                 lines.append(f"| {row['name']} | {budget:g} min | {row['load']:.2f} | {cell['step']} | "
-                             f"{cell['concept'] * 100:.0f} | {cell['base'] * 100:.0f} |")
+                             f"{cell['concept_error']:.1f} | {cell['worst_drift']:.1f} | {cell['shapes'] * 100:.0f} |")
     return "\n".join(lines)
 
 
@@ -274,8 +290,9 @@ def main() -> None:
                      "chosen": [snapshot_within(found, b * 60) for b in budgets]})
 
     print("Scoring (fresh toy pipeline per LoRA) ...", file=sys.stderr)
-    base = score(model, None)
-    scored: dict[Path, dict[str, float]] = {}  # a run that ended early offers one snapshot to several budgets
+    base = score(model, None, data)
+    base_images = base.pop("images")
+    scored: dict[Path, dict] = {}  # a run that ended early offers one snapshot to several budgets
     for row in rows:
         row["budgets"] = []
         for snap in row.pop("chosen"):
@@ -284,7 +301,8 @@ def main() -> None:
                 continue
             if snap.path not in scored:
                 lora = stabletune_lora(snap.path, row["env"]) if row["kind"] == "stabletune" else peer_lora(snap.path)
-                scored[snap.path] = score(model, lora)
+                scored[snap.path] = score(model, lora, data, base_images)
+                del scored[snap.path]["images"]
             row["budgets"].append({"step": snap.step, "seconds": round(snap.seconds, 1), **scored[snap.path]})
         del row["env"]
 
@@ -292,7 +310,8 @@ def main() -> None:
                "threads": args.threads, "budgets_min": budgets, "snapshot_steps": args.snapshot_steps,
                "base_model": base, "rows": rows}
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    print(f"\nToy base without a LoRA: concept {base['concept'] * 100:.0f} %, base {base['base'] * 100:.0f} %; "
+    print(f"\nToy base without a LoRA: concept {base['concept_error']:.0f} deg off, base shapes "
+          f"{base['shapes'] * 100:.0f} %; "
           f"{args.threads} threads, snapshots every {args.snapshot_steps} steps, {results['date']}")
     print(markdown_table(rows, budgets))
     for row in rows:

@@ -54,6 +54,8 @@ def run_command(argv: list[str] | None = None) -> int:
     demo.add_argument("--resume", action="store_true", help="Continue the demo run in --output_dir.")
     demo.add_argument("--network_type", "--network-type", "--algo", choices=("lora", "loha", "lokr"), default="lora",
                       help="Adapter kind to train (LoHa and LoKr get the higher learning rates they need).")
+    demo.add_argument("--concept", default="colour", help="What the toy base learns: 'colour' (purple, which it "
+                      "never saw) or 'shape' (rings, which it never drew, in the colours it knows).")
 
     export = commands.add_parser("export", help="Write the LoRA of a checkpoint (kohya/A1111 format).")
     export.add_argument("checkpoint", help="A checkpoint folder RUN/checkpoints/step_NNNNNN.")
@@ -213,11 +215,12 @@ def run_demo(args: argparse.Namespace) -> int:
     # The toy model is so small that one CPU thread is fastest (1.4 CPU-minutes where two threads took 6.6 on 2
     # cores): every CPU run now chooses its threads so (train/threads.py), the demo included.
     config = demo_config(Path(args.output_dir), max_train_steps=args.max_train_steps, resume=args.resume,
-                         network_type=args.network_type)
+                         network_type=args.network_type, concept=args.concept)
     kind = {"lora": "A LoRA", "loha": "A LoHa", "lokr": "A LoKr"}[config.network_type]
-    print(f"Demo run in {config.output_dir}: the toy base model, which draws red, yellow, green and cyan shapes, "
-          f"learns purple from {config.train_data_dir} ({config.max_train_steps} steps). {kind} at learning rate "
-          f"{config.learning_rate:g}.")
+    learns = "purple" if args.concept == "colour" else "to draw rings"
+    print(f"Demo run in {config.output_dir}: the toy base model, which draws red, yellow, green and cyan circles, "
+          f"squares and triangles, learns {learns} from {config.train_data_dir} ({config.max_train_steps} steps). "
+          f"{kind} at learning rate {config.learning_rate:g}.")
     code = run_train(config)
     if code == 0:
         from .demo import make_gallery

@@ -3,7 +3,7 @@
 The toy base (stabletune_core/toy) is a small pretrained SD 1.x that draws red, yellow, green and cyan
 shapes when asked; it has never seen purple. The demo trains a LoRA on 12 purple shapes, and its validation
 images (same prompts, same seeds at every sampling) show purple appearing; the run ends with a one-line
-learning summary scored by the toy world's colour judge. Nothing is downloaded.
+learning summary measured by the toy judge in degrees (toy/judge.py). Nothing is downloaded.
 
 `draw_demo_dataset` (random shapes in the base colours) stays for tests on random-weight models.
 """
@@ -16,7 +16,7 @@ from PIL import Image, ImageDraw
 
 from .atomic import atomic_path
 from .cache import cache_root
-from .config import TOY_DEMO_RATES, TrainConfig, build_config, read_toml
+from .config import TOY_DEMO_RATES, ConfigError, TrainConfig, build_config, read_toml
 
 PRESETS = Path(__file__).resolve().parent.parent / "presets"
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 40)}
@@ -52,29 +52,76 @@ def draw_demo_dataset(folder: Path, *, count: int = 24, size: int = 64, seed: in
 
 
 DEMO_IMAGES = 12  # of the new concept
-DEMO_PRIOR_IMAGES = 24  # of colours the base already draws
+DEMO_PRIOR_IMAGES = 24  # the base's own images of the colours it already draws (2 per base prompt)
+#: Seeds of the base's own prior images: never a validation seed (the demo's 7, 8) nor a scoring seed
+#: (1000-1007), so keeping the base colours is measured on images the LoRA was not shown.
+DEMO_PRIOR_FIRST_SEED = 5000
 
 
-def demo_assets() -> tuple[Path, Path]:
-    """The toy base model and the demo dataset, built once into the cache folder.
+def write_base_images(model: Path, folder: Path, prompts: list[str], seeds: list[int]) -> Path:
+    """Class images rendered by the base model itself (DreamBooth's prior preservation): each prompt at each
+    seed, captioned with its prompt, with the toy judge's sampler, steps and guidance."""
+    import torch
 
-    The dataset holds 12 purple shapes (the concept) and 24 shapes in the base colours, captioned the same way:
-    prior preservation, as DreamBooth and kohya users do it. Without those, the LoRA finds the cheapest way to
-    make purple (tint everything towards blue): measured on the toy base, red then comes out magenta (red
-    100 % -> 0 %) and green cyan. With them, and a text-encoder LoRA that separates "purple" from "red" (its
-    nearest word in the toy text encoder), every base colour stays at 100 % while purple goes 0 % -> 97 %.
+    from .toy import load_toy_pipeline
+    from .toy.evaluate import render
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the toy model is dispatch-bound: one thread is fastest
+    try:
+        pipe = load_toy_pipeline(model)
+        folder.mkdir(parents=True, exist_ok=True)
+        for p, prompt in enumerate(prompts):
+            for seed, image in zip(seeds, render(pipe, [prompt], seeds)[prompt]):
+                stem = f"base_{p:02d}_s{seed}"
+                image.save(folder / f"{stem}.png")
+                (folder / f"{stem}.txt").write_text(prompt)
+    finally:
+        torch.set_num_threads(threads)
+    return folder
+
+
+#: What the demo can teach the toy base: a colour it never saw (purple, in its shapes) or a shape it never
+#: drew (the ring, in its colours): the second shows a LoRA learns structure, not only tint.
+DEMO_CONCEPTS = ("colour", "shape")
+SHAPE_DEMO_PROMPTS = "a red ring | a green ring | a cyan ring | a red circle | a green square"
+
+
+def check_concept(concept: str) -> None:
+    """One sentence for a concept the demo does not have, before anything is built or loaded."""
+    if concept not in DEMO_CONCEPTS:
+        raise ConfigError([f"The demo has no concept {concept!r}: choose 'colour' (the toy base learns purple) "
+                           "or 'shape' (it learns to draw rings)."])
+
+
+def demo_assets(concept: str = "colour") -> tuple[Path, Path]:
+    """The toy base model and the demo dataset, built once per base version into the cache folder.
+
+    The dataset holds 12 images of the concept (purple shapes, or rings in the base colours) and 24 images of
+    what the base already draws, rendered by the base itself at its own prompts (prior preservation as
+    DreamBooth does it: the base's images, not drawn ones). Drawn images of the known colours (the demo until
+    issue 21.4) are not what the base draws: training on them pulls every known colour towards the drawing's
+    palette, and the base's own red and green drifted 10-20 degrees; with the base's own images, what the LoRA
+    must keep is exactly what the base did, and only the concept has something new to learn.
     """
     from .toy import toy_base_model
-    from .toy.world import CONCEPT_COLOR, base_scenes, concept_scenes, write_dataset
+    from .toy.world import (BASE_COLORS, CONCEPT_COLOR, CONCEPT_SHAPE, SHAPES, concept_scenes,
+                            shape_concept_scenes, write_dataset)
 
+    check_concept(concept)
     model = toy_base_model()
-    data = cache_root() / "demo-v3" / "purple-lora"
+    name, scenes = ((CONCEPT_COLOR, concept_scenes(DEMO_IMAGES)) if concept == "colour"
+                    else (CONCEPT_SHAPE, shape_concept_scenes(DEMO_IMAGES)))
+    data = cache_root() / f"demo-v4-{model.name}" / f"{name}-lora"
     if not data.is_dir():
         data.parent.mkdir(parents=True, exist_ok=True)
+        prompts = [f"a {c} {s}" for c in BASE_COLORS for s in SHAPES]
+        per_prompt = DEMO_PRIOR_IMAGES // len(prompts)
+        seeds = list(range(DEMO_PRIOR_FIRST_SEED, DEMO_PRIOR_FIRST_SEED + per_prompt))
         try:
             with atomic_path(data, folder=True) as staging:
-                write_dataset(staging / f"1_{CONCEPT_COLOR}", concept_scenes(DEMO_IMAGES))
-                write_dataset(staging / "1_known_colours", base_scenes(DEMO_PRIOR_IMAGES, seed=78))
+                write_dataset(staging / f"1_{name}", scenes)
+                write_base_images(model, staging / "1_known_colours", prompts, seeds)
         except OSError:
             if not data.is_dir():
                 raise
@@ -93,12 +140,15 @@ def free_run_dir(base: Path) -> Path:
 
 
 def demo_config(output_dir: Path, *, max_train_steps: int | None = None, resume: bool = False,
-                network_type: str = "lora") -> TrainConfig:
-    model, data = demo_assets()
+                network_type: str = "lora", concept: str = "colour") -> TrainConfig:
+    check_concept(concept)
+    model, data = demo_assets(concept)
     values = read_toml(PRESETS / "demo.toml")
     if network_type != "lora":  # LoHa and LoKr need higher rates than the preset's (config.TOY_DEMO_RATES)
         learning_rate, text_encoder_lr = TOY_DEMO_RATES[network_type]
         values.update(network_type=network_type, learning_rate=learning_rate, text_encoder_lr=text_encoder_lr)
+    if concept == "shape":
+        values.update(validation_prompt=SHAPE_DEMO_PROMPTS, output_name="demo_ring_lora")
     values.update(pretrained_model_name_or_path=str(model), train_data_dir=str(data),
                   output_dir=str(output_dir if resume else free_run_dir(output_dir)))
     if resume:
@@ -109,7 +159,8 @@ def demo_config(output_dir: Path, *, max_train_steps: int | None = None, resume:
 
 
 def make_gallery(run_dir: Path, target: Path | None = None, *, scale: int = 2) -> Path | None:
-    """One PNG of the run's validation images: a row per (prompt, seed), a column per sampling step.
+    """One PNG of the run's validation images: a row per (prompt, seed), a column per sampling step, and
+    under them the learning summary in degrees (toy/judge.py).
 
     The same prompt and seed in every column, so a row shows one image changing as the LoRA learns.
     """
@@ -125,7 +176,12 @@ def make_gallery(run_dir: Path, target: Path | None = None, *, scale: int = 2) -
     with Image.open(steps[0] / f"p00_s{meta['seeds'][0]}.png") as first:
         cell = first.width * scale
     label_w, head_h, pad = 150, 18, 4
-    sheet = Image.new("RGB", (label_w + len(steps) * (cell + pad), head_h + len(rows) * (cell + pad)), "white")
+    from .toy.judge import learning_summary
+
+    width = label_w + len(steps) * (cell + pad)
+    summary = _wrap(f"Learning: {learning_summary(run_dir)}", max(40, width // 6 - 2))
+    foot_h = 4 + 12 * len(summary)
+    sheet = Image.new("RGB", (width, head_h + len(rows) * (cell + pad) + foot_h), "white")
     draw = ImageDraw.Draw(sheet)
     font = ImageFont.load_default()
     for c, folder in enumerate(steps):
@@ -140,6 +196,14 @@ def make_gallery(run_dir: Path, target: Path | None = None, *, scale: int = 2) -
                 with Image.open(path) as image:
                     sheet.paste(image.convert("RGB").resize((cell, cell), Image.NEAREST),
                                 (label_w + c * (cell + pad), y))
+    for i, text in enumerate(summary):  # the judge's measures, in degrees, under the images they measure
+        draw.text((4, head_h + len(rows) * (cell + pad) + 2 + 12 * i), text, fill="black", font=font)
     target = target or Path(run_dir) / "gallery.png"
     sheet.save(target)
     return target
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width) or [""]

@@ -1,7 +1,9 @@
 """Learning you can see: the toy base draws what it is asked, and the demo's LoRA teaches it a new colour.
 
-Every claim here is a score on generated images (toy/score.py judges the colour of the drawn object), not
-a loss. The demo runs once per module, exactly as a user runs it (`python -m stabletune_core demo`).
+Every claim here is a measure on generated images, in units (toy/score.py: the hue of the drawn object in
+degrees, its shape), over 8 seeds per prompt, not a loss: the concept's hue error against the run's own
+training images, each kept colour's drift against the base model's own image at the same prompt and seed.
+The demo runs once per module, exactly as a user runs it (`python -m stabletune_core demo`).
 """
 from __future__ import annotations
 
@@ -13,12 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from stabletune_core.toy.evaluate import base_report, concept_score, render, scores
+from stabletune_core.toy.evaluate import SCORE_SEEDS, base_report, drift, mean, render, scores
+from stabletune_core.toy.judge import concept_reference
 from stabletune_core.toy.world import BASE_COLORS, CONCEPT_COLOR, base_prompts, concept_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
-SEEDS = [1000, 1001, 1002, 1003]
-UNRELATED = ["a red circle", "a yellow square", "a green triangle", "a cyan circle"]
+SEEDS = SCORE_SEEDS  # 8 seeds per prompt
+CONCEPT_MAX_DEG = 8.0  # issue 21.4: the demo's concept within 8 degrees of its training images
+DRIFT_MAX_DEG = 3.0  # issue 21.4: every base colour within 3 degrees of the base's own images
+#: LoHa/LoKr at their demo rates, in the run's own view (2 seeds per prompt): kept colours stay nearer their
+#: own hue than any other palette colour (the palette's neighbours are 50-90 degrees apart), what the test
+#: asserted before it spoke in degrees; the tight 3-degree bound is the LoRA demo's (issue 21.4).
+LYCORIS_DRIFT_MAX_DEG = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -51,34 +59,60 @@ def lora_pipe(demo_run, toy_base):
     return pipe
 
 
-def test_toy_base_draws_the_colour_it_is_asked_for(toy_pipe, one_thread):
-    report = base_report(toy_pipe, seeds_per_prompt=2)
-    assert report["base_color_score"] >= 0.85, report
-    assert report["concept_score"] < 0.10, report  # it has never seen the concept colour
+def concept_error(pipe, reference: float) -> float:
+    """Mean hue error in degrees of the concept prompts' images (8 seeds each) against `reference`."""
+    return mean(p["hue_error"] for p in scores(render(pipe, concept_prompts(), SEEDS),
+                                               {CONCEPT_COLOR: reference}).values())
 
 
+def drift_by_colour(base_pipe, tuned_pipe) -> dict[str, float]:
+    """Per base colour: the mean drift in degrees of its prompts' images (every shape, 8 seeds)."""
+    moved = drift(render(base_pipe, base_prompts(), SEEDS), render(tuned_pipe, base_prompts(), SEEDS))
+    return {color: mean(v for p, v in moved.items() if p.split()[-2] == color) for color in BASE_COLORS}
+
+
+@pytest.mark.xfail(strict=True, reason="issue 21.2 open: the shipped base is right for 60 % of the base prompts' "
+                   "images (8 seeds); the v2 recipe's build reached 68 % (shapes 100 %, colour limited by its VAE: red "
+                   "reconstructs 6.6 deg off) and is not shipped")
+def test_toy_base_draws_the_colour_and_shape_it_is_asked_for(toy_pipe, one_thread):
+    """Issue 21.2: right colour (within 6 degrees of the palette) and right shape for >= 95 % of the base
+    prompts' images over 8 seeds; the concept colour, never seen, is far off."""
+    report = base_report(toy_pipe)
+    assert len(report["seeds"]) >= 8
+    assert report["base_right"] >= 0.95, report
+    assert report["concept_hue_error"] >= 30, report  # it has never seen the concept colour
+
+
+@pytest.mark.xfail(strict=True, reason="issue 21.4 open: on the shipped base the demo ends with purple ~18 deg off "
+                   "and red/green drifting 10-30 deg (8 seeds); see the toy helper's report")
 def test_demo_teaches_the_concept_without_wrecking_the_base(demo_run, toy_pipe, lora_pipe, one_thread):
+    """Issue 21.4: the demo's defaults end with the concept within 8 degrees of its training images and every
+    base colour within 3 degrees of the base's own images, measured on 8 seeds."""
     run, console = demo_run
-    before = concept_score(toy_pipe, SEEDS)
-    after = concept_score(lora_pipe, SEEDS)
-    assert before < 0.10 and after >= 0.70, (before, after)
-    base = scores(render(toy_pipe, UNRELATED, SEEDS))
-    tuned = scores(render(lora_pipe, UNRELATED, SEEDS))
-    for prompt in UNRELATED:
-        assert abs(tuned[prompt]["color"] - base[prompt]["color"]) <= 0.10 + 1e-9, (prompt, base, tuned)
-    # The run says what it learned, in one line on the console, in status.json and in its events.
-    line = re.search(rf"Learning summary.*{CONCEPT_COLOR} (\d+) % -> (\d+) %", console)
+    reference = concept_reference(run, CONCEPT_COLOR)
+    before, after = concept_error(toy_pipe, reference), concept_error(lora_pipe, reference)
+    assert before >= 30 and after <= CONCEPT_MAX_DEG, (before, after)
+    moved = drift_by_colour(toy_pipe, lora_pipe)
+    assert max(moved.values()) <= DRIFT_MAX_DEG, moved
+    assert mean(p["shape"] for p in scores(render(lora_pipe, base_prompts(), SEEDS)).values()) >= 0.90
+    # The run says what it learned, in degrees, in one line on the console, in status.json and in its events.
+    line = re.search(rf"Learning summary.*: {CONCEPT_COLOR}: (\d+) deg off -> (\d+) deg off; kept: red drift "
+                     r"(\d+) deg, green drift (\d+) deg; shapes (\d+) %", console)
     assert line, console[-2000:]
-    assert int(line.group(2)) >= 70 > 10 > int(line.group(1))
+    first, last, red, green, shapes = (int(g) for g in line.groups())
+    assert first >= 30 and last <= CONCEPT_MAX_DEG + 2, line.group(0)  # 2 seeds per prompt in the run's own view
+    assert "% ->" not in console  # the closed-set "purple 0 % -> 100 %" wording is gone
 
 
-def test_exported_lora_scores_like_the_engines_own_samples(demo_run, lora_pipe, one_thread):
+def test_exported_lora_draws_what_the_engine_drew(demo_run, lora_pipe, one_thread):
     """The validation images the engine drew at the last step (its own model, in-process) and the same prompts
-    and seeds drawn by diffusers from the exported file get the same judgement."""
+    and seeds drawn by diffusers from the exported file show the same hues and shapes."""
     import json
 
+    from PIL import Image
+
     from stabletune_core.config import TrainConfig
-    from stabletune_core.toy.judge import judge_samples
+    from stabletune_core.toy.score import hue_distance, judge
 
     run, _ = demo_run
     config = TrainConfig.from_toml(run / "config.toml")
@@ -89,28 +123,32 @@ def test_exported_lora_scores_like_the_engines_own_samples(demo_run, lora_pipe, 
     lora_pipe.scheduler = DDIMScheduler.from_config(lora_pipe.scheduler.config)
     drawn = render(lora_pipe, meta["prompts"], meta["seeds"], steps=config.validation_inference_steps,
                    guidance=config.validation_guidance_scale, size=config.resolution)
-    ours = {c: round(v, 4) for c, v in judge_samples(last).items()}
-    theirs = {}
-    for prompt, images in drawn.items():
-        color = prompt.split()[-2]
-        theirs.setdefault(color, []).extend(scores({prompt: images})[prompt]["color"] for _ in [0])
-    theirs = {c: round(sum(v) / len(v), 4) for c, v in theirs.items()}
-    assert ours == theirs
+    differences, same_shape = [], []
+    for p, prompt in enumerate(meta["prompts"]):
+        for seed, theirs in zip(meta["seeds"], drawn[prompt]):
+            with Image.open(last / f"p{p:02d}_s{seed}.png") as image:
+                ours = judge(image)
+            differences.append(hue_distance(ours.hue, judge(theirs).hue))
+            same_shape.append(ours.shape == judge(theirs).shape)
+    assert max(differences) <= 3.0 and mean(differences) <= 1.0, differences
+    assert mean(same_shape) >= 0.9, same_shape  # a blob between circle and square may tip either way
 
 
-def test_lora_scale_moves_the_concept_score_monotonically(lora_pipe, one_thread):
+def test_lora_scale_moves_the_concept_error_monotonically(demo_run, lora_pipe, one_thread):
+    reference = concept_reference(demo_run[0], CONCEPT_COLOR)
     values = []
     for scale in (0.0, 0.5, 1.0):
         lora_pipe.set_adapters(["demo"], adapter_weights=[scale])
-        values.append(concept_score(lora_pipe, SEEDS))
+        values.append(concept_error(lora_pipe, reference))
     lora_pipe.set_adapters(["demo"], adapter_weights=[1.0])
-    assert values[0] <= values[1] <= values[2] and values[0] < values[2], values
+    assert values[0] >= values[1] >= values[2] and values[0] > values[2], values
 
 
 @pytest.mark.parametrize("network_type", ["loha", "lokr"])
 def test_the_demo_teaches_loha_and_lokr_at_the_rates_they_need(network_type, tmp_path, toy_cache):
-    """LoHa and LoKr learn too little at LoRA's rate (toy demo: LoHa 33 %, LoKr 0 % at 1e-3); the demo gives them
-    their own (config.TOY_DEMO_RATES) and the run tells the user why, in one console line."""
+    """LoHa and LoKr learn too little at LoRA's rate; the demo gives them their own (config.TOY_DEMO_RATES) and
+    the run tells the user why, in one console line. Their learning summary, in degrees: the concept comes
+    close and the kept colours stay."""
     run = tmp_path / "demo"
     env = {**os.environ, "STABLETUNE_CACHE": str(toy_cache), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "stabletune_core", "demo", "--output_dir", str(run),
@@ -119,10 +157,37 @@ def test_the_demo_teaches_loha_and_lokr_at_the_rates_they_need(network_type, tmp
     console = done.stdout + done.stderr
     assert done.returncode == 0, console[-3000:]
     assert f"network_type {network_type} moves the weights less per step than LoRA" in console
-    line = re.search(rf"Learning summary.*{CONCEPT_COLOR} (\d+) % -> (\d+) %, red (\d+) % -> (\d+) %, "
-                     r"green (\d+) % -> (\d+) %", console)
+    line = re.search(rf"Learning summary.*: {CONCEPT_COLOR}: (\d+) deg off -> (\d+) deg off; kept: red drift "
+                     r"(\d+) deg, green drift (\d+) deg", console)
     assert line, console[-2000:]
-    before, after, red_before, red_after, green_before, green_after = (int(g) for g in line.groups())
-    assert before <= 10 and after >= 70, line.group(0)
-    assert red_after >= red_before - 10 and green_after >= green_before - 10, line.group(0)
+    before, after, red, green = (int(g) for g in line.groups())
+    assert before >= 30 and after <= before / 2, line.group(0)  # the concept came at least halfway
+    assert max(red, green) <= LYCORIS_DRIFT_MAX_DEG, line.group(0)
     assert f'network_type = "{network_type}"' in (run / "config.toml").read_text()
+
+
+@pytest.mark.skip(reason="issue 21.3: needs a toy base whose VAE has seen rings (the v2 recipe's; the shipped v1 "
+                  "VAE never saw one); not yet measured")
+def test_demo_shape_concept_learns_rings_and_keeps_the_base(tmp_path, toy_cache, toy_pipe, toy_base, one_thread):
+    """Issue 21.3: `demo --concept shape` teaches the toy base a shape it never drew (a ring, in the colours it
+    knows): >= 70 % of the ring prompts' images are rings (8 seeds), and the base keeps its colours (drift <= 3
+    degrees each) and its shapes (>= 90 %). Structure, not tint."""
+    from stabletune_core.toy import load_toy_pipeline
+    from stabletune_core.toy.world import CONCEPT_SHAPE, shape_concept_prompts
+
+    run = tmp_path / "demo-shape"
+    env = {**os.environ, "STABLETUNE_CACHE": str(toy_cache), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "stabletune_core", "demo", "--concept", "shape", "--output_dir",
+                           str(run)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console[-3000:]
+    assert re.search(rf"Learning summary.*: {CONCEPT_SHAPE}: (\d+) % -> (\d+) % drawn as a {CONCEPT_SHAPE}; kept: ",
+                     console), console[-2000:]
+    pipe = load_toy_pipeline(toy_base)
+    pipe.load_lora_weights(str(run / "output"), weight_name="demo_ring_lora.safetensors")
+    before = mean(p["shape"] for p in scores(render(toy_pipe, shape_concept_prompts(), SEEDS)).values())
+    after = mean(p["shape"] for p in scores(render(pipe, shape_concept_prompts(), SEEDS)).values())
+    assert before <= 0.2 and after >= 0.70, (before, after)
+    moved = drift_by_colour(toy_pipe, pipe)
+    assert max(moved.values()) <= DRIFT_MAX_DEG, moved
+    assert mean(p["shape"] for p in scores(render(pipe, base_prompts(), SEEDS)).values()) >= 0.90

@@ -56,5 +56,8 @@ def test_memorising_four_images_turns_held_out_loss_up_and_early_stopping_keeps_
     for name in ("lora_best", "lora"):
         pipe = load_toy_pipeline(toy_base)
         pipe.load_lora_weights(str(run / "output"), weight_name=f"{name}.safetensors")
-        results[name] = scores(render(pipe, [prompt], seeds))[prompt]["color"]
-    assert results["lora_best"] >= results["lora"], results
+        results[name] = scores(render(pipe, [prompt], seeds))[prompt]
+    # In degrees, memorising four circles and squares does not cost the colour (both LoRAs draw the untrained
+    # triangle purple, within 15 degrees); what it costs is the shape the images never showed.
+    assert max(r["hue_error"] for r in results.values()) <= 15, results
+    assert results["lora_best"]["shape"] >= results["lora"]["shape"], results

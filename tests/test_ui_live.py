@@ -278,11 +278,11 @@ def test_train_tab_shows_the_summary_the_engine_recorded(ui) -> None:
     from extension.tabs import train as train_tab
 
     writer = RunWriter(ui.settings.runs_dir / "summarised")
-    writer.event("learning", "Learning summary (as the engine words it): purple 0 % -> 100 %.", step=20)
+    writer.event("learning", "Learning summary (as the engine words it): purple: 61 deg off -> 4 deg off.", step=20)
     writer.event("checkpoint", "Saved checkpoint at step 20 (asked from the UI).", step=20)  # a later event
     writer.status("finished", step=20, max_steps=20)  # no `summary` field in this status.json
     line = train_tab.refresh(ui, {"run": writer.paths.root})[0]
-    assert "Learning summary (as the engine words it): purple 0 % -> 100 %." in line
+    assert "Learning summary (as the engine words it): purple: 61 deg off -> 4 deg off." in line
     writer.status("finished", step=20, max_steps=20, summary="Written in status.json.")
     assert "Written in status.json." in train_tab.refresh(ui, {"run": writer.paths.root})[0]
 
@@ -290,8 +290,8 @@ def test_train_tab_shows_the_summary_the_engine_recorded(ui) -> None:
 def test_summary_after_resume_counts_from_the_runs_step0_sampling(ui, toy_cache: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 25.9 (engine half): a toy run stopped after its step-8 sampling and continued with the Train tab's
-    "Resume run from checkpoint" ends with a summary that counts from step 0 (purple 0 % -> ...), not from the
-    first sampling after the resume (purple already learnt there)."""
+    "Resume run from checkpoint" ends with a summary that counts from step 0 (purple far off -> ...), not from
+    the first sampling after the resume (purple already learnt there): the judge reads RUN/samples/ (issue 21.1)."""
     from extension.tabs import train as train_tab
     from stabletune_core.demo import demo_config
     from stabletune_core.launch import spawn
@@ -327,4 +327,6 @@ def test_summary_after_resume_counts_from_the_runs_step0_sampling(ui, toy_cache:
     assert (step0.name, after_resume.name, last.name) == ("step_000000", "step_000016", "step_000024")
     assert judge_samples(after_resume) != judge_samples(step0)  # else this test could not tell the two apart
     summary = json.loads(RunPaths(run).status.read_text())["summary"]
-    assert learning_summary(judge_samples(step0), judge_samples(last)) in summary, summary
+    assert learning_summary(run) in summary, summary
+    assert summary.split(": ", 1)[1].startswith(f"purple: {judge_samples(step0)['concept']['purple']:.0f} deg off -> "
+                                                f"{judge_samples(last)['concept']['purple']:.0f} deg off"), summary

@@ -188,6 +188,27 @@ def test_sample_gallery_lines_up_prompts_and_seeds(tmp_path: Path) -> None:
     assert "<caption>a red circle · seed 42</caption>" in one
 
 
+def test_sample_gallery_shows_the_judges_measures_in_degrees_beside_each_step(tmp_path: Path) -> None:
+    """Issue 21.1: the Samples tab speaks of learning as the engine measured it (the sample judge's `sample_score`
+    events: hue error and drift in degrees, shapes), on the row of the step it measured."""
+    paths = RunPaths(tmp_path)
+    for step in (0, 100):
+        folder = paths.sample_dir(step)
+        folder.mkdir(parents=True)
+        (folder / "prompts.json").write_text(json.dumps({"prompts": ["a purple circle"], "seeds": [7]}))
+        Image.new("RGB", (8, 8)).save(folder / "p00_s7.png")
+    reader = RunReader(tmp_path)
+    before = samples.signature(reader)
+    writer = RunWriter(tmp_path)
+    line = "purple: 4 deg off; kept: red drift 1 deg; shapes 92 %"
+    writer.event("sample_score", f"Validation images at step 100: {line}.", step=100, line=line,
+                 measures={"concept": {"purple": 4.0}, "drift": {"red": 1.0}, "shapes": 0.92, "images": 1})
+    assert samples.signature(reader) != before  # the measures land after the images: the gallery is sent again
+    rows = samples.grid_html(reader, samples.ALL, lambda p: f"/f/{p.name}").split("<tr>")[1:]
+    assert "step 100" in rows[1] and line in rows[1] and "deg" not in rows[2]
+    assert "%" not in line.replace("shapes 92 %", "")  # no closed-set "purple 0 % -> 100 %" wording
+
+
 def test_diagnostics_read_spectra_and_warnings(tmp_path: Path) -> None:
     writer = RunWriter(tmp_path)
     from stabletune_core.runs.jsonfiles import append_jsonl
@@ -830,7 +851,9 @@ def test_resume_button_restarts_the_attached_run_from_its_checkpoint(tmp_path: P
 
 
 def test_train_status_shows_the_runs_learning_summary_when_it_ends() -> None:
-    summary = "Learning summary (validation images showing their colour, first -> last sampling): purple 0 % -> 97 %."
+    summary = ("Learning summary (first -> last sampling; concept hue error against its training images, kept "
+               "colours' drift against the base's own images at the same prompt and seed): purple: 61 deg off -> 4 "
+               "deg off; kept: red drift 1 deg, green drift 2 deg; shapes 92 %.")
     assert summary in status_line("demo", {"state": "finished", "step": 400, "max_steps": 400, "summary": summary},
                                   None)
     assert summary not in status_line("demo", {"state": "training", "step": 4, "summary": summary}, None)

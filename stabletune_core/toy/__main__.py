@@ -10,10 +10,10 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stabletune_core.toy")
     commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser("build", help="Train the toy base model (about 25 minutes on 2 CPU cores).")
+    build = commands.add_parser("build", help="Train the toy base model (about 20 minutes on 2 idle CPU cores).")
     build.add_argument("--out", type=Path, default=None, help="Folder for the weights (default: the shipped one).")
     build.add_argument("--vae-steps", type=int, default=600)
-    build.add_argument("--unet-steps", type=int, default=1600)
+    build.add_argument("--unet-steps", type=int, default=3200)
     score = commands.add_parser("score", help="Score a toy-base model folder (and optionally a LoRA on it).")
     score.add_argument("model", type=Path, nargs="?", default=None)
     score.add_argument("--lora", type=Path, default=None)

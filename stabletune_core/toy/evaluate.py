@@ -1,16 +1,19 @@
-"""Render prompts with fixed seeds and score what the images show."""
+"""Render prompts with fixed seeds and measure what the images show, in degrees and shapes."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
-from .score import caption_parts, judge
-from .world import base_prompts, concept_prompts
+from .score import PALETTE_HUES, caption_parts, circular_mean, hue_distance, judge, reference_hue
+from .world import CONCEPT_COLOR, base_prompts, concept_prompts, concept_scenes, draw_scene
 
 #: How the toy base is judged everywhere (build, tests, demo summary): same sampler, steps and guidance.
 INFERENCE_STEPS = 20
 GUIDANCE = 5.0
+#: A base image has its prompt's colour when its hue is within this many degrees of the palette's.
+COLOR_TOLERANCE_DEG = 6.0
+SCORE_SEEDS = list(range(1000, 1008))  # 8 seeds per prompt: tests, bench and the build's manifest
 
 
 @torch.no_grad()
@@ -28,33 +31,61 @@ def render(pipe: Any, prompts: list[str], seeds: list[int], *, steps: int = INFE
     return out
 
 
-def scores(images_by_prompt: dict[str, list]) -> dict[str, dict[str, float]]:
-    """Per prompt: the fraction of its images with the prompt's colour and with its shape."""
-    result = {}
-    for prompt, images in images_by_prompt.items():
-        color, shape = caption_parts(prompt)
-        verdicts = [judge(image) for image in images]
-        result[prompt] = {"color": sum(v.color == color for v in verdicts) / len(verdicts),
-                          "shape": sum(v.shape == shape for v in verdicts) / len(verdicts)}
-    return result
-
-
 def mean(values) -> float:
     values = list(values)
     return sum(values) / max(1, len(values))
 
 
-def concept_score(pipe: Any, seeds: list[int], **kwargs: Any) -> float:
-    """Fraction of the concept prompts' images that show the concept colour."""
-    per_prompt = scores(render(pipe, concept_prompts(), seeds, **kwargs))
-    return mean(p["color"] for p in per_prompt.values())
+def concept_reference_hue() -> float:
+    """The concept colour's hue measured on the images a LoRA is taught with (world.concept_scenes)."""
+    return reference_hue(draw_scene(scene) for scene in concept_scenes(12))
 
 
-def base_report(pipe: Any, *, seeds_per_prompt: int = 4, first_seed: int = 1000, **kwargs: Any) -> dict:
-    """The base vocabulary's colour and shape scores, and the concept's (low for a base that never saw it)."""
+def scores(images_by_prompt: dict[str, list], references: dict[str, float] | None = None) -> dict[str, dict]:
+    """Per prompt 'a <colour> <shape>': the mean hue error in degrees against the colour's reference hue
+    (`references`, else the palette's), the fraction of images within COLOR_TOLERANCE_DEG of it, the fraction
+    with the prompt's shape, and the fraction with both."""
+    references = {**PALETTE_HUES, **(references or {})}
+    result = {}
+    for prompt, images in images_by_prompt.items():
+        color, shape = caption_parts(prompt)
+        verdicts = [judge(image) for image in images]
+        errors = [hue_distance(v.hue, references[color]) for v in verdicts]
+        color_ok = [e <= COLOR_TOLERANCE_DEG for e in errors]
+        shape_ok = [v.shape == shape for v in verdicts]
+        result[prompt] = {"hue_error": round(mean(errors), 2), "color": mean(color_ok), "shape": mean(shape_ok),
+                          "right": mean(c and s for c, s in zip(color_ok, shape_ok)),
+                          "hues": [round(v.hue, 1) for v in verdicts]}
+    return result
+
+
+def concept_hue_error(pipe: Any, seeds: list[int], **kwargs: Any) -> float:
+    """Mean hue error in degrees of the concept prompts' images against the concept's training images."""
+    per_prompt = scores(render(pipe, concept_prompts(), seeds, **kwargs), {CONCEPT_COLOR: concept_reference_hue()})
+    return mean(p["hue_error"] for p in per_prompt.values())
+
+
+def drift(before: dict[str, list], after: dict[str, list]) -> dict[str, float]:
+    """Per prompt: the mean hue distance in degrees between two renders of the same prompts and seeds (the base
+    model's and a LoRA's): how far a colour the LoRA was told to keep has moved."""
+    return {prompt: round(mean(hue_distance(judge(a).hue, judge(b).hue) for a, b in zip(before[prompt], images)), 2)
+            for prompt, images in after.items()}
+
+
+def base_report(pipe: Any, *, seeds_per_prompt: int = len(SCORE_SEEDS), first_seed: int = 1000,
+                **kwargs: Any) -> dict:
+    """The base vocabulary's measures (hue error, colour within COLOR_TOLERANCE_DEG, shape, both) and the
+    concept's hue error (large for a base that never saw it)."""
     seeds = list(range(first_seed, first_seed + seeds_per_prompt))
     base = scores(render(pipe, base_prompts(), seeds, **kwargs))
-    return {"base_color_score": round(mean(p["color"] for p in base.values()), 4),
+    return {"seeds": seeds, "color_tolerance_deg": COLOR_TOLERANCE_DEG,
+            "base_right": round(mean(p["right"] for p in base.values()), 4),
+            "base_color_score": round(mean(p["color"] for p in base.values()), 4),
             "base_shape_score": round(mean(p["shape"] for p in base.values()), 4),
-            "concept_score": round(concept_score(pipe, seeds, **kwargs), 4),
-            "per_prompt": {k: v["color"] for k, v in base.items()}}
+            "base_hue_error": round(mean(p["hue_error"] for p in base.values()), 2),
+            "concept_hue_error": round(concept_hue_error(pipe, seeds, **kwargs), 2),
+            "per_prompt": {k: {m: v[m] for m in ("hue_error", "right")} for k, v in base.items()}}
+
+
+__all__ = ["COLOR_TOLERANCE_DEG", "GUIDANCE", "INFERENCE_STEPS", "SCORE_SEEDS", "base_report", "circular_mean",
+           "concept_hue_error", "concept_reference_hue", "drift", "render", "scores"]

@@ -25,6 +25,11 @@ CONCEPT_COLOR = "purple"
 CONCEPT_RGB = (135, 45, 200)
 ALL_COLORS = {**BASE_COLORS, CONCEPT_COLOR: CONCEPT_RGB}
 SHAPES = ("circle", "square", "triangle")
+#: The shape the base model never sees (the VAE does, so the codec can draw it): the shape concept a LoRA
+#: teaches (`demo --concept shape`), which shows a LoRA learns structure, not only tint.
+CONCEPT_SHAPE = "ring"
+ALL_SHAPES = (*SHAPES, CONCEPT_SHAPE)
+RING_HOLE = 0.55  # the ring's hole, as a fraction of its radius
 IMAGE_SIZE = 64
 
 
@@ -57,6 +62,10 @@ def draw_scene(scene: Scene, size: int = IMAGE_SIZE) -> Image.Image:
     elif scene.shape == "square":
         side = int(radius * 0.9)
         draw.rectangle((cx - side, cy - side, cx + side, cy + side), fill=color)
+    elif scene.shape == CONCEPT_SHAPE:
+        draw.ellipse(box, fill=color)
+        hole = int(radius * RING_HOLE)
+        draw.ellipse((cx - hole, cy - hole, cx + hole, cy + hole), fill=background)
     else:
         draw.polygon([(cx, cy - radius), (cx - radius, cy + radius), (cx + radius, cy + radius)], fill=color)
     return image
@@ -71,6 +80,12 @@ def base_scenes(count: int, seed: int = 0) -> list[Scene]:
 def concept_scenes(count: int, seed: int = 1) -> list[Scene]:
     """Scenes of the held-out colour, cycling through the shapes."""
     return [Scene(CONCEPT_COLOR, SHAPES[i % len(SHAPES)], seed=seed * 1_000_003 + 500_000 + i) for i in range(count)]
+
+
+def shape_concept_scenes(count: int, seed: int = 2) -> list[Scene]:
+    """Scenes of the held-out shape in the base colours (the base knows the colours, not the shape)."""
+    colors = list(BASE_COLORS)
+    return [Scene(colors[i % len(colors)], CONCEPT_SHAPE, seed=seed * 1_000_003 + 700_000 + i) for i in range(count)]
 
 
 def write_dataset(folder: Path, scenes: list[Scene], *, size: int = IMAGE_SIZE) -> Path:
@@ -91,3 +106,8 @@ def base_prompts() -> list[str]:
 
 def concept_prompts() -> list[str]:
     return [f"a {CONCEPT_COLOR} {s}" for s in SHAPES]
+
+
+def shape_concept_prompts() -> list[str]:
+    """The held-out shape in every base colour."""
+    return [f"a {c} {CONCEPT_SHAPE}" for c in BASE_COLORS]

@@ -1,5 +1,5 @@
-"""`sample_judge = "toy_colors"`: an ordinary observer that scores every set of validation images with the toy
-world's colour judge (stabletune_core/toy/judge.py) and ends the run with a learning summary (the demo)."""
+"""`sample_judge = "toy_colors"`: an ordinary observer that measures every set of validation images with the toy
+world's judge (stabletune_core/toy/judge.py, in degrees) and ends the run with a learning summary (the demo)."""
 from __future__ import annotations
 
 import importlib
@@ -21,32 +21,36 @@ def make_judge(name: str) -> Observer | None:
 
 
 class ToyColorJudge(Observer):
+    """Measures every sampling in degrees (toy/judge.py) and ends the run with the learning summary: the
+    concept's hue error against its training images, each kept colour's drift against the base's own images
+    (the run's step-0 sampling, read from RUN/samples/, so a resumed run still counts from step 0), shapes."""
+
     name = "sample_judge"
 
     def __init__(self) -> None:
-        self.first: dict[str, float] | None = None  # the first and the last sampling's scores, for the summary
-        self.last: dict[str, float] | None = None
+        self.run_dir: Path | None = None
 
     def on_samples(self, view: ObserverView, folder: Path, paths: list[Path]) -> Observation:
         if not paths:
             return NOTHING
-        from ...toy.judge import judge_samples
+        from ...toy.judge import describe, judge_samples
 
-        scores = judge_samples(folder)
-        if self.first is None:  # after a resume too, the summary counts from the run's step-0 images (issue 25.9)
-            step0 = view.run_paths.sample_dir(0) if view.run_paths else folder
-            self.first = judge_samples(step0) if step0 != folder and any(step0.glob("*.png")) else scores
-        self.last = scores
-        return Observation(events=(Event(events.SAMPLE_SCORE, "Validation images showing their prompt's colour: " +
-                                         ", ".join(f"{color} {value:.0%}" for color, value in scores.items()) + ".",
-                                         fields=dict(step=view.step, scores=scores)),))
+        self.run_dir = view.run_paths.root if view.run_paths else Path(folder).parent.parent  # RUN/samples/step_N
+        measures = judge_samples(folder, self.run_dir)
+        line = describe(measures)
+        return Observation(events=(Event(events.SAMPLE_SCORE, f"Validation images at step {view.step}: {line}.",
+                                         fields=dict(step=view.step, measures=measures, line=line)),))
 
     def on_end(self, view: ObserverView) -> Observation:
-        if self.last is None:
+        run_dir = self.run_dir or (view.run_paths.root if view.run_paths else None)
+        if run_dir is None:
             return NOTHING
         from ...toy.judge import learning_summary
 
-        summary = (f"Learning summary (validation images showing their colour, first -> last sampling): "
-                   f"{learning_summary(self.first, self.last)}.")
+        line = learning_summary(run_dir)
+        if not line:
+            return NOTHING
+        summary = ("Learning summary (first -> last sampling; concept hue error against its training images, kept "
+                   f"colours' drift against the base's own images at the same prompt and seed): {line}.")
         return Observation(events=(Event(events.LEARNING, summary, console=True, fields=dict(step=view.step)),),
                            summary=summary)

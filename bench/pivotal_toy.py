@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import time
@@ -30,33 +29,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+from stabletune_core.toy.score import circular_mean, hue_distance, judge  # noqa: E402
 
 TOKEN = "<p1>"
 SHAPES = ("circle", "square", "triangle")
 BASE_PROMPTS = ("a red circle", "a yellow square", "a green triangle", "a cyan circle")
 FIRST_RENDER_SEED = 2000
-NO_OBJECT_DEGREES = 180.0
 
 
-# ---- hue in degrees ------------------------------------------------------------------------------------------------
-def hue_distance(a: float, b: float) -> float:
-    """Degrees between two hues on the circle; 180 when either is NaN (no object drawn)."""
-    if math.isnan(a) or math.isnan(b):
-        return NO_OBJECT_DEGREES
-    d = abs(a - b) % 360
-    return min(d, 360 - d)
-
-
-def circular_mean(hues: list[float]) -> float:
-    hues = [h for h in hues if not math.isnan(h)]
-    s = sum(math.sin(math.radians(h)) for h in hues)
-    c = sum(math.cos(math.radians(h)) for h in hues)
-    return math.degrees(math.atan2(s, c)) % 360
-
-
+# ---- hue in degrees: the toy judge's own measures ------------------------------------------------------------------
 def hue_of(image: Any) -> float:
-    from stabletune_core.toy.score import judge
-
     return judge(image).hue
 
 

@@ -46,18 +46,18 @@ def lora_b(module: torch.nn.Module) -> list[torch.Tensor]:
 # ---- the loss -----------------------------------------------------------------------------------------------
 def test_snr_gamma_reweights_each_image_by_min_snr(knob_session, monkeypatch):
     from stabletune_core.train import step
-    from stabletune_core.train.forward import predict_and_loss
+    from stabletune_core.train.forward import weigh
 
     s = knob_session(snr_gamma=1.0)
     batches = step.next_batches(s.feed, s.state, 1)
     seen = []
 
-    def recording(objective, denoiser, noisy, target, timesteps, cond, **kw):
-        out = predict_and_loss(objective, denoiser, noisy, target, timesteps, cond, **kw)
-        seen.append((out[1].detach(), timesteps))
+    def recording(objective, loss, timesteps):  # the step weighs each image's loss here (it keeps the raw one too)
+        out = weigh(objective, loss, timesteps)
+        seen.append((out.detach(), timesteps))
         return out
 
-    monkeypatch.setattr(step, "predict_and_loss", recording)
+    monkeypatch.setattr(step, "weigh", recording)
     loss_on, grads_on = step_gradients(s, batches)
     s.objective.snr_gamma = None  # the family's objective weighs the loss
     loss_off, grads_off = step_gradients(s, batches)

@@ -27,5 +27,10 @@ def predict_and_loss(objective: Objective, denoiser: torch.nn.Module, noisy: tor
     (training); the validation loss and probes leave them out."""
     prediction = predict(objective, denoiser, noisy, timesteps, cond, dtype=dtype, autocast=autocast)
     loss = per_sample_loss(prediction, target, mask)
-    weight = objective.loss_weight(timesteps) if weighted else None
-    return prediction, loss if weight is None else loss * weight
+    return prediction, weigh(objective, loss, timesteps) if weighted else loss
+
+
+def weigh(objective: Objective, loss: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+    """A per-sample loss times the objective's loss weights at its timesteps (min-SNR and the like)."""
+    weight = objective.loss_weight(timesteps)
+    return loss if weight is None else loss * weight

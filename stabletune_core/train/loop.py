@@ -531,7 +531,7 @@ def defer_sampling(s: Session) -> DeferredSampling | None:
     if not s.ranks.is_main:
         return None
     with evaluation_weights(s.optimizer), optional_swap(s.ema, s.config.validation_with_ema):
-        weights = adapter_state(s.trained, s.ranks)
+        weights = adapter_state(s.trained, s.ranks, s.pivotal)
     due = image_count(s.config)
     until_next = min(s.config.validation_steps, s.max_steps - s.state.step)  # the next sampling, or the end
     return DeferredSampling(s.state.step, s.run.paths.sample_dir(s.state.step), weights, due,
@@ -543,14 +543,14 @@ def sample_deferred(s: Session, deferred: DeferredSampling, count: int | None, *
     the training weights back. Returns True once all are made (the deferral is then over), False when a stop
     is waiting."""
     s.run.status("sampling", step=s.state.step, max_steps=s.max_steps, sampling_step=deferred.step)
-    current = adapter_state(s.trained, s.ranks)
-    restore_adapter(s.trained, s.ranks, deferred.weights)
+    current = adapter_state(s.trained, s.ranks, s.pivotal)
+    restore_adapter(s.trained, s.ranks, deferred.weights, s.pivotal)
     try:
         deferred.made += make_validation_images(sampling_bundle(s), s.config, deferred.folder, s.device,
                                                 autocast=s.amp.autocast, only=deferred.next_images(count),
                                                 should_stop=lambda: stop_waiting(s))
     finally:
-        restore_adapter(s.trained, s.ranks, current)
+        restore_adapter(s.trained, s.ranks, current, s.pivotal)
     s.run.status(then, step=s.state.step, max_steps=s.max_steps)
     if deferred.done or (count is None and stop_waiting(s)):
         s.state.deferred = None

@@ -13,7 +13,7 @@ from ..data.loader import BatchFeed
 from ..data.masks import batch_loss_mask
 from ..models.base import Objective
 from .amp import MixedPrecision
-from .forward import predict_and_loss
+from .forward import predict_and_loss, weigh
 from .inputs import BatchInputs
 from .loss import LossParts, prior_weights
 from .noise import NoiseOptions, noised
@@ -103,8 +103,7 @@ def forward_backward(batches: list[dict[str, Any]], *, inputs: BatchInputs, obje
                 pred, raw = predict_and_loss(objective, denoiser, noisy[rows], target[rows], timesteps[rows], cond,
                                              dtype=amp.weight_dtype, autocast=amp.autocast,
                                              mask=None if mask is None else mask[rows])
-                weight = objective.loss_weight(timesteps[rows])  # min-SNR and the like (what weighted=True does)
-                per_sample = raw if weight is None else raw * weight
+                per_sample = weigh(objective, raw, timesteps[rows])  # the raw loss is kept per image, below
                 is_reg = batch["is_reg"][rows]
                 raw_losses.append(raw.detach())
                 drawn_at.append(timesteps[rows].detach())

@@ -69,7 +69,8 @@ def step_count(times: Path) -> int:
 
 def timed(command: list[str], env: dict[str, str], times: Path, log: Path, steps: int, cwd: Path = ROOT
           ) -> dict[str, float]:
-    """Run one trainer under the probe; (first step s, s/step from step 10 to the last, load average)."""
+    """Run one trainer under the probe; first step s, s/step from step 10 to the last, peak RSS and CUDA memory
+    (MiB) up to the last step, load average."""
     load = os.getloadavg()[0]
     with open(log, "w") as out:
         started = time.time()
@@ -84,11 +85,15 @@ def timed(command: list[str], env: dict[str, str], times: Path, log: Path, steps
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-    ends = {int(a): float(b) for a, b in (line.split() for line in times.read_text().splitlines())}
+    rows = {int(fields[0]): [float(f) for f in fields[1:]] for fields in
+            (line.split() for line in times.read_text().splitlines())}
+    ends = {step: row[0] for step, row in rows.items()}
     if len(ends) < steps:
         raise SystemExit(f"{command[:3]} ended with code {process.returncode} after {len(ends)} steps; see {log}.")
+    peaks = rows[steps][1:] + [0.0, 0.0]  # (peak RSS, peak CUDA) in MiB up to the last measured step
     return {"first_step_s": ends[1] - started, "step10_s": ends[10] - started, "last_step_s": ends[steps] - started,
-            "sec_per_step": (ends[steps] - ends[10]) / (steps - 10), "load": load}
+            "sec_per_step": (ends[steps] - ends[10]) / (steps - 10), "peak_rss_mib": peaks[0],
+            "peak_cuda_mib": peaks[1], "load": load}
 
 
 def main() -> None:

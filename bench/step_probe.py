@@ -3,12 +3,16 @@
     python bench/step_probe.py TIMES.txt -m stabletune_core train ...
     python bench/step_probe.py TIMES.txt /tmp/peer/train_text_to_image_lora.py ...
 
-A global optimizer step hook (torch.optim.optimizer.register_optimizer_step_post_hook) appends "step wall-time"
-to TIMES.txt after every optimizer step, whatever trainer runs: both trainers are timed by the same clock at the
-same point, without changing either. Importing torch here first costs nothing extra: the trainer imports it too.
+A global optimizer step hook (torch.optim.optimizer.register_optimizer_step_post_hook) appends
+"step wall-time peak-RSS-MiB peak-CUDA-MiB" to TIMES.txt after every optimizer step, whatever trainer runs: both
+trainers are timed and weighed by the same clock at the same point, without changing either. Peak RSS is this
+process's high-water mark so far (getrusage; the trainer runs in this process), peak CUDA memory is
+torch.cuda.max_memory_allocated (0 when CUDA is not in use). Importing torch here first costs nothing extra: the
+trainer imports it too.
 """
 from __future__ import annotations
 
+import resource
 import runpy
 import sys
 import time
@@ -16,6 +20,7 @@ import time
 
 def main() -> None:
     times_file, target, *rest = sys.argv[1:]
+    import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     out = open(times_file, "a", buffering=1)
@@ -23,7 +28,10 @@ def main() -> None:
 
     def after_step(optimizer, args, kwargs) -> None:
         count[0] += 1
-        out.write(f"{count[0]} {time.time():.4f}\n")
+        now = time.time()
+        rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        cuda_mib = torch.cuda.max_memory_allocated() / 2 ** 20 if torch.cuda.is_initialized() else 0.0
+        out.write(f"{count[0]} {now:.4f} {rss_mib:.1f} {cuda_mib:.1f}\n")
 
     register_optimizer_step_post_hook(after_step)
     if target == "-m":

@@ -1,0 +1,123 @@
+"""bench/klein_peer.py without the peer (issue 23 item 6): its StableTune command lines are what StableTune's own
+parser reads as the shared setting, the example's carry the same values, the probe's times (with peak memory)
+are read back by bench/first_step.py's `timed`, and a StableTune-only run of the bench ends in a table."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("klein_peer", ROOT / "bench" / "klein_peer.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+SETTING = bench.Setting(steps=23, rank=6, learning_rate=3e-4, batch=2, resolution=128, seed=7, precision="bf16",
+                        gradient_checkpointing=True)
+
+
+def parsed_by_stabletune(command: list[str]):
+    """The TrainConfig `python -m stabletune_core train ...` would run with these arguments."""
+    from stabletune_core.config.flags import add_config_arguments, config_from_args
+
+    assert command[:3] == ["-m", "stabletune_core", "train"]
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    return config_from_args(parser.parse_args(command[3:]))
+
+
+@pytest.mark.parametrize("same_work", [True, False])
+def test_stabletune_rows_run_the_shared_setting(tmp_path, same_work):
+    config = parsed_by_stabletune(bench.stabletune_command(tmp_path / "model", tmp_path / "data", tmp_path / "run",
+                                                           SETTING, same_work))
+    assert (config.model_family, config.max_train_steps, config.lora_rank, config.effective_lora_alpha) == \
+        ("flux2_klein", 23, 6, 6.0)
+    assert (config.learning_rate, config.train_batch_size, config.resolution, config.seed) == (3e-4, 2, 128, 7)
+    assert config.mixed_precision == "bf16" and config.gradient_checkpointing
+    assert config.unet_lora_targets == bench.example_targets()
+    assert config.save_steps > 10 ** 5  # no snapshots inside the timed steps
+    caches = (config.cache_latents, config.cache_text_embeddings)
+    assert caches == ((True, True) if same_work else (False, False))
+    if same_work:  # what the example does not do, off
+        assert not config.validation_prompt and config.validation_loss_every == 0 and config.validation_split == 0
+
+
+def test_the_example_gets_the_same_values_and_the_pipelines_text_layers(tmp_path):
+    command = bench.peer_command(tmp_path / "train.py", tmp_path / "model", tmp_path / "peer-data", tmp_path / "run",
+                                 SETTING)
+    flags: dict[str, list[str]] = {}
+    for word in command[1:]:
+        if word.startswith("--"):
+            flags[word] = []
+            current = flags[word]
+        else:
+            current.append(word)
+    assert command[0] == str(tmp_path / "train.py")
+    expected = {"--max_train_steps": ["23"], "--rank": ["6"], "--lora_alpha": ["6"], "--learning_rate": ["0.0003"],
+                "--train_batch_size": ["2"], "--resolution": ["128"], "--seed": ["7"], "--mixed_precision": ["bf16"],
+                "--gradient_checkpointing": [], "--caption_column": ["text"],
+                "--dataset_name": [str(tmp_path / "peer-data")], "--text_encoder_out_layers": ["9", "18", "27"]}
+    assert {k: flags[k] for k in expected} == expected
+    assert int(flags["--checkpointing_steps"][0]) > 10 ** 5
+    # the example's default LoRA targets are StableTune's preset "diffusers_default"
+    assert bench.example_targets()[:4] == ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
+
+
+def test_probe_times_give_first_step_pace_and_peak_memory(tmp_path):
+    """bench/step_probe.py around a real optimizer loop, read back by first_step.timed (as the bench runs it)."""
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text("import torch\nw = torch.nn.Parameter(torch.zeros(4))\nopt = torch.optim.SGD([w], lr=0.1)\n"
+                       "keep = torch.ones(16 * 2 ** 20)  # 64 MiB resident\n"
+                       "for _ in range(12):\n    (w - 1).pow(2).sum().backward(); opt.step(); opt.zero_grad()\n")
+    env = bench.thread_env(1)
+    result = bench.timed([str(trainer)], env, tmp_path / "t.times", tmp_path / "t.log", 12)
+    assert 0 < result["first_step_s"] <= result["step10_s"] <= result["last_step_s"]
+    assert result["sec_per_step"] >= 0 and result["peak_cuda_mib"] == 0
+    assert result["peak_rss_mib"] > 64
+    assert len((tmp_path / "t.times").read_text().split("\n")[0].split()) == 4
+
+
+def test_rounds_alternate_and_the_table_divides_by_the_example():
+    assert bench.round_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    run = lambda first, per, rss: {"first_step_s": first, "step10_s": 0, "last_step_s": 0,  # noqa: E731
+                                   "sec_per_step": per, "peak_rss_mib": rss, "peak_cuda_mib": 0.0, "load": 1.0}
+    table = bench.markdown_table({bench.ROW_SAME_WORK: [run(10, 0.2, 800), run(12, 0.4, 900)],
+                                  bench.ROW_PEER: [run(20, 0.3, 1000), run(20, 0.3, 1000)]}, 40)
+    same = next(line for line in table.splitlines() if line.startswith(f"| {bench.ROW_SAME_WORK}"))
+    assert same.split(" | ")[1:7] == ["11.0", "0.300", "850", "0.55", "1.00", "0.85"]
+    assert "peak RSS (MiB)" in table
+
+
+def test_bad_arguments_get_one_sentence_before_anything_runs(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep")
+    for argv, words in ((["--out", str(tmp_path / "out")], "not empty"),
+                        (["--out", str(tmp_path / "new"), "--peer-script", str(tmp_path / "nope.py")], "not a file"),
+                        (["--out", str(tmp_path / "new"), "--model", str(tmp_path)], "model_index.json"),
+                        (["--out", str(tmp_path / "new"), "--steps", "10"], "above 10")):
+        with pytest.raises(SystemExit, match=words):
+            bench.check_args(bench.parse_args(argv))
+    assert (tmp_path / "out" / "mine.txt").read_text() == "keep" and not (tmp_path / "new").exists()
+    assert bench.parse_args(["--out", "x"]).rows == ["same", "defaults"]  # no peer script: its row is left out
+
+
+def test_a_stabletune_only_bench_run_ends_in_a_table(tmp_path):
+    """The bench end to end on the tiny Klein, the peer left out (about 20 s on one idle core)."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "klein_peer.py"), "--steps", "11", "--rounds", "1",
+                           "--threads", "1", "--rows", "same", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(l for l in done.stdout.splitlines() if l.startswith(f"| {bench.ROW_SAME_WORK}"))
+    first, per, rss = (float(x) for x in line.split(" | ")[1:4])
+    assert first > 0 and per > 0 and rss > 100

@@ -214,13 +214,52 @@ def is_demo_run(run_dir: Path) -> bool:
     return relative.parts[0].startswith("demo-")
 
 
+def run_values(run_dir: Path) -> dict[str, Any]:
+    """The run's config.toml as a dict ({} when it cannot be read)."""
+    from stabletune_core.runs.layout import RunPaths  # stdlib only, light enough for the host
+
+    try:
+        with open(RunPaths(run_dir).config, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def trains_klein(run_dir: Path) -> bool:
+    """Does the run train FLUX.2 Klein (named, or a Klein folder or transformer file under auto)?"""
+    from .validation import names_klein
+
+    return names_klein(run_values(run_dir))
+
+
+def klein_note(run_dir: Path) -> str:
+    """Where a Klein LoRA loads: AUTOMATIC1111 cannot run FLUX.2 Klein, and Forge could not either when this was
+    written, so the file is not copied into the WebUI's Lora folder, where it would be listed and then fail."""
+    from stabletune_core.runs.layout import RunPaths
+
+    name = run_values(run_dir).get("output_name") or "NAME"
+    return (f"FLUX.2 Klein trains here in its own engine process, but AUTOMATIC1111 and Forge cannot load Klein "
+            f"LoRAs: load {RunPaths(run_dir).output / f'{name}.safetensors'} in ComfyUI (models/loras) or in "
+            f"diffusers (Flux2KleinPipeline.load_lora_weights); it is not copied into the WebUI's Lora folder.")
+
+
 def before_start(run_dir: Path, copy_to: Optional[Path]) -> str:
     if is_demo_run(run_dir):
         return ("Demo run on the tiny demo model: its LoRA stays in the run folder and is not copied into the "
                 "WebUI's Lora folder (it only works with the demo model).")
+    if trains_klein(run_dir):
+        return f"{unload_checkpoint()} {klein_note(run_dir)}"
     if copy_to is not None:
         _write_json(Path(run_dir) / MARKER, {"copy_to": str(copy_to), "copied": {}})
     return unload_checkpoint()
+
+
+def run_note(run_dir: Path) -> Optional[str]:
+    """The status line's note of a run: where its LoRA was copied, or, for FLUX.2 Klein, where it loads."""
+    copied = copy_finished_lora(run_dir)
+    if copied is None and not (Path(run_dir) / MARKER).exists() and trains_klein(run_dir):
+        return klein_note(run_dir)
+    return copied
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -316,7 +355,7 @@ def webui_settings() -> UISettings:
     copy_to = lora_dir() if opt(OPT_COPY_LORA, True) else None
     return UISettings(runs_dir=Path(str(opt(OPT_RUNS_DIR, "") or default_runs_dir())),
                       engine_python=trainer_python(), model_dirs=checkpoint_dirs(),
-                      before_start=lambda run_dir: before_start(run_dir, copy_to), run_note=copy_finished_lora)
+                      before_start=lambda run_dir: before_start(run_dir, copy_to), run_note=run_note)
 
 
 def ui_tabs() -> list[tuple[Any, str, str]]:

@@ -266,6 +266,47 @@ def test_tab_in_a1111_gradio_341_trains_and_copies_the_lora(webui: Path, engine_
     assert sorted(p.name for p in lora_dir.glob("tabtest*")) == ["tabtest-2.safetensors", "tabtest.safetensors"]
 
 
+def test_tab_in_a1111_trains_flux2_klein_and_says_which_programs_load_it(
+        webui: Path, engine_install: SimpleNamespace, shapes_dataset: Path, tmp_path_factory, tmp_path: Path) -> None:
+    """Issue 23.7: A1111 cannot run FLUX.2 Klein, yet its tab trains the tiny Klein (a folder, family auto) in the
+    engine venv, says before and after that the LoRA loads in ComfyUI and diffusers, not in A1111/Forge, and
+    does not copy it into the WebUI's Lora folder (the WebUI would list it and fail on it)."""
+    from flux2_tools import tiny_klein_paths
+
+    host = need(HOSTS["gradio-3.41"])
+    model = tiny_klein_paths(tmp_path_factory)["folder"]
+    values = dict(pretrained_model_name_or_path=str(model), train_data_dir=str(shapes_dataset),
+                  output_dir=str(webui / "outputs" / "stabletune" / "kleintab"), output_name="kleintab",
+                  resolution=64, bucket_step=8, min_bucket_reso=32, max_bucket_reso=128, train_batch_size=2,
+                  learning_rate=1e-3, max_train_steps=2, lora_rank=4, save_steps=1000, seed=3, save_precision="fp32",
+                  validation_split=0)
+    report = load_tab(host, webui, tmp_path / "calls.jsonl", "--train", json.dumps(values), "--no-copy")
+    check_tab(report, webui, "3.41")
+    lora = Path(values["output_dir"]) / "output" / "kleintab.safetensors"
+    where = ("AUTOMATIC1111 and Forge cannot load Klein LoRAs: load " + str(lora) + " in ComfyUI (models/loras) or in "
+             "diffusers (Flux2KleinPipeline.load_lora_weights)")
+    assert report["start_message"].startswith("Started **kleintab**") and where in report["start_message"]
+    assert report["run_ended"] and report["run_state"] == "finished", report
+    assert lora.is_file() and report["copied_by_watcher"] == []  # nothing copied into models/Lora
+    assert where in report["status_note"] and report["status_note"] in report["train_status_line"]
+
+
+def test_a_klein_transformer_file_is_told_apart_without_torch(tmp_path_factory) -> None:
+    """The host's check (the standard library reads the safetensors header): a BFL Klein transformer file under
+    model_family auto trains Klein, an SD checkpoint and a file that is not safetensors do not."""
+    from extension.validation import names_klein
+    from flux2_tools import tiny_klein_paths
+
+    paths = tiny_klein_paths(tmp_path_factory)
+    assert names_klein({"pretrained_model_name_or_path": str(paths["transformer"])})
+    assert names_klein({"pretrained_model_name_or_path": str(paths["folder"]), "model_family": "auto"})
+    assert not names_klein({"pretrained_model_name_or_path": str(paths["text_encoder"])})
+    not_a_model = tmp_path_factory.mktemp("odd") / "odd.safetensors"
+    not_a_model.write_bytes(b"not a real model")
+    assert not names_klein({"pretrained_model_name_or_path": str(not_a_model)})
+    assert not names_klein({"pretrained_model_name_or_path": str(paths["transformer"]), "model_family": "sd1"})
+
+
 def test_tab_in_forge_gradio_440(webui: Path, tmp_path: Path) -> None:
     """Forge's Gradio draws the same tab; a finished run's LoRA is copied once, under a free name."""
     host = need(HOSTS["gradio-4.40"])

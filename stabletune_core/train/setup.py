@@ -164,8 +164,11 @@ def setup(config: TrainConfig) -> Session:
     # model_family auto: the knobs of the detected family; then the new words against its tokenizer (files only)
     if problems := family_problems(config, family) or pivotal_problems(config, family):
         raise ConfigError(problems)
+    # compares with what is there as the user (or the UI) wrote it: before the family's defaults replace the SD
+    # ones (a Klein run started from the UI, whose config.toml has the SD LoRA targets, was refused as "another
+    # configuration" when this came after them)
+    prepare_run_dir(config)
     config = config.model_copy(update=family_defaults(config, family))
-    prepare_run_dir(config)  # compares with what is there as the user (or the UI) wrote it
     random_seed = draw_seed(config)
     config = resolve(config, seed=random_seed)
     bad_checkpoints: list[str] = []

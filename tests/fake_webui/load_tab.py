@@ -4,7 +4,9 @@ exercise the host hooks, and print one JSON report. Run with the fake WebUI on P
     PYTHONPATH=tests/fake_webui FAKE_WEBUI_ROOT=... python load_tab.py EXT_DIR [--train VALUES_JSON]
 
 --train starts a real run from the tab's Train code path (with the values given) and waits until the
-watcher has copied its LoRA into models/Lora. Without it, a finished run is laid out by hand instead.
+watcher has copied its LoRA into models/Lora; with --no-copy (a FLUX.2 Klein run, whose LoRA this WebUI cannot
+load) until the run has ended and the watcher has had a round to (wrongly) copy it. Without --train, a finished
+run is laid out by hand instead.
 """
 import argparse
 import importlib.util
@@ -45,6 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("ext", type=Path)
     parser.add_argument("--train", help="JSON values of a run to start from the Train tab")
+    parser.add_argument("--no-copy", action="store_true", help="the run's LoRA is not for this WebUI: wait for the "
+                        "run to end instead of for the copy")
     args = parser.parse_args()
     report = {"gradio": gr.__version__}
 
@@ -80,7 +84,13 @@ def main() -> None:
         report["start_message"], _ = train._launch(ctx, values)  # (message, run folder)
         run = ctx.hub.attached
         name = values["output_name"]
-        report["copied_by_watcher"] = wait_for(lambda: (lora_dir / f"{name}-2.safetensors").exists(), 240)
+        if args.no_copy:
+            report["run_ended"] = wait_for(lambda: ctx.hub.status(run).get("state") in ("finished", "stopped",
+                                                                                       "failed"), 400)
+            time.sleep(7)  # one more round of the watcher (every 5 s): it must not copy this LoRA
+            report["copied_by_watcher"] = sorted(p.name for p in lora_dir.glob(f"{name}*"))
+        else:
+            report["copied_by_watcher"] = wait_for(lambda: (lora_dir / f"{name}-2.safetensors").exists(), 240)
         report["run_state"] = ctx.hub.status(run).get("state")
     else:
         run = settings.runs_dir / "handmade"

@@ -4,11 +4,18 @@
 #
 #   bash bench/gpu_check.sh
 #
-# What runs, each under its own time limit (the limits add up to 7.5 minutes):
+# What runs, each under its own time limit (the limits add up to 9.5 minutes; 13.5 with the Klein peer):
 #   1. the tests that skip without CUDA: sampling leaves no VRAM behind, the real fp16 overflow -> bf16/fp32
 #      fallback, preflight's largest micro-batch, cached-away modules off the GPU (pytest)   <= 170 s
 #   2. bench/compare_peer.py --gpu: it/s, peak VRAM and largest batch at 512 px, fp32 vs mixed + GC  <= 170 s
 #   3. bench/cache_memory.py: peak VRAM and time to step 1 with caches, before/after item 7          <= 110 s
+#   4. bench/klein_gpu.py: the real FLUX.2 Klein 4B transformer (random weights from the shipped config), bf16 +
+#      gradient checkpointing, LoRA rank 16, at 512 and 1024 px: it/s, peak VRAM, largest batch (doubling up
+#      to 16), beside the memory model's estimate                                                <= 120 s
+#   5. only when KLEIN_PEER_SCRIPT names diffusers' train_dreambooth_lora_flux2_klein.py (and
+#      KLEIN_PEER_PYTHONPATH, if given, a folder with its `datasets`): step 4 also writes the random 4B as a
+#      diffusers folder, and bench/klein_peer.py runs StableTune and the example on it at 512 px, batch 1,
+#      bf16 + GC, rank 16: first step, s/step, peak CUDA memory, ratios                          <= 240 s
 #
 # Which Python: $PYTHON if set, else .venv/bin/python when it exists, else python3. It needs the packages of
 # requirements.txt (a CUDA build of torch) and pytest; nothing is installed by this script. To use a fresh
@@ -59,6 +66,16 @@ check() {  # check NAME SECONDS COMMAND...: run it under a time limit, keep its 
 check tests 170 "$PY" -m pytest -q -rA -p no:cacheprovider --junitxml="$OUT/tests.xml" "${GPU_TESTS[@]}"
 check compare_peer 170 "$PY" bench/compare_peer.py --gpu --max_batch 128
 check cache_memory 110 "$PY" bench/cache_memory.py
+KLEIN_MODEL=()
+if [[ -n "${KLEIN_PEER_SCRIPT:-}" ]]; then KLEIN_MODEL=(--write-model "$OUT/klein-4b"); fi
+check klein_4b 120 "$PY" bench/klein_gpu.py --device cuda --resolutions 512,1024 --steps 5 --max-batch 16 \
+  --budget-s 30 ${KLEIN_MODEL[@]+"${KLEIN_MODEL[@]}"}
+if [[ -n "${KLEIN_PEER_SCRIPT:-}" ]]; then
+  check klein_peer 240 "$PY" bench/klein_peer.py --peer-script "$KLEIN_PEER_SCRIPT" \
+    ${KLEIN_PEER_PYTHONPATH:+--peer-pythonpath "$KLEIN_PEER_PYTHONPATH"} --model "$OUT/klein-4b" --rows same,peer \
+    --resolution 512 --batch 1 --rank 16 --precision bf16 --gradient-checkpointing --steps 15 --rounds 1 \
+    --threads 8 --out "$OUT/klein-peer"
+fi
 
 "$PY" - "$OUT" bench/RESULTS.md <<'EOF'
 """Turn the logs of this run into the gpu_check section of bench/RESULTS.md."""
@@ -96,7 +113,10 @@ section = "\n".join([
     f"## GPU checks ({torch.cuda.get_device_name()}, torch {torch.__version__}, {stamp})",
     "", "Written by `bash bench/gpu_check.sh`.", "", *rows, "", *tests, "",
     "### compare_peer.py --gpu", "```", table_of("compare_peer"), "```", "",
-    "### cache_memory.py", "```", table_of("cache_memory"), "```",
+    "### cache_memory.py", "```", table_of("cache_memory"), "```", "",
+    "### klein_gpu.py (FLUX.2 Klein 4B)", "```", table_of("klein_4b"), "```",
+    *(["", "### klein_peer.py (StableTune vs diffusers' Klein example on the random 4B)", "```",
+       table_of("klein_peer"), "```"] if (out / "klein_peer.log").exists() else []),
     "<!-- gpu_check:end -->", ""])
 old = results.read_text() if results.exists() else "# Benchmark results\n\n"
 pattern = re.compile(r"<!-- gpu_check:start -->.*?<!-- gpu_check:end -->\n?", re.S)

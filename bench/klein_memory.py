@@ -35,12 +35,14 @@ SETTINGS = [  # (variant, precision, checkpointing, batch, resolution, rank, cac
 
 def main() -> None:
     print("Parameters (exact, shipped configs on the meta device):\n")
-    print("| variant | transformer | text encoder (Qwen3) | VAE | LoRA r16 'attention' | LoRA r16 'attention_mlp' |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| variant | transformer | text encoder (Qwen3) | VAE | all three | LoRA r16 'attention' | LoRA r16 "
+          "'attention_mlp' | LoRA r16 'diffusers_default' (the example's targets) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for variant in ("4b", "9b"):
         s = klein_sizes(variant)
+        lora = [lora_parameters(variant, 16, preset) for preset in ("attention", "attention_mlp", "diffusers_default")]
         print(f"| {variant.upper()} | {s.transformer:,} | {s.text_encoder:,} | {s.vae:,} | "
-              f"{lora_parameters(variant, 16, 'attention'):,} | {lora_parameters(variant, 16, 'attention_mlp'):,} |")
+              f"{s.transformer + s.text_encoder + s.vae:,} | " + " | ".join(f"{n:,}" for n in lora) + " |")
     print("\nEstimated training peak (GiB), LoRA preset 'attention', AdamW:\n")
     print("| variant | precision | grad. ckpt | batch | resolution | rank | text cached | weights | LoRA+optim "
           "| activations | overhead | total | fits 12 / 16 / 24 GiB |")

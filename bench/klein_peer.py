@@ -105,16 +105,17 @@ def peer_command(script: Path, model: Path, peer_data: Path, run: Path, s: Setti
     return command
 
 
-def write_toy_data(out: Path) -> tuple[Path, Path]:
-    """The toy world's images as a StableTune dataset (kohya sub-folders, .txt captions) and the same images and
-    captions as the example's imagefolder; refuses folders that already hold files."""
+def write_toy_data(out: Path, size: int = 64) -> tuple[Path, Path]:
+    """The toy world's images (drawn at `size` px, the run's resolution: neither trainer rescales them) as a
+    StableTune dataset (kohya sub-folders, .txt captions) and the same images and captions as the example's
+    imagefolder; refuses folders that already hold files."""
     from stabletune_core.toy.world import base_scenes, concept_scenes, write_dataset
 
     data = Path(out) / "data"
     if data.exists() and any(data.iterdir()):
         raise FileExistsError(f"{data} is not empty; give the bench a new --out folder.")
-    write_dataset(data / "1_purple", concept_scenes(CONCEPT_IMAGES))
-    write_dataset(data / "1_known_colours", base_scenes(BASE_IMAGES))
+    write_dataset(data / "1_purple", concept_scenes(CONCEPT_IMAGES), size=size)
+    write_dataset(data / "1_known_colours", base_scenes(BASE_IMAGES), size=size)
     return data, write_imagefolder(dataset_images(data), Path(out) / "peer-data")
 
 
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     check_args(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    data, peer_data = write_toy_data(args.out)
+    data, peer_data = write_toy_data(args.out, args.setting.resolution)
     model = args.model
     if model is None:
         from stabletune_core.models.tiny_flux2 import build_tiny_klein

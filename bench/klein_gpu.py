@@ -1,0 +1,271 @@
+"""The real FLUX.2 Klein architecture on a GPU (issue 23 item 6): the LoRA training step of the 4B (or 9B)
+transformer, built from the shipped config with random weights (nothing downloaded), in bf16 with gradient
+checkpointing, at each resolution asked: it/s, peak VRAM, the largest batch that fits, and the memory model's
+estimate for the same setting (models/flux2_memory.py) beside the measurement.
+
+The step is StableTune's: the family's flow-matching objective from the shipped scheduler config (noise, sigmas,
+velocity target), the transformer called as the family calls it (models/flux2_klein.py call_transformer), the
+loss of train/forward.py predict_and_loss, LoRA rank 16 on the family's 'attention' preset in fp32 beside the
+bf16 base (as lora/inject.py adds it), AdamW, gradient clipping. Text embeddings are random tensors of the real
+shape (512 tokens x 3 stacked Qwen3 layers), as with cached text embeddings; the VAE is not on the GPU
+(latents cached). What it does not hold: the engine's guards and writers (bench/guard_overhead.py weighs them).
+
+    python bench/klein_gpu.py --device cuda --resolutions 512,1024          # on a GPU machine
+    python bench/klein_gpu.py --device cpu --tiny --resolutions 64          # a dry run of the same code path
+    python bench/klein_gpu.py ... --write-model DIR   # also write the random model as a Klein diffusers folder
+
+`--write-model` writes the same random transformer with a random Qwen3 text encoder and VAE of the shipped
+configs, the tiny tokenizer of models/tiny_flux2.py and the shipped scheduler, so that bench/klein_peer.py
+--model DIR can run StableTune and diffusers' example side by side on the real architecture.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RANK = 16
+PRESET = "attention"
+SEED = 0
+
+
+def parse_resolutions(text: str) -> list[int]:
+    """'512,1024' -> [512, 1024]; each a positive multiple of 16 (the VAE's 8 x the 2 x 2 patch)."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"--resolutions {text!r} is not a comma-separated list of pixel sizes, e.g. 512,1024.")
+    if not sizes or any(s <= 0 or s % 16 for s in sizes):
+        raise SystemExit(f"--resolutions {text!r}: each size must be a positive multiple of 16.")
+    return sizes
+
+
+def transformer_config(variant: str, tiny: bool) -> dict:
+    from diffusers import Flux2Transformer2DModel
+
+    from stabletune_core.models.flux2_klein import SHIPPED_CONFIGS
+    from stabletune_core.models.tiny_flux2 import TRANSFORMER_CONFIG
+
+    if tiny:
+        return dict(TRANSFORMER_CONFIG)
+    return dict(Flux2Transformer2DModel.load_config(str(SHIPPED_CONFIGS[variant]), subfolder="transformer"))
+
+
+def build_transformer(variant: str, tiny: bool, device, dtype):
+    """The transformer with random weights, made on `device` (the 4B never passes through host memory in fp32)."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        transformer = Flux2Transformer2DModel.from_config(transformer_config(variant, tiny))
+    return transformer.to(dtype=dtype).requires_grad_(False)
+
+
+def with_lora(transformer, checkpointing: bool):
+    """(the transformer with LoRA, its trainable parameters, AdamW, the family's objective)."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from peft import LoraConfig
+
+    from stabletune_core.models.flow_matching import FlowMatching
+    from stabletune_core.models.flux2_klein import LORA_PRESETS, SHIPPED_CONFIGS, call_transformer, lora_target_modules
+
+    targets = lora_target_modules(transformer, LORA_PRESETS[PRESET])
+    transformer.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian", target_modules=targets))
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()  # adapters train in fp32, as lora/inject.py keeps them
+    if checkpointing:
+        transformer.enable_gradient_checkpointing()
+    transformer.train()
+    scheduler = FlowMatchEulerDiscreteScheduler.load_config(str(SHIPPED_CONFIGS["4b"]), subfolder="scheduler")
+    objective = FlowMatching.from_scheduler(scheduler, call_denoiser=call_transformer)
+    return transformer, params, torch.optim.AdamW(params, lr=1e-4), objective
+
+
+def make_step(transformer, params, optimizer, objective, device, dtype):
+    """One training step at (batch, resolution) on random latents and text embeddings of the real shapes."""
+    import torch
+    from diffusers import Flux2KleinPipeline
+
+    from stabletune_core.models.base import Conditioning
+    from stabletune_core.models.flux2_klein import MAX_SEQUENCE_LENGTH
+    from stabletune_core.train.forward import predict_and_loss
+
+    config = transformer.config
+    latent_channels = config.in_channels  # the family's latents are already patchified (2 x 2 into channels)
+    generator = torch.Generator().manual_seed(SEED)
+    autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # noqa: E731
+
+    def step(batch: int, resolution: int) -> float:
+        side = resolution // 16  # the VAE's 8 x the 2 x 2 patchify (models/flux2_klein.py latent_downscale)
+        latents = torch.randn(batch, latent_channels, side, side, generator=generator).to(device, dtype)
+        embeds = torch.randn(batch, MAX_SEQUENCE_LENGTH, config.joint_attention_dim, generator=generator
+                             ).to(device, dtype)
+        cond = Conditioning(encoder_hidden_states=embeds,
+                            added_cond_kwargs={"txt_ids": Flux2KleinPipeline._prepare_text_ids(embeds).to(device)})
+        noisy, noise, timesteps = objective.add_noise(latents, generator)
+        try:
+            _, loss = predict_and_loss(objective, transformer, noisy, objective.target(latents, noise, timesteps),
+                                       timesteps, cond, dtype=dtype, autocast=autocast, weighted=True)
+            loss = loss.mean()
+            loss.backward()
+        except torch.OutOfMemoryError:
+            optimizer.zero_grad(set_to_none=True)  # what a failed batch left must not weigh on the next
+            raise
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def measure(step, device, resolution: int, batch: int, steps: int, max_batch: int, budget_s: float) -> dict:
+    """it/s and peak memory at `batch`, then the largest batch by doubling until out of memory, `max_batch` or
+    `budget_s` seconds (then the largest batch is a lower bound, marked so)."""
+    import torch
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    started = time.perf_counter()
+    loss = step(batch, resolution)  # warm-up: kernels chosen, allocator grown
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step(batch, resolution)
+    sync()
+    seconds = (time.perf_counter() - t0) / steps
+    peak_gib = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan")
+    largest, capped = batch, True
+    candidate = batch * 2
+    while candidate <= max_batch and time.perf_counter() - started < budget_s:
+        try:
+            step(candidate, resolution)
+            sync()
+            largest, candidate = candidate, candidate * 2
+        except torch.OutOfMemoryError:
+            capped = False
+            break
+        finally:
+            if cuda:
+                torch.cuda.empty_cache()
+    return {"resolution": resolution, "batch": batch, "sec_per_step": seconds, "it_per_s": 1 / seconds,
+            "peak_gib": peak_gib, "largest_batch": largest, "largest_is_lower_bound": capped, "loss": loss}
+
+
+def write_model(transformer, variant: str, tiny: bool, out: Path) -> Path:
+    """The random base model as a Klein diffusers folder (transformer, Qwen3 text encoder, VAE of the shipped configs;
+    the tiny tokenizer; the shipped scheduler); refuses a folder that holds files."""
+    import diffusers
+    import torch
+    from diffusers import AutoencoderKLFlux2
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from stabletune_core.models import tiny_flux2
+    from stabletune_core.models.flux2_klein import SHIPPED_CONFIGS
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"--write-model {out} is not empty; give it a new folder (nothing is overwritten).")
+    if tiny:
+        parts = tiny_flux2.build_tiny_klein_components(SEED)
+        text_encoder, vae, tokenizer = parts["text_encoder"], parts["vae"], parts["tokenizer"]
+    else:
+        folder = SHIPPED_CONFIGS[variant]
+        device = next(transformer.parameters()).device
+        with torch.device(device):
+            text_encoder = Qwen3ForCausalLM(Qwen3Config.from_pretrained(str(folder / "text_encoder")))
+            vae = AutoencoderKLFlux2.from_config(AutoencoderKLFlux2.load_config(str(folder), subfolder="vae"))
+        text_encoder.to(torch.bfloat16)
+        tokenizer = tiny_flux2.build_tiny_tokenizer()  # ids below Qwen's vocabulary: any tokenizer of its family
+    transformer.save_pretrained(str(out / "transformer"))
+    text_encoder.save_pretrained(str(out / "text_encoder"))
+    vae.save_pretrained(str(out / "vae"))
+    tokenizer.save_pretrained(str(out / "tokenizer"))
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    FlowMatchEulerDiscreteScheduler.from_pretrained(str(SHIPPED_CONFIGS["4b"]), subfolder="scheduler",
+                                                    local_files_only=True).save_pretrained(str(out / "scheduler"))
+    index = json.loads((SHIPPED_CONFIGS["4b"] / "model_index.json").read_text())
+    index.update(_diffusers_version=diffusers.__version__, is_distilled=False)
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
+def estimate_gib(variant: str, tiny: bool, batch: int, resolution: int) -> float:
+    """The memory model's number for this setting (bf16, checkpointing, text cached, rank 16, this preset)."""
+    if tiny:
+        return float("nan")
+    from stabletune_core.models.flux2_memory import estimate_training_memory
+
+    return estimate_training_memory(variant, precision="bf16", gradient_checkpointing=True, batch_size=batch,
+                                    resolution=resolution, lora_rank=RANK, cache_text_embeddings=True,
+                                    preset=PRESET).total_gib
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    lines = [title, "", "| resolution | batch | it/s | s/step | peak VRAM (GiB, allocated) | memory model (GiB, incl. "
+             "VAE + context) | largest batch (doubling) |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        largest = f"≥ {r['largest_batch']}" if r["largest_is_lower_bound"] else str(r["largest_batch"])
+        lines.append(f"| {r['resolution']} | {r['batch']} | {r['it_per_s']:.2f} | {r['sec_per_step']:.3f} | "
+                     f"{r['peak_gib']:.2f} | {r['estimate_gib']:.1f} | {largest} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run, with --tiny)")
+    parser.add_argument("--variant", choices=("4b", "9b"), default="4b")
+    parser.add_argument("--tiny", action="store_true", help="the tiny real-layout Klein instead of the real size")
+    parser.add_argument("--resolutions", default="512,1024")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per resolution (after one warm-up)")
+    parser.add_argument("--max-batch", type=int, default=16, help="the largest batch tried")
+    parser.add_argument("--budget-s", type=float, default=45, help="seconds per resolution for the batch search")
+    parser.add_argument("--no-checkpointing", action="store_true")
+    parser.add_argument("--write-model", type=Path, default=None, help="also write the model as a diffusers folder")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    resolutions = parse_resolutions(args.resolutions)
+
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible here; run with --device cpu --tiny for a dry run.")
+    if device.type == "cpu" and not args.tiny:
+        raise SystemExit("The real-size Klein on the CPU would take hours per step; add --tiny for a dry run.")
+    dtype = torch.bfloat16
+    transformer = build_transformer(args.variant, args.tiny, device, dtype)
+    if args.write_model:  # before the adapters go in: the folder holds the base model
+        print(f"model written to {write_model(transformer, args.variant, args.tiny, args.write_model)}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the text encoder and VAE written beside it are gone
+    transformer, params, optimizer, objective = with_lora(transformer, not args.no_checkpointing)
+    step = make_step(transformer, params, optimizer, objective, device, dtype)
+    rows = []
+    for resolution in resolutions:
+        row = measure(step, device, resolution, args.batch, args.steps, args.max_batch, args.budget_s)
+        row["estimate_gib"] = estimate_gib(args.variant, args.tiny, args.batch, resolution)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    name = "tiny Klein" if args.tiny else f"FLUX.2 Klein {args.variant.upper()} (random weights, shipped config)"
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(markdown(rows, f"{name}, bf16, gradient checkpointing {'off' if args.no_checkpointing else 'on'}, LoRA "
+                         f"rank {RANK} '{PRESET}', AdamW, {where}, torch {torch.__version__}"))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

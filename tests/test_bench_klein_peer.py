@@ -121,3 +121,13 @@ def test_a_stabletune_only_bench_run_ends_in_a_table(tmp_path):
     line = next(l for l in done.stdout.splitlines() if l.startswith(f"| {bench.ROW_SAME_WORK}"))
     first, per, rss = (float(x) for x in line.split(" | ")[1:4])
     assert first > 0 and per > 0 and rss > 100
+
+
+def test_model_toy_is_the_toy_klein_base_or_one_sentence():
+    """`--model toy`: the toy Klein base's folder where the checkout ships it, else one sentence."""
+    try:
+        folder = bench.toy_klein_base()
+    except SystemExit as exc:
+        assert "toy Klein base is not in this checkout" in str(exc) and "\n" not in str(exc)
+    else:
+        assert (folder / "model_index.json").is_file()

@@ -92,16 +92,14 @@ def load_with_adapters(config: TrainConfig, device: Any) -> tuple[Any, dict[str,
     from .lora.pivotal import add_pivotal_tokens
     from .models.loading import load_model
     from .train.amp import MixedPrecision
+    from .train.placement import place_models
 
     bundle = load_model(config)  # with the run's prediction_type, as it trained
     add_lora(bundle, config)
     pivotal = add_pivotal_tokens(bundle, config)
     amp = MixedPrecision(config.mixed_precision, device)
     dtype = amp.weight_dtype
-    bundle.vae.to(device, dtype=torch.float32 if config.mixed_precision == "fp16" else dtype)
-    bundle.unet.to(device, dtype=dtype)
-    for encoder in bundle.text_encoders:
-        encoder.to(device, dtype=dtype)
+    place_models(bundle, device, dtype, config.mixed_precision)
     adapted = {"unet": bundle.unet, **({f"te{i}": e for i, e in enumerate(bundle.text_encoders)}
                                        if config.train_text_encoder else {})}  # the prefixes of train/state.py
     for module in adapted.values():

@@ -131,6 +131,7 @@ def test_trains_from_the_command_line_and_says_what_it_loaded(trained):
     assert done.stderr.index(f"model: {model[0]['message']}") < first_step  # said before training
     config = TrainConfig.from_toml(run / "config.toml")
     assert config.unet_lora_targets == KLEIN_LORA_TARGETS  # the SD default stood for Klein's own
+    assert config.validation_guidance_scale == 4.0  # SD's 7.5 too (Flux2KleinPipeline's own default)
     for step in (0, 4):
         assert (run / "samples" / f"step_{step:06d}" / "p00_s5.png").is_file()
     keys = load_file(run / "output" / "lora.safetensors")

@@ -31,6 +31,9 @@ KLEIN_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "a
                       "attn.add_v_proj", "attn.to_add_out", "attn.to_qkv_mlp_proj",
                       "single_transformer_blocks.*.attn.to_out"]
 
+#: The validation guidance a Klein base samples with when the config keeps the SD default.
+KLEIN_VALIDATION_GUIDANCE = 4.0
+
 #: Knobs of the SD families' DDPM UNet that mean nothing on a flow-matching transformer: (knob, what it does there).
 _SD_ONLY = (
     ("prediction_type", "chooses between epsilon and v-prediction, and FLUX.2 Klein predicts the flow velocity"),
@@ -90,9 +93,15 @@ def family_problems(config: Any, family: str) -> list[str]:
 def family_defaults(config: Any, family: str) -> dict[str, Any]:
     """The knobs whose schema default is an SD family's and which `family` replaces with its own (an update for
     `config.model_copy`); empty for the SD families, so their runs stay as they were."""
-    if family in FLOW_FAMILIES and list(config.unet_lora_targets) == SD_LORA_TARGETS:
-        return {"unet_lora_targets": list(KLEIN_LORA_TARGETS)}
-    return {}
+    if family not in FLOW_FAMILIES:
+        return {}
+    update: dict[str, Any] = {}
+    if list(config.unet_lora_targets) == SD_LORA_TARGETS:
+        update["unet_lora_targets"] = list(KLEIN_LORA_TARGETS)
+    if config.validation_guidance_scale == type(config).model_fields["validation_guidance_scale"].default:
+        # SD's 7.5 over-saturates a Klein base; 4.0 is Flux2KleinPipeline's own default (and the Klein presets')
+        update["validation_guidance_scale"] = KLEIN_VALIDATION_GUIDANCE
+    return update
 
 
 def model_file_options(config: Any) -> dict[str, str]:

@@ -34,6 +34,26 @@ def frozen_modules_to_offload(bundle: ModelBundle, config: TrainConfig, *, laten
     return off
 
 
+def cast_and_place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """`module.to(device, dtype)`. diffusers' ModelMixin.to warns about the modules a model keeps in fp32 even when
+    it lists none (two lines of "should be kept in float32: []" on every run's console), so a model that lists
+    none is cast by torch's own Module.to, which is what ModelMixin.to does after its warning; one that lists some
+    still goes through its own `to`."""
+    if getattr(module, "_keep_in_fp32_modules", None):
+        module.to(device, dtype=dtype)
+    else:
+        torch.nn.Module.to(module, device, dtype=dtype)
+
+
+def place_models(bundle: ModelBundle, device: torch.device, weight_dtype: torch.dtype, mixed_precision: str) -> None:
+    """The bundle's models on `device` in the run's weight dtype; under fp16 the VAE stays fp32 (its fp16 decode
+    overflows)."""
+    cast_and_place(bundle.vae, device, torch.float32 if mixed_precision == "fp16" else weight_dtype)
+    cast_and_place(bundle.unet, device, weight_dtype)
+    for encoder in bundle.text_encoders:
+        cast_and_place(encoder, device, weight_dtype)
+
+
 def offload(modules: Iterable[torch.nn.Module], device: torch.device) -> None:
     """Move `modules` to the CPU and give their memory on `device` back."""
     for module in modules:

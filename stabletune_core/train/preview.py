@@ -16,6 +16,7 @@ from ..lora.inject import add_lora, is_adapter_parameter, load_lora_state_dict, 
 from ..models.base import ModelBundle, ModelLoadError
 from ..models.loading import load_model
 from .outcome import RunFailed
+from .placement import cast_and_place
 
 
 def load_preview(config: TrainConfig, bundle: ModelBundle, device: torch.device, dtype: torch.dtype) -> ModelBundle:
@@ -39,7 +40,7 @@ def load_preview(config: TrainConfig, bundle: ModelBundle, device: torch.device,
         raise ConfigError([f"preview_model {source} is not the same architecture as the trained model (its "
                            f"{wrong.split('.lora')[0]} differs), so the LoRA cannot be applied to it; choose the "
                            "matching model (e.g. FLUX.2 Klein 4B distilled for a 4B base)."])
-    preview.unet.to(device, dtype=dtype)
+    cast_and_place(preview.unet, device, dtype)
     for name, p in preview.unet.named_parameters():  # adapters in fp32, as the trained ones (setup.py)
         if is_adapter_parameter(name):
             p.data = p.data.float()

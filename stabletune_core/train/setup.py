@@ -46,7 +46,7 @@ from .observers.base import Observer
 from .optim import make_lr_scheduler, make_optimizer, optimizer_problems, unet_param_groups
 from .outcome import RunFailed
 from .perceptual import Perceptual, perceptual_problems
-from .placement import frozen_modules_to_offload, offload
+from .placement import frozen_modules_to_offload, offload, place_models
 from .preview import load_preview
 from .ranks import Ranks
 from .observers.sample_judge import make_judge
@@ -244,10 +244,7 @@ def setup(config: TrainConfig) -> Session:
     objective = bundle.family.objective(bundle, config)
     add_lora(bundle, config)
     pivotal = add_pivotal_tokens(bundle, config)
-    bundle.vae.to(device, dtype=torch.float32 if config.mixed_precision == "fp16" else amp.weight_dtype)
-    bundle.unet.to(device, dtype=amp.weight_dtype)
-    for encoder in bundle.text_encoders:
-        encoder.to(device, dtype=amp.weight_dtype)
+    place_models(bundle, device, amp.weight_dtype, config.mixed_precision)
     trained = {"unet": bundle.unet, **({f"te{i}": e for i, e in enumerate(bundle.text_encoders)}
                                        if config.train_text_encoder else {})}
     for module in trained.values():  # adapters train in fp32 whatever the base runs in

@@ -178,19 +178,34 @@ def test_gpu_check_script_says_so_on_a_cpu_machine_and_names_real_tests():
     assert len(lines) == 1 and "no CUDA" in lines[0]
 
 
-def test_placing_the_models_says_nothing_about_fp32_modules_that_no_model_lists(capfd):
+def test_placing_the_models_says_nothing_about_fp32_modules_that_no_model_lists():
     """diffusers' ModelMixin.to printed "should be kept in float32: []" twice on every run's console; the
     models are cast all the same (fp16 run: VAE kept fp32, the rest in fp16)."""
+    import logging
+
+    from diffusers.utils import logging as diffusers_logging
+
     from stabletune_core.models.tiny import build_tiny_components
     from stabletune_core.train.placement import cast_and_place, place_models
 
-    parts = build_tiny_components(0)
-    bundle = type("Bundle", (), {"vae": parts["vae"], "unet": parts["unet"], "text_encoders": [parts["text_encoder"]]})
-    capfd.readouterr()
-    place_models(bundle, torch.device("cpu"), torch.float16, "fp16")
-    assert "float32" not in capfd.readouterr().err
-    assert parts["vae"].dtype == torch.float32 and parts["unet"].dtype == torch.float16
-    assert parts["text_encoder"].dtype == torch.float16
-    parts["vae"]._keep_in_fp32_modules = ["decoder"]  # a model that lists some still hears diffusers' own advice
-    cast_and_place(parts["vae"], torch.device("cpu"), torch.float16)
-    assert "should be kept in float32: ['decoder']" in capfd.readouterr().err
+    heard: list[str] = []
+    listener = logging.Handler()
+    listener.emit = lambda record: heard.append(record.getMessage())
+    logger = logging.getLogger("diffusers")
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_warning()  # an earlier run in this process may have quietened diffusers
+    logger.addHandler(listener)
+    try:
+        parts = build_tiny_components(0)
+        bundle = type("Bundle", (), {"vae": parts["vae"], "unet": parts["unet"],
+                                     "text_encoders": [parts["text_encoder"]]})
+        place_models(bundle, torch.device("cpu"), torch.float16, "fp16")
+        assert not [m for m in heard if "float32" in m], heard
+        assert parts["vae"].dtype == torch.float32 and parts["unet"].dtype == torch.float16
+        assert parts["text_encoder"].dtype == torch.float16
+        parts["vae"]._keep_in_fp32_modules = ["decoder"]  # a model that lists some still hears diffusers' advice
+        cast_and_place(parts["vae"], torch.device("cpu"), torch.float16)
+        assert any("should be kept in float32: ['decoder']" in m for m in heard), heard
+    finally:
+        logger.removeHandler(listener)
+        diffusers_logging.set_verbosity(verbosity)

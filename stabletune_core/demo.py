@@ -112,7 +112,7 @@ def demo_assets(concept: str = "colour") -> tuple[Path, Path]:
     model = toy_base_model()
     name, scenes = ((CONCEPT_COLOR, concept_scenes(DEMO_IMAGES)) if concept == "colour"
                     else (CONCEPT_SHAPE, shape_concept_scenes(DEMO_IMAGES)))
-    data = cache_root() / f"demo-v4-{model.name}" / f"{name}-lora"
+    data = cache_root() / f"demo-v5-{model.name}" / f"{name}-lora"
     if not data.is_dir():
         data.parent.mkdir(parents=True, exist_ok=True)
         prompts = [f"a {c} {s}" for c in BASE_COLORS for s in SHAPES]

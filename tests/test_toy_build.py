@@ -20,6 +20,7 @@ def test_rebuild_matches_the_shipped_manifest(tmp_path):
 
     shipped = json.loads((WEIGHTS / "manifest.json").read_text())
     rebuilt = build(tmp_path / "weights", vae_steps=shipped["vae_steps"], vae_batch=shipped["vae_batch"],
+                    vae_polish_steps=shipped.get("vae_polish_steps", 0),
                     unet_steps=shipped["unet_steps"], unet_batch=shipped["unet_batch"],
                     scenes_per_combo=shipped["scenes_per_combo"], log=lambda message: None)
     for key in ("final_vae_loss", "final_unet_loss"):

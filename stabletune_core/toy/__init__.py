@@ -40,7 +40,11 @@ def materialize(weights: Path, target: Path | None = None) -> Path:
     from safetensors.torch import load_file
 
     configs_text = (weights / "configs.json").read_bytes()
-    version = hashlib.sha256(configs_text + (weights / "unet.safetensors").read_bytes()).hexdigest()[:12]
+    # every shipped file: a base whose VAE alone changed (v2's decoder polish) must not reuse the old folder
+    digest = hashlib.sha256(configs_text)
+    for name in ("unet", "vae", "text_encoder"):
+        digest.update((weights / f"{name}.safetensors").read_bytes())
+    version = digest.hexdigest()[:12]
     target = target or cache_root() / f"toy-base-{version}"
     if (target / "model_index.json").is_file():
         return target

@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     build = commands.add_parser("build", help="Train the toy base model (about 20 minutes on 2 idle CPU cores).")
     build.add_argument("--out", type=Path, default=None, help="Folder for the weights (default: the shipped one).")
     build.add_argument("--vae-steps", type=int, default=600)
+    build.add_argument("--vae-polish-steps", type=int, default=300)
     build.add_argument("--unet-steps", type=int, default=3200)
     score = commands.add_parser("score", help="Score a toy-base model folder (and optionally a LoRA on it).")
     score.add_argument("model", type=Path, nargs="?", default=None)
@@ -23,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
         from .build import build as run_build, default_out
 
         out = args.out or default_out()
-        run_build(out, vae_steps=args.vae_steps, unet_steps=args.unet_steps, log=lambda m: print(m, flush=True))
+        run_build(out, vae_steps=args.vae_steps, vae_polish_steps=args.vae_polish_steps,
+                  unet_steps=args.unet_steps, log=lambda m: print(m, flush=True))
         return 0
     from . import load_toy_pipeline, toy_base_model
     from .evaluate import base_report

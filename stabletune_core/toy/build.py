@@ -33,6 +33,7 @@ BUILD_SEED = 0
 #: and twice the width keep colours apart.
 TOY_VAE_CONFIG = dict(block_out_channels=(16, 32, 32, 32), norm_num_groups=4)
 MIN_SNR_GAMMA = 5.0
+MEAN_COLOUR_WEIGHT = 4.0  # the decoder polish's term on the object's mean colour (see polish_decoder)
 SHIPPED_FILES = ("unet.safetensors", "vae.safetensors", "text_encoder.safetensors")
 
 
@@ -82,6 +83,47 @@ def train_vae(vae, steps: int, batch: int, log: Callable[[str], None]) -> float:
         losses.append(float(loss))
         if step % 50 == 0 or step == steps - 1:
             log(f"vae step {step}/{steps} loss {np.mean(losses[-50:]):.4f}")
+    vae.eval()
+    return float(np.mean(losses[-50:]))
+
+
+def polish_decoder(vae, steps: int, batch: int, log: Callable[[str], None]) -> float:
+    """Decoder-only second stage that removes the codec's hue bias; the encoder, so the latent space the UNet
+    learns, is untouched.
+
+    After `train_vae` the codec turned every hue a few degrees the same way (measured on drawn images: red
+    +6.1 deg mean, green +4.1, purple +3.9), a small error on every object pixel that the per-pixel losses
+    barely see. A term on the error of the object's *mean* colour sees it; 300 steps bring every colour's
+    mean reconstruction error under 1.5 deg."""
+    rng = random.Random(BUILD_SEED + 13)
+    torch.manual_seed(BUILD_SEED + 3)  # the posterior samples
+    vae.requires_grad_(False)
+    params = [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()]
+    for param in params:
+        param.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=5e-4, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    vae.train()
+    losses = []
+    for step in range(steps):
+        x = draw_vae_batch(rng, batch)
+        with torch.no_grad():
+            z = vae.encode(x).latent_dist.sample()
+        error = vae.decode(z).sample - x
+        saturated = ((x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) > 0.5).float()
+        weight = 1 + 8 * saturated
+        mean_colour_error = (error * saturated).sum((2, 3)) / saturated.sum((2, 3)).clamp(min=1)
+        loss = ((weight * error.abs()).mean() + (weight * error.pow(2)).mean()
+                + MEAN_COLOUR_WEIGHT * mean_colour_error.abs().mean())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(float(loss))
+        if step % 50 == 0 or step == steps - 1:
+            log(f"vae decoder polish step {step}/{steps} loss {np.mean(losses[-50:]):.4f}")
+    vae.requires_grad_(True)
     vae.eval()
     return float(np.mean(losses[-50:]))
 
@@ -158,8 +200,8 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, unet_steps: int = 3200, unet_batch: int = 64,
-          scenes_per_combo: int = 256, log: Callable[[str], None] = print) -> dict:
+def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_steps: int = 300,
+          unet_steps: int = 3200, unet_batch: int = 64, scenes_per_combo: int = 256, log: Callable[[str], None] = print) -> dict:
     """Train the toy base and write its shipped files and manifest into `out`."""
     from safetensors.torch import save_file
 
@@ -177,6 +219,7 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, unet_steps: i
     torch.manual_seed(BUILD_SEED + 1)
     vae = AutoencoderKL(**vae_config)
     vae_loss = train_vae(vae, vae_steps, vae_batch, log)
+    polish_loss = polish_decoder(vae, vae_polish_steps, vae_batch, log) if vae_polish_steps else vae_loss
 
     scenes = base_scenes(scenes_per_combo * len(BASE_COLORS) * len(SHAPES), seed=BUILD_SEED + 5)
     means, stds = latent_bank(vae, scenes)
@@ -212,9 +255,10 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, unet_steps: i
     model = materialize(out)  # what users and tests load: the shipped fp16 weights, as fp32 diffusers folder
     report = base_report(load_toy_pipeline(model))
     manifest = {
-        "seed": BUILD_SEED, "vae_steps": vae_steps, "vae_batch": vae_batch, "unet_steps": unet_steps,
+        "seed": BUILD_SEED, "vae_steps": vae_steps, "vae_batch": vae_batch, "vae_polish_steps": vae_polish_steps, "unet_steps": unet_steps,
         "unet_batch": unet_batch, "scenes_per_combo": scenes_per_combo, "min_snr_gamma": MIN_SNR_GAMMA,
-        "final_vae_loss": round(vae_loss, 5), "final_unet_loss": round(unet_loss, 5),
+        "final_vae_loss": round(vae_loss, 5), "final_vae_polish_loss": round(polish_loss, 5),
+        "final_unet_loss": round(unet_loss, 5),
         "scores": report, "torch": torch.__version__, "build_seconds": round(time.time() - started),
         # CPU seconds of the build process: what the build costs on an idle core, whatever else shared it
         "build_cpu_seconds": round(time.process_time() - cpu_started),

@@ -222,8 +222,8 @@ def run_demo(args: argparse.Namespace) -> int:
                          network_type=args.network_type, concept=args.concept, family=args.family)
     kind = {"lora": "A LoRA", "loha": "A LoHa", "lokr": "A LoKr"}[config.network_type]
     learns = "purple" if args.concept == "colour" else "to draw rings"
-    print(f"Demo run in {config.output_dir}: {TOY_BASES[args.family].display_name}, which draws red, yellow, green and cyan circles, "
-          f"squares and triangles, learns {learns} from {config.train_data_dir} ({config.max_train_steps} steps). "
+    print(f"Demo run in {config.output_dir}: {TOY_BASES[args.family].display_name}, which draws red, yellow, green "
+          f"and cyan circles, squares and triangles, learns {learns} from {config.train_data_dir} ({config.max_train_steps} steps). "
           f"{kind} at learning rate {config.learning_rate:g}.")
     code = run_train(config)
     if code == 0:

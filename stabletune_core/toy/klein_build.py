@@ -35,6 +35,12 @@ WEIGHTS = Path(__file__).resolve().parent / "weights_flux2"
 TOY_VAE_CONFIG = dict(block_out_channels=(16, 32, 32, 32), norm_num_groups=4)
 TOY_TRANSFORMER_CONFIG = dict(num_attention_heads=4)  # 64 wide (4 heads of 16); two double, two single blocks
 SHIPPED_FILES = ("transformer.safetensors", "vae.safetensors", "text_encoder.safetensors")
+#: The tests' random Qwen3 draws its token embeddings at std 0.02 (Qwen3's initializer_range): its hidden states are
+#: then ~0.02 wide and mostly what its random attention mixed in, so the prompt reached the transformer as a faint,
+#: diffuse signal; a first build (1800 steps) drew "a red circle" and "a red square" alike and "a purple circle"
+#: yellow. Token embeddings of std 1 carry each word's identity through the residual stream at its own position,
+#: as loud as a trained encoder's hidden states are.
+TEXT_EMBEDDING_STD = 1.0
 CFG_DROPOUT = 0.1  # empty captions, for classifier-free guidance (the pipeline's negative prompt is "")
 #: The family's objective at its defaults (TrainConfig's): uniform sigmas, the scheduler's own shift.
 OBJECTIVE_OPTIONS = SimpleNamespace(flow_shift=None, weighting_scheme="none", logit_mean=0.0, logit_std=1.0,
@@ -48,6 +54,10 @@ def toy_components(seed: int = BUILD_SEED) -> dict:
     from ..models.tiny_flux2 import TRANSFORMER_CONFIG, VAE_CONFIG, build_tiny_klein_components
 
     parts = build_tiny_klein_components(seed)  # the frozen random Qwen3, its tokenizer, Klein's scheduler
+    embeddings = parts["text_encoder"].get_input_embeddings().weight
+    with torch.no_grad():  # see TEXT_EMBEDDING_STD
+        embeddings.copy_(TEXT_EMBEDDING_STD * torch.randn(embeddings.shape,
+                                                          generator=torch.Generator().manual_seed(seed + 13)))
     torch.manual_seed(seed + 11)
     parts["transformer"] = Flux2Transformer2DModel(**{**TRANSFORMER_CONFIG, **TOY_TRANSFORMER_CONFIG})
     torch.manual_seed(seed + 12)
@@ -100,7 +110,7 @@ def codec_hue_error(vae, per_colour: int = 8) -> float:
 
 
 def train_transformer(bundle, latents: torch.Tensor, cond: torch.Tensor, labels: torch.Tensor, steps: int,
-                      batch: int, log: Callable[[str], None], lr: float = 1e-3,
+                      batch: int, log: Callable[[str], None], lr: float = 1e-3, ema_max_decay: float = 0.999,
                       evaluate: Callable[[object, int], None] | None = None) -> tuple[object, float]:
     """Flow-matching training of the transformer on normalised latents, with CFG_DROPOUT empty captions; returns
     the transformer's EMA copy and the final mean loss. `cond` holds one row per caption, the empty one last."""
@@ -129,7 +139,7 @@ def train_transformer(bundle, latents: torch.Tensor, cond: torch.Tensor, labels:
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        decay = min(0.999, (1 + step) / (10 + step))
+        decay = min(ema_max_decay, (1 + step) / (10 + step))
         with torch.no_grad():
             for e, p in zip(ema.parameters(), transformer.parameters()):
                 e.lerp_(p, 1 - decay)
@@ -145,7 +155,7 @@ def train_transformer(bundle, latents: torch.Tensor, cond: torch.Tensor, labels:
 
 def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, transformer_steps: int = 1800,
           transformer_batch: int = 16, scenes_per_combo: int = 256, eval_seeds: int = 8,
-          log: Callable[[str], None] = print) -> dict:
+          ema_max_decay: float = 0.998, log: Callable[[str], None] = print) -> dict:
     """Train the toy Klein base and write its shipped files and manifest into `out`."""
     from safetensors.torch import save_file
 
@@ -181,7 +191,7 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, transformer_s
             f"{report['concept_hue_error']:.0f} deg off")
 
     ema, transformer_loss = train_transformer(bundle, latents, cond, labels, transformer_steps, transformer_batch,
-                                              log, evaluate=evaluate)
+                                              log, ema_max_decay=ema_max_decay, evaluate=evaluate)
 
     out.mkdir(parents=True, exist_ok=True)
     for name, module in (("transformer", ema), ("vae", vae), ("text_encoder", parts["text_encoder"])):
@@ -198,8 +208,10 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, transformer_s
     manifest = {
         "family": "flux2_klein", "seed": BUILD_SEED, "vae_steps": vae_steps, "vae_batch": vae_batch,
         "transformer_steps": transformer_steps, "transformer_batch": transformer_batch,
-        "scenes_per_combo": scenes_per_combo, "objective": vars(OBJECTIVE_OPTIONS), "cfg_dropout": CFG_DROPOUT,
-        "final_vae_loss": round(vae_loss, 5), "codec_hue_error_deg": round(codec, 2), "final_transformer_loss": round(transformer_loss, 5),
+        "scenes_per_combo": scenes_per_combo, "ema_max_decay": ema_max_decay,
+        "objective": vars(OBJECTIVE_OPTIONS), "cfg_dropout": CFG_DROPOUT,
+        "final_vae_loss": round(vae_loss, 5), "codec_hue_error_deg": round(codec, 2),
+        "final_transformer_loss": round(transformer_loss, 5),
         "scores": report, "torch": torch.__version__, "build_seconds": round(time.time() - started),
         # CPU seconds of the build process: what the build costs on an idle core, whatever else shared it
         "build_cpu_seconds": round(time.process_time() - cpu_started),

@@ -54,6 +54,8 @@ def run_command(argv: list[str] | None = None) -> int:
     demo.add_argument("--resume", action="store_true", help="Continue the demo run in --output_dir.")
     demo.add_argument("--network_type", "--network-type", "--algo", choices=("lora", "loha", "lokr"), default="lora",
                       help="Adapter kind to train (LoHa and LoKr get the higher learning rates they need).")
+    demo.add_argument("--family", "--model_family", "--model-family", default="sd1",
+                      help="Which toy base learns: 'sd1' (a tiny SD 1.x) or 'flux2_klein' (a tiny FLUX.2 Klein).")
     demo.add_argument("--concept", default="colour", help="What the toy base learns: 'colour' (purple, which it "
                       "never saw) or 'shape' (rings, which it never drew, in the colours it knows).")
 
@@ -214,12 +216,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
     # The toy model is so small that one CPU thread is fastest (1.4 CPU-minutes where two threads took 6.6 on 2
     # cores): every CPU run now chooses its threads so (train/threads.py), the demo included.
+    from .toy.bases import TOY_BASES
+
     config = demo_config(Path(args.output_dir), max_train_steps=args.max_train_steps, resume=args.resume,
-                         network_type=args.network_type, concept=args.concept)
+                         network_type=args.network_type, concept=args.concept, family=args.family)
     kind = {"lora": "A LoRA", "loha": "A LoHa", "lokr": "A LoKr"}[config.network_type]
     learns = "purple" if args.concept == "colour" else "to draw rings"
-    print(f"Demo run in {config.output_dir}: the toy base model, which draws red, yellow, green and cyan circles, "
-          f"squares and triangles, learns {learns} from {config.train_data_dir} ({config.max_train_steps} steps). "
+    print(f"Demo run in {config.output_dir}: {TOY_BASES[args.family].display_name}, which draws red, yellow, green "
+          f"and cyan circles, squares and triangles, learns {learns} from {config.train_data_dir} ({config.max_train_steps} steps). "
           f"{kind} at learning rate {config.learning_rate:g}.")
     code = run_train(config)
     if code == 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any, Callable
 
 from PIL import Image, ImageDraw
 
@@ -58,9 +59,11 @@ DEMO_PRIOR_IMAGES = 24  # the base's own images of the colours it already draws 
 DEMO_PRIOR_FIRST_SEED = 5000
 
 
-def write_base_images(model: Path, folder: Path, prompts: list[str], seeds: list[int]) -> Path:
+def write_base_images(model: Path, folder: Path, prompts: list[str], seeds: list[int], *,
+                      pipeline: Callable[[Path], Any] | None = None) -> Path:
     """Class images rendered by the base model itself (DreamBooth's prior preservation): each prompt at each
-    seed, captioned with its prompt, with the toy judge's sampler, steps and guidance."""
+    seed, captioned with its prompt, with the toy judge's sampler, steps and guidance. `pipeline` loads the toy
+    base's own pipeline (default: the SD 1.x toy base's)."""
     import torch
 
     from .toy import load_toy_pipeline
@@ -69,7 +72,7 @@ def write_base_images(model: Path, folder: Path, prompts: list[str], seeds: list
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the toy model is dispatch-bound: one thread is fastest
     try:
-        pipe = load_toy_pipeline(model)
+        pipe = (pipeline or load_toy_pipeline)(model)
         folder.mkdir(parents=True, exist_ok=True)
         for p, prompt in enumerate(prompts):
             for seed, image in zip(seeds, render(pipe, [prompt], seeds)[prompt]):
@@ -94,7 +97,16 @@ def check_concept(concept: str) -> None:
                            "or 'shape' (it learns to draw rings)."])
 
 
-def demo_assets(concept: str = "colour") -> tuple[Path, Path]:
+def check_family(family: str) -> None:
+    """One sentence for a model family without a toy base, before anything is built or loaded."""
+    from .toy.bases import unknown_family_sentence
+
+    problem = unknown_family_sentence(family)
+    if problem:
+        raise ConfigError([problem])
+
+
+def demo_assets(concept: str = "colour", family: str = "sd1") -> tuple[Path, Path]:
     """The toy base model and the demo dataset, built once per base version into the cache folder.
 
     The dataset holds 12 images of the concept (purple shapes, or rings in the base colours) and 24 images of
@@ -104,12 +116,14 @@ def demo_assets(concept: str = "colour") -> tuple[Path, Path]:
     palette, and the base's own red and green drifted 10-20 degrees; with the base's own images, what the LoRA
     must keep is exactly what the base did, and only the concept has something new to learn.
     """
-    from .toy import toy_base_model
+    from .toy.bases import TOY_BASES
     from .toy.world import (BASE_COLORS, CONCEPT_COLOR, CONCEPT_SHAPE, SHAPES, concept_scenes,
                             shape_concept_scenes, write_dataset)
 
     check_concept(concept)
-    model = toy_base_model()
+    check_family(family)
+    toy = TOY_BASES[family]
+    model = toy.model()
     name, scenes = ((CONCEPT_COLOR, concept_scenes(DEMO_IMAGES)) if concept == "colour"
                     else (CONCEPT_SHAPE, shape_concept_scenes(DEMO_IMAGES)))
     data = cache_root() / f"demo-v5-{model.name}" / f"{name}-lora"
@@ -121,7 +135,7 @@ def demo_assets(concept: str = "colour") -> tuple[Path, Path]:
         try:
             with atomic_path(data, folder=True) as staging:
                 write_dataset(staging / f"1_{name}", scenes)
-                write_base_images(model, staging / "1_known_colours", prompts, seeds)
+                write_base_images(model, staging / "1_known_colours", prompts, seeds, pipeline=toy.pipeline)
         except OSError:
             if not data.is_dir():
                 raise
@@ -140,13 +154,19 @@ def free_run_dir(base: Path) -> Path:
 
 
 def demo_config(output_dir: Path, *, max_train_steps: int | None = None, resume: bool = False,
-                network_type: str = "lora", concept: str = "colour") -> TrainConfig:
+                network_type: str = "lora", concept: str = "colour", family: str = "sd1") -> TrainConfig:
+    """The demo's TrainConfig: the family's toy base and demo preset, the demo dataset, and the asked adapter."""
+    from .toy.bases import TOY_BASES
+
     check_concept(concept)
-    model, data = demo_assets(concept)
-    values = read_toml(PRESETS / "demo.toml")
+    check_family(family)
+    model, data = demo_assets(concept, family)
+    values = read_toml(PRESETS / TOY_BASES[family].preset)
     if network_type != "lora":  # LoHa and LoKr need higher rates than the preset's (config.TOY_DEMO_RATES)
         learning_rate, text_encoder_lr = TOY_DEMO_RATES[network_type]
-        values.update(network_type=network_type, learning_rate=learning_rate, text_encoder_lr=text_encoder_lr)
+        values.update(network_type=network_type, learning_rate=learning_rate)
+        if values.get("train_text_encoder"):  # a preset that keeps its text encoder frozen has no such rate
+            values.update(text_encoder_lr=text_encoder_lr)
     if concept == "shape":
         values.update(validation_prompt=SHAPE_DEMO_PROMPTS, output_name="demo_ring_lora")
     values.update(pretrained_model_name_or_path=str(model), train_data_dir=str(data),

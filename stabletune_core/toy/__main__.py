@@ -13,19 +13,33 @@ def main(argv: list[str] | None = None) -> int:
     build = commands.add_parser("build", help="Train the toy base model (about 20 minutes on 2 idle CPU cores).")
     build.add_argument("--out", type=Path, default=None, help="Folder for the weights (default: the shipped one).")
     build.add_argument("--vae-steps", type=int, default=600)
-    build.add_argument("--vae-polish-steps", type=int, default=300)
-    build.add_argument("--unet-steps", type=int, default=3200)
+    build.add_argument("--vae-polish-steps", type=int, default=300, help="Decoder-only polish steps (sd1).")
+    build.add_argument("--unet-steps", "--transformer-steps", type=int, default=None,
+                       help="Denoiser steps (default: 3200 for sd1, 1800 for flux2_klein).")
+    build.add_argument("--family", default="sd1", help="Which toy base: 'sd1' (SD 1.x) or 'flux2_klein'.")
     score = commands.add_parser("score", help="Score a toy-base model folder (and optionally a LoRA on it).")
     score.add_argument("model", type=Path, nargs="?", default=None)
     score.add_argument("--lora", type=Path, default=None)
     args = parser.parse_args(argv)
 
     if args.command == "build":
+        from .bases import unknown_family_sentence
+
+        problem = unknown_family_sentence(args.family)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+        log = lambda m: print(m, flush=True)  # noqa: E731
+        if args.family == "flux2_klein":
+            from .klein_build import build as build_klein, default_out as klein_out
+
+            build_klein(args.out or klein_out(), vae_steps=args.vae_steps,
+                        transformer_steps=args.unet_steps or 1800, log=log)
+            return 0
         from .build import build as run_build, default_out
 
-        out = args.out or default_out()
-        run_build(out, vae_steps=args.vae_steps, vae_polish_steps=args.vae_polish_steps,
-                  unet_steps=args.unet_steps, log=lambda m: print(m, flush=True))
+        run_build(args.out or default_out(), vae_steps=args.vae_steps, vae_polish_steps=args.vae_polish_steps,
+                  unet_steps=args.unet_steps or 3200, log=log)
         return 0
     from . import load_toy_pipeline, toy_base_model
     from .evaluate import base_report

@@ -29,7 +29,7 @@ def render(pipe: Any, prompts: list[str], seeds: list[int], *, steps: int = INFE
         images = []
         for seed in seeds:
             generator = torch.Generator("cpu").manual_seed(seed)
-            images += pipe(prompt, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
+            images += pipe(prompt=prompt, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
                            generator=generator, **kwargs).images
         out[prompt] = images
     return out

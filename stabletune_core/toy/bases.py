@@ -1,0 +1,59 @@
+"""The toy bases, one per model family that has one: what the demo asks for, so that it never branches on the family.
+
+Each toy base learned the same toy world (world.py) and is judged by the same judge (score.py, evaluate.py); a
+family's toy base names its diffusers folder, the pipeline the judge renders with, and the demo preset that
+teaches it the held-out concept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class ToyBase:
+    family: str  # the model_family value
+    display_name: str  # what the demo's console line calls it
+    preset: str  # the demo preset (presets/NAME), a partial TrainConfig
+    model: Callable[[], Path]  # the shipped weights as a diffusers folder (built once, in the cache)
+    pipeline: Callable[[Path], Any]  # the pipeline the toy judge renders with, over that folder
+
+
+def _sd1_model() -> Path:
+    from . import toy_base_model
+
+    return toy_base_model()
+
+
+def _sd1_pipeline(model: Path) -> Any:
+    from . import load_toy_pipeline
+
+    return load_toy_pipeline(model)
+
+
+def _klein_model() -> Path:
+    from .klein import toy_klein_model
+
+    return toy_klein_model()
+
+
+def _klein_pipeline(model: Path) -> Any:
+    from .klein import load_toy_klein_pipeline
+
+    return load_toy_klein_pipeline(model)
+
+
+TOY_BASES: dict[str, ToyBase] = {
+    "sd1": ToyBase("sd1", "the toy base model (SD 1.x)", "demo.toml", _sd1_model, _sd1_pipeline),
+    "flux2_klein": ToyBase("flux2_klein", "the toy FLUX.2 Klein base", "demo-flux2-klein.toml", _klein_model,
+                           _klein_pipeline),
+}
+
+
+def unknown_family_sentence(family: str) -> str | None:
+    """One sentence when `family` has no toy base (None when it has one)."""
+    if family in TOY_BASES:
+        return None
+    return (f"There is no toy base of model family {family!r}: choose "
+            f"{' or '.join(repr(name) for name in TOY_BASES)}.")

@@ -1,0 +1,226 @@
+"""Build the toy FLUX.2 Klein base: a tiny real-layout Klein that has really learned the toy world.
+
+    python -m stabletune_core.toy build --family flux2_klein [--out DIR] [--vae-steps N] [--unet-steps N]
+
+The same world as the SD 1.x toy base (world.py), the same judge (score.py, evaluate.py), the same recipe in the
+Klein's own terms: an AutoencoderKLFlux2 codec is trained first on shapes in *any* colour (so it can draw the held-out
+concept once a LoRA asks for it), with build.py's codec loss, and its latent batch norm gets the statistics of the
+toy world's patchified latents; then the Flux2Transformer2DModel learns the base vocabulary (every base colour x
+shape, never the concept colour) with the family's own flow-matching objective (models/flow_matching.py, through
+the family face: text encoding, latents, conditioning, noise path, target and loss are the ones a LoRA run uses),
+conditioned by the tiny Qwen3 of models/tiny_flux2.py, which stays at its seeded random initialisation (frozen, as
+Klein's text encoder is). The shipped weights are the transformer's exponential moving average, in fp16, with the
+tokenizer files; `manifest.json` records the seed, steps, final losses, scores, the build's CPU seconds and the
+sha256 of every shipped file.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .build import BUILD_SEED, pixels, sha256, train_vae
+from .world import BASE_COLORS, SHAPES, base_scenes, draw_scene
+
+WEIGHTS = Path(__file__).resolve().parent / "weights_flux2"
+#: Wider than the tests' random tiny Klein (models/tiny_flux2.py), for the reason build.py's TOY_VAE_CONFIG gives:
+#: one channel per norm group erases colour ratios; four per group keep colours apart.
+TOY_VAE_CONFIG = dict(block_out_channels=(16, 32, 32, 32), norm_num_groups=4)
+TOY_TRANSFORMER_CONFIG = dict(num_attention_heads=4)  # 64 wide (4 heads of 16); two double, two single blocks
+SHIPPED_FILES = ("transformer.safetensors", "vae.safetensors", "text_encoder.safetensors")
+#: The tests' random Qwen3 draws its token embeddings at std 0.02 (Qwen3's initializer_range): its hidden states are
+#: then ~0.02 wide and mostly what its random attention mixed in, so the prompt reached the transformer as a faint,
+#: diffuse signal; a first build (1800 steps) drew "a red circle" and "a red square" alike and "a purple circle"
+#: yellow. Token embeddings of std 1 carry each word's identity through the residual stream at its own position,
+#: as loud as a trained encoder's hidden states are.
+TEXT_EMBEDDING_STD = 1.0
+CFG_DROPOUT = 0.1  # empty captions, for classifier-free guidance (the pipeline's negative prompt is "")
+#: The family's objective at its defaults (TrainConfig's): uniform sigmas, the scheduler's own shift.
+OBJECTIVE_OPTIONS = SimpleNamespace(flow_shift=None, weighting_scheme="none", logit_mean=0.0, logit_std=1.0,
+                                    mode_scale=1.29)
+
+
+def toy_components(seed: int = BUILD_SEED) -> dict:
+    """transformer, vae, text_encoder, tokenizer, scheduler of the toy Klein at initialisation (deterministic)."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+    from ..models.tiny_flux2 import TRANSFORMER_CONFIG, VAE_CONFIG, build_tiny_klein_components
+
+    parts = build_tiny_klein_components(seed)  # the frozen random Qwen3, its tokenizer, Klein's scheduler
+    embeddings = parts["text_encoder"].get_input_embeddings().weight
+    with torch.no_grad():  # see TEXT_EMBEDDING_STD
+        embeddings.copy_(TEXT_EMBEDDING_STD * torch.randn(embeddings.shape,
+                                                          generator=torch.Generator().manual_seed(seed + 13)))
+    torch.manual_seed(seed + 11)
+    parts["transformer"] = Flux2Transformer2DModel(**{**TRANSFORMER_CONFIG, **TOY_TRANSFORMER_CONFIG})
+    torch.manual_seed(seed + 12)
+    parts["vae"] = AutoencoderKLFlux2(**{**VAE_CONFIG, **TOY_VAE_CONFIG})
+    return parts
+
+
+def bundle_of(parts: dict):
+    """The family's ModelBundle over in-memory parts, so the build encodes and trains as a LoRA run does."""
+    from ..models.base import ModelBundle
+    from ..models.flux2_klein import Distillation, Flux2Klein, use_klein_chat_template
+
+    use_klein_chat_template(parts["tokenizer"])
+    return ModelBundle(family=Flux2Klein(), unet=parts["transformer"], vae=parts["vae"],
+                       text_encoders=[parts["text_encoder"]], tokenizers=[parts["tokenizer"]],
+                       noise_scheduler=parts["scheduler"], source="toy-klein",
+                       extra={"distillation": Distillation("base", "the toy build trains the base")})
+
+
+@torch.no_grad()
+def set_latent_statistics(vae, scenes: list, batch: int = 128) -> torch.Tensor:
+    """Give the VAE's latent batch norm the mean and variance of the toy world's patchified latents (the mode, as
+    the family encodes); returns the raw latents of `scenes`."""
+    from ..models.flux2_klein import patchify
+
+    raws = [vae.encode(pixels([draw_scene(s) for s in scenes[i:i + batch]])).latent_dist.mode()
+            for i in range(0, len(scenes), batch)]
+    raw = torch.cat(raws)
+    packed = patchify(raw)
+    vae.bn.running_mean.copy_(packed.mean(dim=(0, 2, 3)))
+    vae.bn.running_var.copy_(packed.var(dim=(0, 2, 3)))
+    return raw
+
+
+@torch.no_grad()
+def codec_hue_error(vae, per_colour: int = 8) -> float:
+    """Mean hue distance in degrees between drawn toy images (every colour, concept included) and the codec's
+    reconstruction of them (the mode): how much colour the VAE alone loses."""
+    from .score import hue_distance, judge
+    from .world import ALL_COLORS, Scene
+
+    scenes = [Scene(c, SHAPES[i % len(SHAPES)], 90_000 + i) for c in ALL_COLORS for i in range(per_colour)]
+    x = pixels([draw_scene(s) for s in scenes])
+    recon = vae.decode(vae.encode(x).latent_dist.mode()).sample
+    images = ((recon.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
+    from PIL import Image
+
+    errors = [hue_distance(judge(draw_scene(s)).hue, judge(Image.fromarray(im)).hue) for s, im in zip(scenes, images)]
+    return float(np.mean(errors))
+
+
+def train_transformer(bundle, latents: torch.Tensor, cond: torch.Tensor, labels: torch.Tensor, steps: int,
+                      batch: int, log: Callable[[str], None], lr: float = 1e-3, ema_max_decay: float = 0.999,
+                      evaluate: Callable[[object, int], None] | None = None) -> tuple[object, float]:
+    """Flow-matching training of the transformer on normalised latents, with CFG_DROPOUT empty captions; returns
+    the transformer's EMA copy and the final mean loss. `cond` holds one row per caption, the empty one last."""
+    transformer = bundle.unet
+    objective = bundle.family.objective(bundle, OBJECTIVE_OPTIONS)
+    generator = torch.Generator().manual_seed(BUILD_SEED + 21)
+    ema = copy.deepcopy(transformer).requires_grad_(False)
+    transformer.requires_grad_(True).train()
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0)
+    warmup = 100
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
+    empty = len(cond) - 1
+    losses = []
+    for step in range(steps):
+        pick = torch.randint(0, len(latents), (batch,), generator=generator)
+        clean = latents[pick]
+        noisy, noise, timesteps = objective.add_noise(clean, generator)
+        rows = labels[pick].clone()
+        rows[torch.rand(batch, generator=generator) < CFG_DROPOUT] = empty
+        conditioning = bundle.family.make_conditioning(bundle, {"prompt_embeds": cond[rows]})
+        prediction = objective.predict(transformer, noisy, timesteps, conditioning)
+        loss = objective.loss(prediction, objective.target(clean, noise, timesteps), timesteps).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        decay = min(ema_max_decay, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), transformer.parameters()):
+                e.lerp_(p, 1 - decay)
+        losses.append(float(loss))
+        if step % 100 == 0 or step == steps - 1:
+            log(f"transformer step {step}/{steps} loss {np.mean(losses[-100:]):.4f} "
+                f"lr {schedule.get_last_lr()[0]:.2e}")
+        if evaluate and step and step % 600 == 0:
+            evaluate(ema, step)
+    transformer.requires_grad_(False).eval()
+    return ema, float(np.mean(losses[-200:]))
+
+
+def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, transformer_steps: int = 1800,
+          transformer_batch: int = 16, scenes_per_combo: int = 256, eval_seeds: int = 8,
+          ema_max_decay: float = 0.998, log: Callable[[str], None] = print) -> dict:
+    """Train the toy Klein base and write its shipped files and manifest into `out`."""
+    from safetensors.torch import save_file
+
+    from . import klein as toy_klein
+    from .evaluate import base_report
+
+    torch.set_num_threads(1)  # the tiny model is dispatch-bound: one thread is fastest on shared cores
+    started, cpu_started = time.time(), time.process_time()
+    parts = toy_components(BUILD_SEED)
+    vae = parts["vae"]
+    vae_loss = train_vae(vae, vae_steps, vae_batch, log)  # build.py's codec recipe, any colour, every shape
+    codec = codec_hue_error(vae)
+    log(f"codec: reconstructed hue error {codec:.1f} deg (mean over the base and concept colours)")
+
+    scenes = base_scenes(scenes_per_combo * len(BASE_COLORS) * len(SHAPES), seed=BUILD_SEED + 5)
+    raw = set_latent_statistics(vae, scenes)
+    bundle = bundle_of(parts)
+    from ..models.flux2_klein import normalize_latents
+
+    latents = normalize_latents(vae, raw).float()
+    log(f"latent bank: {len(scenes)} scenes, normalised latents {tuple(latents.shape)}")
+
+    captions = sorted({s.caption for s in scenes})
+    with torch.no_grad():
+        cond = bundle.family.encode_text(bundle, captions + [""])["prompt_embeds"].float()
+    labels = torch.tensor([captions.index(s.caption) for s in scenes])
+
+    def evaluate(ema, step: int) -> None:
+        report = base_report(toy_klein.pipeline_of({**parts, "transformer": ema}), seeds_per_prompt=2)
+        log(f"  eval at step {step}: right {report['base_right']:.0%} (colour within "
+            f"{report['color_tolerance_deg']:.0f} deg {report['base_color_score']:.0%}, shape "
+            f"{report['base_shape_score']:.0%}), base hue error {report['base_hue_error']:.1f} deg, concept "
+            f"{report['concept_hue_error']:.0f} deg off")
+
+    ema, transformer_loss = train_transformer(bundle, latents, cond, labels, transformer_steps, transformer_batch,
+                                              log, ema_max_decay=ema_max_decay, evaluate=evaluate)
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name, module in (("transformer", ema), ("vae", vae), ("text_encoder", parts["text_encoder"])):
+        state = {k: v.detach().to(torch.float16).contiguous() for k, v in module.state_dict().items()
+                 if k != "lm_head.weight"}  # Qwen3's lm_head is tied to its embeddings
+        save_file(state, str(out / f"{name}.safetensors"), metadata={"format": "pt"})
+    configs = {"transformer": dict(ema.config), "vae": dict(vae.config),
+               "text_encoder": parts["text_encoder"].config.to_dict(), "scheduler": dict(parts["scheduler"].config)}
+    (out / "configs.json").write_text(json.dumps(configs, indent=1, default=list))
+    parts["tokenizer"].save_pretrained(str(out / "tokenizer"))
+
+    model = toy_klein.materialize(out)  # what users and tests load: the shipped fp16 weights, as an fp32 folder
+    report = base_report(toy_klein.load_toy_klein_pipeline(model), seeds_per_prompt=eval_seeds)
+    manifest = {
+        "family": "flux2_klein", "seed": BUILD_SEED, "vae_steps": vae_steps, "vae_batch": vae_batch,
+        "transformer_steps": transformer_steps, "transformer_batch": transformer_batch,
+        "scenes_per_combo": scenes_per_combo, "ema_max_decay": ema_max_decay,
+        "objective": vars(OBJECTIVE_OPTIONS), "cfg_dropout": CFG_DROPOUT,
+        "final_vae_loss": round(vae_loss, 5), "codec_hue_error_deg": round(codec, 2),
+        "final_transformer_loss": round(transformer_loss, 5),
+        "scores": report, "torch": torch.__version__, "build_seconds": round(time.time() - started),
+        # CPU seconds of the build process: what the build costs on an idle core, whatever else shared it
+        "build_cpu_seconds": round(time.process_time() - cpu_started),
+        "files": {name: sha256(out / name) for name in (*SHIPPED_FILES, "configs.json")},
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    log(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def default_out() -> Path:
+    return WEIGHTS

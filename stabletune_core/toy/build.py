@@ -254,15 +254,23 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
 
     model = materialize(out)  # what users and tests load: the shipped fp16 weights, as fp32 diffusers folder
     report = base_report(load_toy_pipeline(model))
-    manifest = {
+    recipe = {
         "seed": BUILD_SEED, "vae_steps": vae_steps, "vae_batch": vae_batch, "vae_polish_steps": vae_polish_steps, "unet_steps": unet_steps,
         "unet_batch": unet_batch, "scenes_per_combo": scenes_per_combo, "min_snr_gamma": MIN_SNR_GAMMA,
         "final_vae_loss": round(vae_loss, 5), "final_vae_polish_loss": round(polish_loss, 5),
         "final_unet_loss": round(unet_loss, 5),
-        "scores": report, "torch": torch.__version__, "build_seconds": round(time.time() - started),
+    }
+    return write_manifest(out, recipe, report, SHIPPED_FILES, started, cpu_started, log)
+
+
+def write_manifest(out: Path, recipe: dict, report: dict, shipped: tuple[str, ...], started: float,
+                   cpu_started: float, log: Callable[[str], None]) -> dict:
+    """A toy build's manifest.json: its recipe, scores, costs and the sha256 of every shipped file."""
+    manifest = {
+        **recipe, "scores": report, "torch": torch.__version__, "build_seconds": round(time.time() - started),
         # CPU seconds of the build process: what the build costs on an idle core, whatever else shared it
         "build_cpu_seconds": round(time.process_time() - cpu_started),
-        "files": {name: sha256(out / name) for name in (*SHIPPED_FILES, "configs.json")},
+        "files": {name: sha256(out / name) for name in (*shipped, "configs.json")},
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     log(json.dumps(manifest, indent=1))

@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .build import BUILD_SEED, pixels, sha256, train_vae
+from .build import BUILD_SEED, pixels, train_vae, write_manifest
 from .world import BASE_COLORS, SHAPES, base_scenes, draw_scene
 
 WEIGHTS = Path(__file__).resolve().parent / "weights_flux2"
@@ -205,21 +205,15 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, transformer_s
 
     model = toy_klein.materialize(out)  # what users and tests load: the shipped fp16 weights, as an fp32 folder
     report = base_report(toy_klein.load_toy_klein_pipeline(model), seeds_per_prompt=eval_seeds)
-    manifest = {
+    recipe = {
         "family": "flux2_klein", "seed": BUILD_SEED, "vae_steps": vae_steps, "vae_batch": vae_batch,
         "transformer_steps": transformer_steps, "transformer_batch": transformer_batch,
         "scenes_per_combo": scenes_per_combo, "ema_max_decay": ema_max_decay,
         "objective": vars(OBJECTIVE_OPTIONS), "cfg_dropout": CFG_DROPOUT,
         "final_vae_loss": round(vae_loss, 5), "codec_hue_error_deg": round(codec, 2),
         "final_transformer_loss": round(transformer_loss, 5),
-        "scores": report, "torch": torch.__version__, "build_seconds": round(time.time() - started),
-        # CPU seconds of the build process: what the build costs on an idle core, whatever else shared it
-        "build_cpu_seconds": round(time.process_time() - cpu_started),
-        "files": {name: sha256(out / name) for name in (*SHIPPED_FILES, "configs.json")},
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    log(json.dumps(manifest, indent=1))
-    return manifest
+    return write_manifest(out, recipe, report, SHIPPED_FILES, started, cpu_started, log)
 
 
 def default_out() -> Path:

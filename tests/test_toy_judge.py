@@ -134,3 +134,19 @@ def test_an_unknown_demo_concept_is_one_sentence_before_anything_is_built(tmp_pa
     assert done.stderr.strip() == ("error: The demo has no concept 'star': choose 'colour' (the toy base learns "
                                    "purple) or 'shape' (it learns to draw rings).")
     assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()  # nothing built, nothing loaded
+
+
+def test_the_shape_concept_trains_with_its_own_preset():
+    """Issue 21.3: a shape is structure, not tint: `demo --concept shape` on the SD toy base reads
+    presets/demo-shape.toml (a higher UNet rate and more steps than the colour demo's preset, which drew rings for
+    12.5 % of the ring prompts' images); the colour demo and a family without a shape preset keep their own."""
+    from stabletune_core.config import read_toml
+    from stabletune_core.demo import demo_preset
+    from stabletune_core.toy.bases import TOY_BASES
+
+    shape, colour = demo_preset("shape", "sd1"), demo_preset("colour", "sd1")
+    assert (shape.name, colour.name) == ("demo-shape.toml", TOY_BASES["sd1"].preset)
+    assert demo_preset("shape", "flux2_klein").name == TOY_BASES["flux2_klein"].preset
+    shape_values, colour_values = read_toml(shape), read_toml(colour)
+    assert shape_values["learning_rate"] > colour_values["learning_rate"]
+    assert shape_values["max_train_steps"] > colour_values["max_train_steps"]

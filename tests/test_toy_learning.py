@@ -161,13 +161,11 @@ def test_the_demo_teaches_loha_and_lokr_at_the_rates_they_need(network_type, tmp
     assert f'network_type = "{network_type}"' in (run / "config.toml").read_text()
 
 
-@pytest.mark.skip(reason="issue 21.3 open: on the shipped v3 base (its VAE has seen rings) the demo preset "
-                  "(400 steps, snr_gamma 5) trained on 12 rings + 24 base renders draws rings for 12.5 % of the ring "
-                  "prompts' images (8 seeds; target 70 %), base kept (drift <= 1.7 deg, shapes 97 %); not tuned yet")
 def test_demo_shape_concept_learns_rings_and_keeps_the_base(tmp_path, toy_cache, toy_pipe, toy_base, one_thread):
     """Issue 21.3: `demo --concept shape` teaches the toy base a shape it never drew (a ring, in the colours it
     knows): >= 70 % of the ring prompts' images are rings (8 seeds), and the base keeps its colours (drift <= 3
-    degrees each) and its shapes (>= 90 %). Structure, not tint."""
+    degrees each) and its shapes (>= 90 %). Structure, not tint. (The demo's shape preset, presets/demo-shape.toml:
+    the colour preset drew rings for 12.5 % of these images.)"""
     from stabletune_core.toy import load_toy_pipeline
     from stabletune_core.toy.world import CONCEPT_SHAPE, shape_concept_prompts
 
@@ -177,13 +175,20 @@ def test_demo_shape_concept_learns_rings_and_keeps_the_base(tmp_path, toy_cache,
                            str(run)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     console = done.stdout + done.stderr
     assert done.returncode == 0, console[-3000:]
-    assert re.search(rf"Learning summary.*: {CONCEPT_SHAPE}: (\d+) % -> (\d+) % drawn as a {CONCEPT_SHAPE}; kept: ",
-                     console), console[-2000:]
+    assert "learns to draw rings" in console and "(800 steps)" in console, console[:2000]
+    line = re.search(rf"Learning summary.*: {CONCEPT_SHAPE}: (\d+) % -> (\d+) % drawn as a {CONCEPT_SHAPE}; kept: "
+                     r"red drift (\d+) deg, green drift (\d+) deg; shapes (\d+) %", console)
+    assert line, console[-2000:]
+    first, last, *kept, shapes = (int(g) for g in line.groups())
+    # the run's own view: 2 seeds per prompt, so a coarser bound than the 8-seed measures below
+    assert first <= 20 and last >= 50 and max(kept) <= DRIFT_MAX_DEG + 1 and shapes >= 75, line.group(0)
     pipe = load_toy_pipeline(toy_base)
     pipe.load_lora_weights(str(run / "output"), weight_name="demo_ring_lora.safetensors")
     before = mean(p["shape"] for p in scores(render(toy_pipe, shape_concept_prompts(), SEEDS)).values())
     after = mean(p["shape"] for p in scores(render(pipe, shape_concept_prompts(), SEEDS)).values())
     assert before <= 0.2 and after >= 0.70, (before, after)
-    moved = drift_by_colour(toy_pipe, pipe)
-    assert max(moved.values()) <= DRIFT_MAX_DEG, moved
-    assert mean(p["shape"] for p in scores(render(pipe, base_prompts(), SEEDS)).values()) >= 0.90
+    base_images, tuned_images = render(toy_pipe, base_prompts(), SEEDS), render(pipe, base_prompts(), SEEDS)
+    moved = drift(base_images, tuned_images)
+    by_colour = {c: mean(v for p, v in moved.items() if p.split()[-2] == c) for c in BASE_COLORS}
+    assert max(by_colour.values()) <= DRIFT_MAX_DEG, by_colour
+    assert mean(p["shape"] for p in scores(tuned_images).values()) >= 0.90

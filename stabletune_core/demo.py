@@ -92,7 +92,7 @@ SHAPE_DEMO_PROMPTS = "a red ring | a green ring | a cyan ring | a red circle | a
 
 #: The demo preset of a concept other than the colour, per toy base family (presets/NAME); a family without one
 #: teaches it with its colour preset. A shape is structure, not tint: on the SD toy base the colour preset draws
-#: rings for 12.5 % of the ring prompts' images, its shape preset (a 3x UNet rate, twice the steps) for ~80 %
+#: rings for 12.5 % of the ring prompts' images, its shape preset (a 3x UNet rate, 2.5x the steps) for ~80 %
 #: (presets/demo-shape.toml has the measures).
 CONCEPT_PRESETS: dict[tuple[str, str], str] = {("shape", "sd1"): "demo-shape.toml"}
 

@@ -175,7 +175,7 @@ def test_demo_shape_concept_learns_rings_and_keeps_the_base(tmp_path, toy_cache,
                            str(run)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     console = done.stdout + done.stderr
     assert done.returncode == 0, console[-3000:]
-    assert "learns to draw rings" in console and "(800 steps)" in console, console[:2000]
+    assert "learns to draw rings" in console and "(1000 steps)" in console, console[:2000]
     line = re.search(rf"Learning summary.*: {CONCEPT_SHAPE}: (\d+) % -> (\d+) % drawn as a {CONCEPT_SHAPE}; kept: "
                      r"red drift (\d+) deg, green drift (\d+) deg; shapes (\d+) %", console)
     assert line, console[-2000:]

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .build import BUILD_SEED, pixels, train_vae, write_manifest
+from .klein import TEXT_LENGTH
 from .world import BASE_COLORS, SHAPES, base_scenes, draw_scene
 
 WEIGHTS = Path(__file__).resolve().parent / "weights_flux2"
@@ -74,7 +75,8 @@ def bundle_of(parts: dict):
     return ModelBundle(family=Flux2Klein(), unet=parts["transformer"], vae=parts["vae"],
                        text_encoders=[parts["text_encoder"]], tokenizers=[parts["tokenizer"]],
                        noise_scheduler=parts["scheduler"], source="toy-klein",
-                       extra={"distillation": Distillation("base", "the toy build trains the base")})
+                       extra={"distillation": Distillation("base", "the toy build trains the base"),
+                              "max_sequence_length": TEXT_LENGTH})
 
 
 @torch.no_grad()
@@ -111,11 +113,13 @@ def codec_hue_error(vae, per_colour: int = 8) -> float:
 
 def train_transformer(bundle, latents: torch.Tensor, cond: torch.Tensor, labels: torch.Tensor, steps: int,
                       batch: int, log: Callable[[str], None], lr: float = 1e-3, ema_max_decay: float = 0.999,
-                      evaluate: Callable[[object, int], None] | None = None) -> tuple[object, float]:
+                      evaluate: Callable[[object, int], None] | None = None, objective_options=OBJECTIVE_OPTIONS,
+                      cfg_dropout: float = CFG_DROPOUT, evaluate_every: int = 600) -> tuple[object, float]:
     """Flow-matching training of the transformer on normalised latents, with CFG_DROPOUT empty captions; returns
-    the transformer's EMA copy and the final mean loss. `cond` holds one row per caption, the empty one last."""
+    the transformer's EMA copy and the final mean loss. `cond` holds one row per caption, the empty one last;
+    `objective_options` are the TrainConfig knobs of the family's objective (weighting_scheme, ...)."""
     transformer = bundle.unet
-    objective = bundle.family.objective(bundle, OBJECTIVE_OPTIONS)
+    objective = bundle.family.objective(bundle, objective_options)
     generator = torch.Generator().manual_seed(BUILD_SEED + 21)
     ema = copy.deepcopy(transformer).requires_grad_(False)
     transformer.requires_grad_(True).train()
@@ -130,7 +134,7 @@ def train_transformer(bundle, latents: torch.Tensor, cond: torch.Tensor, labels:
         clean = latents[pick]
         noisy, noise, timesteps = objective.add_noise(clean, generator)
         rows = labels[pick].clone()
-        rows[torch.rand(batch, generator=generator) < CFG_DROPOUT] = empty
+        rows[torch.rand(batch, generator=generator) < cfg_dropout] = empty
         conditioning = bundle.family.make_conditioning(bundle, {"prompt_embeds": cond[rows]})
         prediction = objective.predict(transformer, noisy, timesteps, conditioning)
         loss = objective.loss(prediction, objective.target(clean, noise, timesteps), timesteps).mean()
@@ -147,7 +151,7 @@ def train_transformer(bundle, latents: torch.Tensor, cond: torch.Tensor, labels:
         if step % 100 == 0 or step == steps - 1:
             log(f"transformer step {step}/{steps} loss {np.mean(losses[-100:]):.4f} "
                 f"lr {schedule.get_last_lr()[0]:.2e}")
-        if evaluate and step and step % 600 == 0:
+        if evaluate and step and step % evaluate_every == 0:
             evaluate(ema, step)
     transformer.requires_grad_(False).eval()
     return ema, float(np.mean(losses[-200:]))
@@ -208,7 +212,7 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, transformer_s
     recipe = {
         "family": "flux2_klein", "seed": BUILD_SEED, "vae_steps": vae_steps, "vae_batch": vae_batch,
         "transformer_steps": transformer_steps, "transformer_batch": transformer_batch,
-        "scenes_per_combo": scenes_per_combo, "ema_max_decay": ema_max_decay,
+        "scenes_per_combo": scenes_per_combo, "ema_max_decay": ema_max_decay, "max_sequence_length": TEXT_LENGTH,
         "objective": vars(OBJECTIVE_OPTIONS), "cfg_dropout": CFG_DROPOUT,
         "final_vae_loss": round(vae_loss, 5), "codec_hue_error_deg": round(codec, 2),
         "final_transformer_loss": round(transformer_loss, 5),

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
             from .klein_build import build as build_klein, default_out as klein_out
 
             build_klein(args.out or klein_out(), vae_steps=args.vae_steps,
-                        transformer_steps=args.unet_steps or 1800, log=log)
+                        **({"transformer_steps": args.unet_steps} if args.unet_steps else {}), log=log)
             return 0
         from .build import build as run_build, default_out
 

@@ -102,8 +102,7 @@ def base_images(klein_pipe) -> dict[str, list]:
     return render(klein_pipe, base_prompts() + concept_prompts(), SEEDS)
 
 
-@pytest.mark.slow  # ~5 CPU minutes of rendering (96 + 24 images through 20 Klein steps with guidance)
-@pytest.mark.xfail(strict=True, reason=BASE_SHORT_OF_TARGET)
+@pytest.mark.slow  # 96 + 24 images through 20 Klein steps with guidance (build manifest: right 94 % over 8 seeds)
 def test_the_toy_klein_base_draws_the_colour_and_shape_it_is_asked_for(base_images, one_thread):
     """Right colour (within 6 degrees of the palette) and right shape for most of the base prompts' images over 8
     seeds (evaluate.base_report's measures); the concept colour, never seen, is far off."""

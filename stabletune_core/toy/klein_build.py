@@ -160,7 +160,7 @@ def train_transformer(bundle, latents: torch.Tensor, cond: torch.Tensor, labels:
     return ema, float(np.mean(losses[-200:]))
 
 
-def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, transformer_steps: int = 10000,
+def build(out: Path, *, vae_steps: int = 1500, vae_batch: int = 16, transformer_steps: int = 10000,
           transformer_batch: int = 32, transformer_lr: float = 2e-3, scenes_per_combo: int = 256, eval_seeds: int = 8,
           ema_max_decay: float = 0.998, log: Callable[[str], None] = print) -> dict:
     """Train the toy Klein base and write its shipped files and manifest into `out`."""

@@ -29,6 +29,8 @@ def test_estimate_matches_the_presets_and_moves_the_right_way():
               [("gradient_checkpointing", False), ("batch_size", 2), ("resolution", 1536), ("lora_rank", 64),
                ("cache_text_embeddings", False), ("precision", "fp32")]]
     assert all(total > four.total for total in bigger)
+    shorter = estimate_training_memory("4b", **base, text_tokens=128)  # max_sequence_length 128: fewer tokens
+    assert shorter.activations == four.activations * (64 * 64 + 128) // (64 * 64 + 512)
     uncached = estimate_training_memory("4b", **{**base, "cache_text_embeddings": False})
     assert uncached.weights - four.weights == klein_sizes("4b").text_encoder * 2  # Qwen3-4B stays in bf16
     assert abs(four.total_gib - four.total / GIB) < 1e-9

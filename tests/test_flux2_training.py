@@ -64,6 +64,7 @@ def test_klein_lora_targets_are_the_familys_preset():
     ("sd1", "weighting_scheme", "logit_normal"),
     ("sdxl", "flow_shift", "3.0"),
     ("sd1", "vae_path", "/some/flux2-vae.safetensors"),
+    ("sd2", "max_sequence_length", "64"),
 ])
 def test_knobs_of_another_family_are_refused_in_one_sentence(paths, shapes_dataset, tmp_path, family, knob, value):
     run = tmp_path / "run"
@@ -338,6 +339,32 @@ def test_latent_and_text_caches_train_what_encoding_each_step_trains(paths, shap
     placed = events_of(tmp_path / "cached", "placement")
     assert placed and "vae" in placed[0]["modules"] and "text_encoder_0" in placed[0]["modules"]
     torch.testing.assert_close(torch.tensor(losses(cached)), torch.tensor(losses(plain)), rtol=1e-5, atol=0)
+
+
+def test_max_sequence_length_is_the_text_length_of_training_the_cache_and_validation(paths, shapes_dataset, tmp_path,
+                                                                                    one_thread):
+    """A shorter max_sequence_length (as Flux2KleinPipeline's) pads every prompt to it: the training steps' text,
+    the cached embeddings (whose key holds the length, so a cache of another length is never read) and the
+    validation pipeline call; the default stays the pipeline's 512."""
+    from stabletune_core.config import build_config
+    from stabletune_core.data.caches import EmbeddingCache
+    from stabletune_core.models.flux2_klein import text_length
+    from stabletune_core.models.loading import load_model
+
+    session, metrics = in_process(paths, shapes_dataset, tmp_path / "short", max_sequence_length=32,
+                                  cache_text_embeddings=True, validation_prompt="a red circle", validation_steps=4,
+                                  num_validation_images=1, validation_inference_steps=2)
+    bundle, cache = session.bundle, session.inputs.text_cache
+    assert len(metrics) == 4 and torch.isfinite(torch.tensor(losses(metrics))).all()
+    caption = session.data.items[0].caption
+    assert cache.get(caption)["prompt_embeds"].shape == (32, 3 * 16)
+    assert cache.model_id.endswith("|max_sequence_length=32")
+    assert cache.key(caption) != EmbeddingCache(model_id=cache.model_id.replace("=32", "=512")).key(caption)
+    assert bundle.family.validation_sampler(bundle, session.config)[1] == {"max_sequence_length": 32}
+    assert list((tmp_path / "short" / "samples").rglob("*.png"))  # the validation images, sampled at that length
+    default = load_model(build_config(dict(model_family="flux2_klein",
+                                           pretrained_model_name_or_path=str(paths["folder"]))))
+    assert text_length(default) == 512
 
 
 def test_bf16_trains_and_fp16_that_keeps_overflowing_falls_back(paths, shapes_dataset, tmp_path, one_thread):

@@ -1,7 +1,7 @@
 """The build script reproduces the shipped toy Klein base: same recipe, final losses within tolerance, same skill,
 within the 30-minute budget of the build's CPU time.
 
-About 25 CPU minutes, so it is marked slow and run by `bench/toy_rebuild.sh`, not in every CI run. Bitwise equality
+About 20 CPU minutes, so it is marked slow and run by `bench/toy_rebuild.sh`, not in every CI run. Bitwise equality
 is not promised across machines (float summation order), only the recorded numbers.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ def test_klein_rebuild_matches_the_shipped_manifest(tmp_path):
     shipped = json.loads((WEIGHTS / "manifest.json").read_text())
     rebuilt = build(tmp_path / "weights", vae_steps=shipped["vae_steps"], vae_batch=shipped["vae_batch"],
                     transformer_steps=shipped["transformer_steps"], transformer_batch=shipped["transformer_batch"],
+                    transformer_lr=shipped["transformer_lr"],
                     scenes_per_combo=shipped["scenes_per_combo"], log=lambda message: None)
     for key in ("final_vae_loss", "final_transformer_loss"):
         assert rebuilt[key] == pytest.approx(shipped[key], rel=LOSS_TOLERANCE), key

@@ -54,8 +54,10 @@ _SD_ONLY = (
                        "embeddings to train (pivotal tuning is for SD 1.x, SD 2.x and SDXL)"),
 )
 #: Knobs of the flow-matching objective, and of FLUX.2 Klein's separate files, that mean nothing on an SD model.
-_FLOW_ONLY = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow_shift", "text_encoder_path",
-              "vae_path", "tokenizer_path")
+_FLOW_ONLY = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow_shift", "max_sequence_length",
+              "text_encoder_path", "vae_path", "tokenizer_path")
+#: Knobs of how FLUX.2 Klein encodes its prompts, handed to the family's load() by these names (a set one only).
+TEXT_KNOBS = ("max_sequence_length",)
 #: The knobs naming a model's separate files (the family's load() takes them by these names minus "_path").
 MODEL_FILE_KNOBS = ("text_encoder_path", "vae_path", "tokenizer_path")
 
@@ -75,6 +77,12 @@ def _changed(config: Any, name: str) -> bool:
     return getattr(config, name) != _default(config, name)
 
 
+def _what_it_is(knob: str) -> str:
+    if knob in MODEL_FILE_KNOBS:
+        return "its separate model files"
+    return "its Qwen3 prompt encoding" if knob in TEXT_KNOBS else "its flow-matching objective"
+
+
 def family_problems(config: Any, family: str) -> list[str]:
     """One sentence per knob set on `config` (a TrainConfig) that does not apply to `family` ("sd1", ...,
     "flux2_klein"; "auto" is not judged: the set-up judges the detected family)."""
@@ -85,7 +93,7 @@ def family_problems(config: Any, family: str) -> list[str]:
                 f"model_family {family}."
                 for name, why in _SD_ONLY if _changed(config, name)]
     return [f"{name} is set to {getattr(config, name)!r}, but it belongs to FLUX.2 Klein ("
-            f"{'its separate model files' if name in MODEL_FILE_KNOBS else 'its flow-matching objective'}) and "
+            f"{_what_it_is(name)}) and "
             f"{FAMILY_NAMES.get(family, family)} has no such thing; {_leave(config, name)}."
             for name in _FLOW_ONLY if _changed(config, name)]
 
@@ -108,3 +116,10 @@ def model_file_options(config: Any) -> dict[str, str]:
     """The separate model files a config names, as keyword arguments of the family's load() (text_encoder, vae,
     tokenizer); only set ones, so a family without such files is never handed one (family_problems refused it)."""
     return {name.removesuffix("_path"): getattr(config, name) for name in MODEL_FILE_KNOBS if getattr(config, name)}
+
+
+def text_options(config: Any) -> dict[str, Any]:
+    """How the family encodes prompts, as keyword arguments of its load() (max_sequence_length); only knobs set
+    away from their default, so a family without them is never handed one (family_problems refused it) and a
+    Klein run at the default encodes as it always did."""
+    return {name: getattr(config, name) for name in TEXT_KNOBS if _changed(config, name)}

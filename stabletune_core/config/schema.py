@@ -77,6 +77,12 @@ class TrainConfigSchema(BaseModel):
     tokenizer_path: Optional[str] = knob(
         None, "FLUX.2 Klein: a folder with Qwen3's tokenizer files. Empty = the model folder's own, or the one "
         "ComfyUI ships (comfy/text_encoders/qwen25_tokenizer).", "model", path=True)
+    max_sequence_length: int = knob(
+        512, "FLUX.2 Klein: how many Qwen3 tokens every prompt is padded (and truncated) to, chat template "
+        "included, as Flux2KleinPipeline's and diffusers' Klein script's max_sequence_length. The transformer attends "
+        "over these tokens beside the image's, so short captions train faster with a shorter length; the validation "
+        "images are sampled with the same length. Keep it above your longest caption (about 15 tokens are the "
+        "template).", "model", ge=16, le=4096)
     local_files_only: bool = knob(
         True, "Never touch the network when loading the model.", "model")
 

@@ -6,7 +6,8 @@ What differs from the SD families, all of it behind the family face:
   tokens, with 4-D position ids for text and image tokens; Klein has no guidance embedding.
 * objective: rectified flow (models/flow_matching.py): x_t = (1 - sigma) x0 + sigma eps, target eps - x0.
 * text: Qwen3 (4B for Klein 4B, 8B for 9B). A prompt is wrapped in Qwen3's chat template (user turn, assistant turn
-  with an empty think block), padded to 512 tokens, and the hidden states of layers 9, 18 and 27 are stacked along
+  with an empty think block), padded to max_sequence_length tokens (the pipeline's 512 unless the config sets
+  another), and the hidden states of layers 9, 18 and 27 are stacked along
   the feature axis (3 x 2560 = 7680 wide for 4B), exactly as ``Flux2KleinPipeline._get_qwen3_prompt_embeds``.
 * latents: the VAE's mode (not a sample), patchified 2 x 2 (32 -> 128 channels, 1/16 of the image side) and
   normalised with the VAE's own batch-norm statistics, as the pipeline and diffusers' Klein script do.
@@ -37,7 +38,8 @@ TEXT_ENCODER_NAMES = {"4b": "Qwen3-4B (qwen_3_4b.safetensors)", "9b": "Qwen3-8B 
 BASE_MODEL_FILES = {"4b": "flux-2-klein-base-4b.safetensors", "9b": "flux-2-klein-base-9b.safetensors"}
 BASE_MODEL_REPOS = {"4b": "black-forest-labs/FLUX.2-klein-base-4B", "9b": "black-forest-labs/FLUX.2-klein-base-9B"}
 
-#: Flux2KleinPipeline's defaults: which hidden states are stacked and how long the padded prompt is.
+#: Flux2KleinPipeline's defaults: which hidden states are stacked and how long the padded prompt is (the latter is
+#: the config's max_sequence_length, which the bundle carries: text_length()).
 TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
 MAX_SEQUENCE_LENGTH = 512
 #: What Qwen3's chat template renders for one user prompt with add_generation_prompt and enable_thinking=False
@@ -309,9 +311,12 @@ class Flux2Klein:
     # ------------------------------------------------------------------ load
     def load(self, source: str | Path, *, local_files_only: bool = True, config_dir: str | Path | None = None,
              torch_dtype: torch.dtype = torch.float32, text_encoder: str | Path | None = None,
-             tokenizer: str | Path | None = None, vae: str | Path | None = None) -> ModelBundle:
+             tokenizer: str | Path | None = None, vae: str | Path | None = None,
+             max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> ModelBundle:
         """A Klein diffusers folder (or hub id when allowed), or the BFL transformer file with its text encoder,
-        VAE and tokenizer given or found where ComfyUI keeps them. Bad input raises ModelLoadError, one sentence."""
+        VAE and tokenizer given or found where ComfyUI keeps them; every prompt is then encoded at
+        `max_sequence_length` tokens (training, cached embeddings, validation images). Bad input raises
+        ModelLoadError, one sentence."""
         from .sd1 import check_source
 
         kind, path = check_source(source, local_files_only=local_files_only)
@@ -340,7 +345,7 @@ class Flux2Klein:
                              text_encoders=[parts["text_encoder"]], tokenizers=[parts["tokenizer"]],
                              noise_scheduler=parts["scheduler"], source=str(source),
                              extra={"source_kind": kind, "distillation": parts["distillation"],
-                                    "chat_template_replaced": replaced})
+                                    "chat_template_replaced": replaced, "max_sequence_length": max_sequence_length})
         self.describe(bundle)
         return bundle
 
@@ -529,12 +534,13 @@ class Flux2Klein:
 
     # ---------------------------------------------------------------- encode
     def encode_text(self, bundle: ModelBundle, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """{"prompt_embeds": [B, 512, 3 x hidden]}: Flux2KleinPipeline._get_qwen3_prompt_embeds, batched."""
+        """{"prompt_embeds": [B, max_sequence_length, 3 x hidden]}: Flux2KleinPipeline._get_qwen3_prompt_embeds,
+        batched."""
         tok, te = bundle.tokenizers[0], bundle.text_encoders[0]
         texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                          add_generation_prompt=True, enable_thinking=False) for p in prompts]
         inputs = tok(texts, return_tensors="pt", padding="max_length", truncation=True,
-                     max_length=MAX_SEQUENCE_LENGTH)
+                     max_length=text_length(bundle))
         out = te(input_ids=inputs["input_ids"].to(te.device), attention_mask=inputs["attention_mask"].to(te.device),
                  output_hidden_states=True, use_cache=False)
         stacked = torch.stack([out.hidden_states[k] for k in TEXT_ENCODER_OUT_LAYERS], dim=1).to(te.dtype)
@@ -608,11 +614,13 @@ class Flux2Klein:
                                   is_distilled=bundle.extra["distillation"].verdict == "distilled")
 
     def validation_sampler(self, bundle: ModelBundle, options: Any) -> tuple[Any, dict[str, Any]]:
-        """Klein's own FlowMatchEulerDiscreteScheduler (a copy: sampling sets its timesteps); the SD samplers
-        of validation_sampler do not apply (config/families.py refuses them)."""
+        """Klein's own FlowMatchEulerDiscreteScheduler (a copy: sampling sets its timesteps), and the pipeline
+        call's text length, the one the run trains with; the SD samplers of validation_sampler do not apply
+        (config/families.py refuses them)."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        return FlowMatchEulerDiscreteScheduler.from_config(bundle.noise_scheduler.config), {}
+        return (FlowMatchEulerDiscreteScheduler.from_config(bundle.noise_scheduler.config),
+                {"max_sequence_length": text_length(bundle)})
 
     def caption_tokens(self, model: Path | None) -> tuple[Any, int, str]:
         """Qwen3 counts of the whole Klein prompt (the chat template around the caption) against the 512 tokens the
@@ -669,6 +677,11 @@ class Flux2Klein:
             "modelspec.implementation": self.modelspec_implementation,
             "modelspec.resolution": f"{w}x{h}",
         }
+
+
+def text_length(bundle: ModelBundle) -> int:
+    """How many tokens this bundle's prompts are padded to (the config's max_sequence_length, given to load())."""
+    return int(bundle.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))
 
 
 def config_dir_text_hidden(config_dir: Path) -> int:

@@ -10,8 +10,8 @@ What it counts, at the training step's peak:
   training and is released);
 * the LoRA parameters in fp32 with their gradients and AdamW's two moments: 16 bytes each;
 * activations kept for the backward pass: about 24 hidden-size vectors per token per block (norms, modulation, q, k,
-  v, attention output, the SwiGLU MLP's 3x-wide intermediates), over image tokens (side / 16 squared) plus the 512
-  text tokens; with gradient checkpointing only each block's input is kept, plus one block recomputed at a time;
+  v, attention output, the SwiGLU MLP's 3x-wide intermediates), over image tokens (side / 16 squared) plus the text
+  tokens (max_sequence_length, 512 by default); with gradient checkpointing only each block's input is kept, plus one block recomputed at a time;
   attention through PyTorch SDPA (flash or memory-efficient kernels: no token x token matrix);
 * 0.8 GiB for the CUDA context and workspaces, and 5 % for allocator fragmentation.
 """
@@ -104,14 +104,15 @@ class MemoryEstimate:
 def estimate_training_memory(variant: str = "4b", *, precision: str = "bf16", gradient_checkpointing: bool = True,
                              batch_size: int = 1, resolution: int | tuple[int, int] = 1024, lora_rank: int = 16,
                              cache_text_embeddings: bool = True,
-                             preset: str | tuple[str, ...] = "attention") -> MemoryEstimate:
+                             preset: str | tuple[str, ...] = "attention",
+                             text_tokens: int = MAX_SEQUENCE_LENGTH) -> MemoryEstimate:
     """The peak memory of one training step of a Klein LoRA (see the module docstring for what is counted)."""
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision must be one of {', '.join(PRECISION_BYTES)}, not '{precision}'.")
     sizes = klein_sizes(variant)
     width = PRECISION_BYTES[precision]
     h, w = (resolution, resolution) if isinstance(resolution, int) else resolution
-    tokens = (h // 16) * (w // 16) + MAX_SEQUENCE_LENGTH
+    tokens = (h // 16) * (w // 16) + text_tokens
     vector = batch_size * tokens * sizes.hidden * width  # one hidden-size vector per token of the batch
     if gradient_checkpointing:
         activations = (sizes.blocks + RECOMPUTE_AND_GRADIENT_VECTORS) * vector
@@ -156,7 +157,8 @@ def config_memory_sentence(config: Any) -> tuple[str, MemoryEstimate]:
     estimate = estimate_training_memory(
         variant, precision=precision, gradient_checkpointing=config.gradient_checkpointing,
         batch_size=config.train_batch_size, resolution=config.resolution, lora_rank=config.lora_rank,
-        cache_text_embeddings=config.cache_text_embeddings, preset=tuple(config.unet_lora_targets))
+        cache_text_embeddings=config.cache_text_embeddings, preset=tuple(config.unet_lora_targets),
+        text_tokens=config.max_sequence_length)
     checkpointing = "gradient checkpointing" if config.gradient_checkpointing else "no gradient checkpointing"
     cached = "text embeddings cached" if config.cache_text_embeddings else "Qwen3 kept loaded"
     return (f"Estimated GPU memory for FLUX.2 Klein {variant.upper()}{assumed}: about {estimate.total_gib:.1f} GiB "

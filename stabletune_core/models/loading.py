@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..config import TrainConfig
-from ..config.families import model_file_options
+from ..config.families import model_file_options, text_options
 from . import detect_family, get_family
 from .base import ModelBundle, ModelLoadError
 
@@ -21,7 +21,8 @@ def load_model(config: TrainConfig) -> ModelBundle:
         raise ModelLoadError(f"'{config.pretrained_model_name_or_path}' is a FLUX.2 Klein model, but model_family is "
                              f"{name}; set model_family to flux2_klein (or auto).")
     bundle = get_family(name).load(config.pretrained_model_name_or_path, local_files_only=config.local_files_only,
-                                   config_dir=config.model_config_dir, **model_file_options(config))
+                                   config_dir=config.model_config_dir, **model_file_options(config),
+                                   **text_options(config))
     if config.prediction_type:
         bundle.noise_scheduler.register_to_config(prediction_type=config.prediction_type)
     return bundle

@@ -3,9 +3,15 @@
 `toy_klein_model()` returns a Klein diffusers folder (in the user cache, built from the weights shipped in
 `weights_flux2/`) that the flux2_klein family loads like any Klein base model; `load_toy_klein_pipeline` is the
 Flux2KleinPipeline the toy judge (evaluate.py) renders with.
+
+The toy's prompts ("a purple triangle") are 14-21 Qwen3 tokens with Klein's chat template, so the toy base is
+built, sampled and taught at TEXT_LENGTH tokens instead of the pipeline's 512 (the config's max_sequence_length;
+presets/demo-flux2-klein.toml sets the same): the transformer then attends over 16 image + 32 text tokens, not 528,
+and a training step costs about a tenth.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -15,6 +21,8 @@ from ..atomic import atomic_path
 from ..cache import cache_root
 
 WEIGHTS = Path(__file__).resolve().parent / "weights_flux2"
+#: The toy Klein's text length (max_sequence_length): the longest toy prompt with the template is 21 tokens.
+TEXT_LENGTH = 32
 
 
 def toy_klein_model(weights: Path = WEIGHTS) -> Path:
@@ -73,20 +81,33 @@ def materialize(weights: Path, target: Path | None = None) -> Path:
     return target
 
 
-def load_toy_klein_pipeline(model: Path):
-    """A Flux2KleinPipeline (the base: classifier-free guidance) over a toy Klein diffusers folder."""
+@functools.cache
+def toy_pipeline_class():
+    """Flux2KleinPipeline whose prompts are encoded at the toy's TEXT_LENGTH unless a call says otherwise, so
+    every renderer of the toy base (evaluate.render, the demo's prior images, tests) samples at the length it was
+    trained with, without being told."""
     from diffusers import Flux2KleinPipeline
 
-    pipe = Flux2KleinPipeline.from_pretrained(str(model), local_files_only=True)
+    class ToyKleinPipeline(Flux2KleinPipeline):
+        def __call__(self, *args, max_sequence_length: int = TEXT_LENGTH, **kwargs):
+            return super().__call__(*args, max_sequence_length=max_sequence_length, **kwargs)
+
+    return ToyKleinPipeline
+
+
+def load_toy_klein_pipeline(model: Path):
+    """A Flux2KleinPipeline (the base: classifier-free guidance) over a toy Klein diffusers folder, at the toy's
+    text length."""
+    pipe = toy_pipeline_class().from_pretrained(str(model), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
 def pipeline_of(parts: dict):
     """A Flux2KleinPipeline over in-memory parts (the build's evaluations)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    pipe = Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(parts["scheduler"].config),
+    pipe = toy_pipeline_class()(scheduler=FlowMatchEulerDiscreteScheduler.from_config(parts["scheduler"].config),
                               vae=parts["vae"], text_encoder=parts["text_encoder"], tokenizer=parts["tokenizer"],
                               transformer=parts["transformer"], is_distilled=False)
     pipe.set_progress_bar_config(disable=True)

@@ -387,7 +387,9 @@ def build_caches(config: TrainConfig, inputs: BatchInputs, data: DatasetView, ru
                   f"latents{where}.", encoded=encoded, reused=inputs.latent_cache.reused,
                   folder=str(shared) if shared else None)
     if config.cache_text_embeddings:
-        inputs.text_cache = EmbeddingCache(folder / "text" if folder else None, model_id=model_id)
+        # the text length is part of what an embedding is (FLUX.2 Klein pads every prompt to it)
+        inputs.text_cache = EmbeddingCache(folder / "text" if folder else None,
+                                           model_id=f"{model_id}|max_sequence_length={config.max_sequence_length}")
         inputs.text_cache.build(data, lambda captions: inputs.encode_text(captions, grad=False),
                                 disable=not ranks.is_main)
     off = frozen_modules_to_offload(bundle, config, latents_cached=inputs.latent_cache is not None,

@@ -12,10 +12,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="Train the toy base model (about 20 minutes on 2 idle CPU cores).")
     build.add_argument("--out", type=Path, default=None, help="Folder for the weights (default: the shipped one).")
-    build.add_argument("--vae-steps", type=int, default=None)
+    build.add_argument("--vae-steps", type=int, default=None,
+                       help="Codec steps (default: each family's recipe, 600 for sd1, 1500 for flux2_klein).")
     build.add_argument("--vae-polish-steps", type=int, default=300, help="Decoder-only polish steps (sd1).")
     build.add_argument("--unet-steps", "--transformer-steps", type=int, default=None,
-                       help="Denoiser steps (default: 3200 for sd1, 1800 for flux2_klein).")
+                       help="Denoiser steps (default: each family's recipe, 3200 for sd1, 10000 for flux2_klein).")
     build.add_argument("--family", default="sd1", help="Which toy base: 'sd1' (SD 1.x) or 'flux2_klein'.")
     score = commands.add_parser("score", help="Score a toy-base model folder (and optionally a LoRA on it).")
     score.add_argument("model", type=Path, nargs="?", default=None)
@@ -30,16 +31,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {problem}", file=sys.stderr)
             return 2
         log = lambda m: print(m, flush=True)  # noqa: E731
+        # only what the user gave: each family's build() holds its own recipe's defaults
+        vae_steps = {"vae_steps": args.vae_steps} if args.vae_steps else {}
         if args.family == "flux2_klein":
             from .klein_build import build as build_klein, default_out as klein_out
 
-            build_klein(args.out or klein_out(), **({"vae_steps": args.vae_steps} if args.vae_steps else {}),
+            build_klein(args.out or klein_out(), **vae_steps,
                         **({"transformer_steps": args.unet_steps} if args.unet_steps else {}), log=log)
             return 0
         from .build import build as run_build, default_out
 
-        run_build(args.out or default_out(), vae_steps=args.vae_steps or 600, vae_polish_steps=args.vae_polish_steps,
-                  unet_steps=args.unet_steps or 3200, log=log)
+        run_build(args.out or default_out(), **vae_steps, vae_polish_steps=args.vae_polish_steps,
+                  **({"unet_steps": args.unet_steps} if args.unet_steps else {}), log=log)
         return 0
     from . import load_toy_pipeline, toy_base_model
     from .evaluate import base_report

@@ -16,7 +16,7 @@ from accelerate.utils import set_seed
 
 from ..cache import cache_root
 from ..config import ConfigError, TrainConfig, check_inputs, resolve
-from ..config.families import family_defaults, family_problems
+from ..config.families import family_defaults, family_problems, text_options
 from ..data.caches import EmbeddingCache, LatentCache, module_fingerprint
 from ..data.examples import DatasetView
 from ..data.loader import BatchFeed
@@ -387,9 +387,10 @@ def build_caches(config: TrainConfig, inputs: BatchInputs, data: DatasetView, ru
                   f"latents{where}.", encoded=encoded, reused=inputs.latent_cache.reused,
                   folder=str(shared) if shared else None)
     if config.cache_text_embeddings:
-        # the text length is part of what an embedding is (FLUX.2 Klein pads every prompt to it)
-        inputs.text_cache = EmbeddingCache(folder / "text" if folder else None,
-                                           model_id=f"{model_id}|max_sequence_length={config.max_sequence_length}")
+        # how the text was encoded (FLUX.2 Klein's max_sequence_length) is part of what an embedding is; only set
+        # knobs, as load() receives them, so caches of runs that leave them alone keep their keys
+        encoding = "".join(f"|{name}={value}" for name, value in text_options(config).items())
+        inputs.text_cache = EmbeddingCache(folder / "text" if folder else None, model_id=f"{model_id}{encoding}")
         inputs.text_cache.build(data, lambda captions: inputs.encode_text(captions, grad=False),
                                 disable=not ranks.is_main)
     off = frozen_modules_to_offload(bundle, config, latents_cached=inputs.latent_cache is not None,

@@ -152,6 +152,8 @@ def doctor(folder: str, engine_python: str, options: dict[str, Any], run_dir: st
         args += ["--caption_extension", options["caption_extension"]]
     if options.get("pretrained_model_name_or_path"):
         args += ["--model", options["pretrained_model_name_or_path"]]
+    if options.get("max_sequence_length"):  # FLUX.2 Klein: captions are counted against the run's text length
+        args += ["--max_sequence_length", str(int(options["max_sequence_length"]))]
     if run_dir:
         args += ["--run", run_dir]
     result = None

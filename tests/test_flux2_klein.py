@@ -242,3 +242,37 @@ def test_doctor_counts_captions_with_the_klein_prompt(paths, tmp_path, capsys):
     assert main(["doctor", str(data), "--family", "flux2_klein", "--resolution", "64"]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1].removeprefix("error: ")
     assert "needs Qwen3's tokenizer" in error and one_sentence(error)
+
+
+def test_doctor_counts_klein_captions_against_the_runs_max_sequence_length(paths, tmp_path, capsys):
+    """A Klein run that pads its prompts to max_sequence_length tokens reads no more of a caption than that, so
+    the doctor counts captions against the run's length (its config's, or --max_sequence_length), not the
+    pipeline's 512; the length is checked as a run checks it, in the run's own sentence."""
+    from PIL import Image
+
+    from stabletune_core.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, caption in (("short", "a red circle"), ("wordy", "a red circle " * 12)):
+        Image.new("RGB", (64, 64), (200, 30, 30)).save(data / f"{name}.png")
+        (data / f"{name}.txt").write_text(caption)
+    config = tmp_path / "run.toml"
+    config.write_text(f'model_family = "flux2_klein"\npretrained_model_name_or_path = "{paths["folder"].as_posix()}"\n'
+                      f'train_data_dir = "{data.as_posix()}"\nresolution = 64\nbucket_step = 16\n'
+                      'min_bucket_reso = 32\nmax_sequence_length = 32\n')
+
+    def captions(*args: str) -> dict:
+        report = tmp_path / "report.json"
+        assert main(["doctor", *args, "--json", str(report)]) == 0
+        return json.loads(report.read_text())["captions"]
+
+    from_config = captions("--config", str(config))
+    assert from_config["limit"] == 32
+    assert [Path(c["path"]).name for c in from_config["too_long"]] == ["wordy.png"]  # 512 would let it pass
+    assert captions("--config", str(config), "--max_sequence_length", "64")["limit"] == 64
+    assert captions(str(data), "--model", str(paths["folder"]), "--resolution", "64")["limit"] == 512
+    capsys.readouterr()
+    assert main(["doctor", str(data), "--family", "sd1", "--resolution", "64", "--max_sequence_length", "32"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1].removeprefix("error: ")
+    assert error.startswith("max_sequence_length is set to 32, but it belongs to FLUX.2 Klein") and one_sentence(error)

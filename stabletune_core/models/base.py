@@ -172,11 +172,13 @@ class ModelFamily(Protocol):
         """Image side / the side of the latents the denoiser trains on."""
         ...
 
-    def caption_tokens(self, model: Any) -> tuple[Any, int, str]:
+    def caption_tokens(self, model: Any, **text_options: Any) -> tuple[Any, int, str]:
         """(count, limit, where) for checking captions before training (tools/doctor.py): count(caption) is the
         number of tokens the text encoder reads of it, limit how many it reads at most, where names the tokenizer.
-        `model`: a local model path or None (the family's shipped tokenizer). ModelLoadError (one sentence) when no
-        tokenizer can be read."""
+        `model`: a local model path or None (the family's shipped tokenizer). `text_options`: how the run encodes
+        prompts, as load() takes them (config/families.text_options: FLUX.2 Klein's max_sequence_length, the
+        limit its captions are counted against); a family without such knobs is never handed one. ModelLoadError
+        (one sentence) when no tokenizer can be read."""
         ...
 
     def load_notes(self, bundle: ModelBundle) -> list[str]:

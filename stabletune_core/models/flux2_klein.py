@@ -622,10 +622,12 @@ class Flux2Klein:
         return (FlowMatchEulerDiscreteScheduler.from_config(bundle.noise_scheduler.config),
                 {"max_sequence_length": text_length(bundle)})
 
-    def caption_tokens(self, model: Path | None) -> tuple[Any, int, str]:
-        """Qwen3 counts of the whole Klein prompt (the chat template around the caption) against the 512 tokens the
-        pipeline pads and truncates it to; the tokenizer of a Klein folder, or the one found for a transformer file
-        (beside it, or ComfyUI's). The shipped config trees carry no tokenizer, so a model is needed."""
+    def caption_tokens(self, model: Path | None, *, max_sequence_length: int = MAX_SEQUENCE_LENGTH
+                       ) -> tuple[Any, int, str]:
+        """Qwen3 counts of the whole Klein prompt (the chat template around the caption) against the
+        `max_sequence_length` tokens the run pads and truncates it to (the pipeline's 512 unless the config sets
+        another); the tokenizer of a Klein folder, or the one found for a transformer file (beside it, or
+        ComfyUI's). The shipped config trees carry no tokenizer, so a model is needed."""
         path = None
         if model is not None and model.is_dir():
             path = next((f for f in (model / "tokenizer", model) if (f / "tokenizer_config.json").is_file()), None)
@@ -642,7 +644,7 @@ class Flux2Klein:
                                                    add_generation_prompt=True, enable_thinking=False)
             return len(tokenizer(prompt, truncation=False, verbose=False).input_ids)
 
-        return count, MAX_SEQUENCE_LENGTH, f"the Qwen3 tokenizer in {path}"
+        return count, max_sequence_length, f"the Qwen3 tokenizer in {path}"
 
     def load_notes(self, bundle: ModelBundle) -> list[str]:
         """Which Klein this is (variant, base or distilled, where the text encoder came from), then the

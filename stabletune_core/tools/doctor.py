@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config.families import FAMILY_CHOICES
+from ..config.families import FAMILY_CHOICES, TEXT_KNOBS, family_problems, text_options
 from .common import progress, refuse
 from ..runs.layout import RunPaths
 from .image_losses import FLAG_RATIO, image_losses_path, rank_run
@@ -30,7 +30,8 @@ MAX_UPSCALE = 1.5  # "much smaller": the image must be enlarged more than this t
 IMBALANCE = 3.0  # the largest folder's images x repeats over the smallest's
 PREVIEW_SIDE = 256
 SETTINGS = ("resolution", "enable_bucket", "bucket_step", "min_bucket_reso", "max_bucket_reso", "caption_extension",
-            "default_caption", "center_crop", "pretrained_model_name_or_path", "model_family", "train_data_dir")
+            "default_caption", "center_crop", "pretrained_model_name_or_path", "model_family", "train_data_dir",
+            *TEXT_KNOBS)
 
 
 def add_parser(commands: Any) -> None:
@@ -48,6 +49,8 @@ def add_parser(commands: Any) -> None:
                    help="Model family whose tokenizer counts tokens (default: detected from --model, else sd1; "
                    "flux2_klein needs --model, whose Qwen3 tokenizer counts).")
     p.add_argument("--caption_extension", "--caption-extension", default=None)
+    p.add_argument("--max_sequence_length", "--max-sequence-length", type=int, default=None,
+                   help="FLUX.2 Klein: the text length captions are counted against (default 512, or the config's).")
     p.add_argument("--previews", default=None, help="Write the crop each image trains on (JPEG, at most "
                    f"{PREVIEW_SIDE} px) into this new folder.")
     p.add_argument("--json", default=None, help="Also write the full report as JSON to this file.")
@@ -131,6 +134,9 @@ class Settings:
     center_crop: bool = False
     model: str = ""
     family: str = "sd1"
+    #: How the run encodes prompts (config/families.text_options: a Klein run's max_sequence_length), handed to the
+    #: family's caption_tokens as its load() gets them, so captions are counted against the length the run reads.
+    text_options: dict[str, Any] = field(default_factory=dict)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -152,26 +158,40 @@ def settings_from(args: argparse.Namespace) -> Settings:
         from ..models import detect_family
 
         family = detect_family(model) if model and Path(model).expanduser().exists() else "sd1"
+    if args.max_sequence_length is not None:
+        values["max_sequence_length"] = args.max_sequence_length
     settings = Settings(Path(folder).expanduser(), int(args.resolution or values["resolution"]),
                         bool(values["enable_bucket"]) and not args.no_buckets, int(values["bucket_step"]),
                         int(values["min_bucket_reso"]), int(values["max_bucket_reso"]),
                         args.caption_extension or values["caption_extension"], values["default_caption"] or "",
-                        bool(values["center_crop"]), model, family)
+                        bool(values["center_crop"]), model, family, text_settings(values, family))
     if settings.resolution % settings.bucket_step:
         raise refuse(f"--resolution {settings.resolution} is not a multiple of the bucket step "
                      f"{settings.bucket_step}; use {settings.resolution // settings.bucket_step * settings.bucket_step}.")
     return settings
 
 
+def text_settings(values: dict[str, Any], family: str) -> dict[str, Any]:
+    """The text knobs of `values` as the family's load() would get them (families.text_options), checked as a run
+    checks them: out of range, or set on a family without them, is refused in the run's own sentence."""
+    from ..config import build_config
+
+    config = build_config({name: values[name] for name in TEXT_KNOBS})
+    problems = family_problems(config, family)
+    if problems:
+        raise refuse(problems[0])
+    return text_options(config)
+
+
 def caption_counter(settings: Settings) -> tuple[Any, int, str]:
     """(count, limit, where): the family's caption token count and how many tokens its text encoder reads
-    (models/base.py `caption_tokens`: SD's CLIP tokenizers, FLUX.2 Klein's Qwen3 chat prompt), from the model when
-    one is given, else the family's shipped config tree."""
+    (models/base.py `caption_tokens`: SD's CLIP tokenizers, FLUX.2 Klein's Qwen3 chat prompt at the run's
+    max_sequence_length), from the model when one is given, else the family's shipped config tree."""
     from ..models import ModelLoadError, get_family
 
     model = Path(settings.model).expanduser() if settings.model else None
     try:
-        return get_family(settings.family).caption_tokens(model)
+        return get_family(settings.family).caption_tokens(model, **settings.text_options)
     except ModelLoadError as exc:
         raise refuse(str(exc)) from None
 

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from .score import PALETTE_HUES, caption_parts, circular_mean, hue_distance, judge, reference_hue
-from .world import CONCEPT_COLOR, base_prompts, concept_prompts, concept_scenes, draw_scene
+from .world import BASE_COLORS, CONCEPT_COLOR, base_prompts, concept_prompts, concept_scenes, draw_scene
 
 #: How the toy base is judged everywhere (build, tests, demo summary): same sampler, steps and guidance.
 INFERENCE_STEPS = 20
@@ -76,6 +76,22 @@ def drift(before: dict[str, list], after: dict[str, list]) -> dict[str, float]:
             for prompt, images in after.items()}
 
 
+def learning_report(base: dict[str, list], tuned: dict[str, list], reference: float) -> dict:
+    """What a concept LoRA did, read on the same base and concept prompts and seeds rendered by the base and with the
+    LoRA: the concept prompts' mean hue error in degrees against `reference` (the hue of the run's own training
+    images) before and after, each base colour's mean drift in degrees from the base's own image, and the fraction
+    of the base prompts' images with the LoRA that show their prompt's shape."""
+    references = {CONCEPT_COLOR: reference}
+
+    def concept_error(images: dict[str, list]) -> float:
+        return mean(p["hue_error"] for p in scores({p: images[p] for p in concept_prompts()}, references).values())
+
+    moved = drift({p: base[p] for p in base_prompts()}, {p: tuned[p] for p in base_prompts()})
+    return {"concept_before": round(concept_error(base), 2), "concept_after": round(concept_error(tuned), 2),
+            "drift": {c: round(mean(v for p, v in moved.items() if caption_parts(p)[0] == c), 2) for c in BASE_COLORS},
+            "shapes": round(mean(p["shape"] for p in scores({p: tuned[p] for p in base_prompts()}).values()), 4)}
+
+
 def base_report(pipe: Any, *, seeds_per_prompt: int = len(SCORE_SEEDS), first_seed: int = 1000,
                 **kwargs: Any) -> dict:
     """The base vocabulary's measures (hue error, colour within COLOR_TOLERANCE_DEG, shape, both) and the
@@ -92,4 +108,4 @@ def base_report(pipe: Any, *, seeds_per_prompt: int = len(SCORE_SEEDS), first_se
 
 
 __all__ = ["COLOR_TOLERANCE_DEG", "GUIDANCE", "INFERENCE_STEPS", "SCORE_SEEDS", "base_report", "circular_mean",
-           "concept_hue_error", "concept_reference_hue", "drift", "render", "scores"]
+           "concept_hue_error", "concept_reference_hue", "drift", "learning_report", "render", "scores"]

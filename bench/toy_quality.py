@@ -307,6 +307,19 @@ def run_summary(row: dict) -> str:
             f"{last_s:.0f} s ({pace:.3f} s/step in between, snapshots and validation included)")
 
 
+def scoring_order(rows: list[dict], budget_count: int) -> list[tuple[int, dict]]:
+    """(budget index, row) of every cell with a snapshot, the longest budget first and across rows: on a busy
+    machine, where scoring takes longer than training, a run stopped while scoring has the comparable cells."""
+    return [(b, row) for b in reversed(range(budget_count)) for row in rows if row["chosen"][b] is not None]
+
+
+def write_results(path: Path, results: dict) -> None:
+    """results.json without what only the run needs (each row's environment and chosen snapshot objects)."""
+    plain = {**results, "rows": [{k: v for k, v in row.items() if k not in ("env", "chosen")}
+                                 for row in results["rows"]]}
+    path.write_text(json.dumps(plain, indent=1))
+
+
 def check_peer(args: argparse.Namespace) -> None:
     """The peer script and its `datasets` package are there: one sentence before any model loads."""
     if not args.peer_script.is_file():
@@ -381,33 +394,33 @@ def main() -> None:
             started = run_for(command, env, limit, args.out / f"run-{index}.log")
             found = snapshots(run_dir, r"checkpoint-(\d+)", started)
         rows.append({"name": name, "kind": kind, "load": load, "load_end": os.getloadavg()[0], "env": env,
-                     "command": command,
+                     "started_utc": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(
+                         timespec="seconds"), "command": command,
                      "snapshots": [(s.step, round(s.seconds, 1)) for s in found],
                      "chosen": [snapshot_within(found, b * 60) for b in budgets]})
 
     print("Scoring (fresh toy pipeline per LoRA) ...", file=sys.stderr)
     base = score(model, None, data, family=args.family, seeds_per_prompt=args.score_seeds)
     base_images = base.pop("images")
-    scored: dict[Path, dict] = {}  # a run that ended early offers one snapshot to several budgets
-    for row in rows:
-        row["budgets"] = []
-        for snap in row.pop("chosen"):
-            if snap is None:
-                row["budgets"].append(None)
-                continue
-            if snap.path not in scored:
-                lora = stabletune_lora(snap.path, row["env"]) if row["kind"] == "stabletune" else peer_lora(snap.path)
-                scored[snap.path] = score(model, lora, data, base_images, args.family, args.score_seeds)
-                del scored[snap.path]["images"]
-                print(f"{row['name']}, step {snap.step} ({snap.seconds:.0f} s): {scored[snap.path]}", file=sys.stderr)
-            row["budgets"].append({"step": snap.step, "seconds": round(snap.seconds, 1), **scored[snap.path]})
-        del row["env"]
-
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                "family": args.family, "preset": str(args.preset), "threads": args.threads,
                "score_seeds_per_prompt": args.score_seeds, "budgets_min": budgets,
-               "snapshot_steps": args.snapshot_steps, "base_model": base, "rows": rows}
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+               "snapshot_steps": args.snapshot_steps, "base_model": base, "complete": False, "rows": rows}
+    scored: dict[Path, dict] = {}  # a run that ended early offers one snapshot to several budgets
+    for row in rows:
+        row["budgets"] = [None] * len(budgets)
+    for b, row in scoring_order(rows, len(budgets)):
+        snap = row["chosen"][b]
+        if snap.path not in scored:
+            lora = stabletune_lora(snap.path, row["env"]) if row["kind"] == "stabletune" else peer_lora(snap.path)
+            scored[snap.path] = score(model, lora, data, base_images, args.family, args.score_seeds)
+            del scored[snap.path]["images"]
+            print(f"{row['name']}, {budgets[b]:g} min, step {snap.step} ({snap.seconds:.0f} s): "
+                  f"{scored[snap.path]}", file=sys.stderr)
+        row["budgets"][b] = {"step": snap.step, "seconds": round(snap.seconds, 1), **scored[snap.path]}
+        write_results(args.out / "results.json", results)  # a run stopped while scoring keeps what it scored
+    results["complete"] = True
+    write_results(args.out / "results.json", results)
     print(f"\nToy {args.family} base without a LoRA: concept {base['concept_error']:.0f} deg off, base shapes "
           f"{base['shapes'] * 100:.0f} %; "
           f"{args.threads} threads, snapshots every {args.snapshot_steps} steps, {args.score_seeds} seeds per prompt, "

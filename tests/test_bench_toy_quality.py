@@ -158,3 +158,17 @@ def test_sd1_rows_are_unchanged_by_the_klein_family(tmp_path):
 def test_a_fractional_alpha_is_one_sentence():
     with pytest.raises(SystemExit, match="whole number"):
         bench.peer_rows("flux2_klein", {**klein_preset(), "lora_alpha": 4.5})
+
+
+def test_scoring_takes_the_longest_budget_first_across_rows(tmp_path):
+    """A run stopped while scoring (scoring is the slow part on a busy CPU) has the comparable cells first; a cell
+    without a snapshot is not scored, and results.json holds no run-only objects."""
+    snap = bench.Snapshot(10, 5.0, tmp_path)
+    rows = [{"name": "a", "chosen": [None, snap, snap], "env": {"X": "1"}},
+            {"name": "b", "chosen": [snap, None, snap], "env": {}}]
+    order = [(b, row["name"]) for b, row in bench.scoring_order(rows, 3)]
+    assert order == [(2, "a"), (2, "b"), (1, "a"), (0, "b")]
+    bench.write_results(tmp_path / "results.json", {"complete": False, "rows": rows})
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written == {"complete": False, "rows": [{"name": "a"}, {"name": "b"}]}
+    assert rows[0]["env"] == {"X": "1"}  # the run's own rows are left as they were

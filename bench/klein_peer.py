@@ -26,8 +26,9 @@ Rows, in ABC CBA order over rounds (a load change hits every row alike); medians
     python bench/klein_peer.py --peer-script /tmp/peer-klein/train_dreambooth_lora_flux2_klein.py \\
         --peer-pythonpath /tmp/peerlib --steps 40 --rounds 2 --threads 2 --out /tmp/klein-peer
 
-Quality per minute on the toy Klein base is not measured here yet (the judge's scoring of a Klein LoRA is not
-written); `--model toy` already runs both trainers on that base once this checkout ships it (issue 23 item 5).
+Quality per minute on the toy Klein base (what each trainer has learned after the same minutes, scored by the toy
+judge) is bench/toy_quality.py `--family flux2_klein`, which builds the example's command with `peer_command`;
+`--model toy` here runs both trainers on that base for speed and memory.
 """
 from __future__ import annotations
 
@@ -64,12 +65,17 @@ class Setting:
     """What both trainers share."""
     steps: int = 40
     rank: int = 8
+    alpha: int | None = None  # None: the rank (scale 1)
     learning_rate: float = 1e-3
     batch: int = 4
     resolution: int = 64
     seed: int = 7
     precision: str = "no"  # accelerate's names: no, fp16, bf16
     gradient_checkpointing: bool = False
+
+    @property
+    def lora_alpha(self) -> int:
+        return self.rank if self.alpha is None else self.alpha
 
 
 def example_targets() -> list[str]:
@@ -83,7 +89,7 @@ def stabletune_command(model: Path, data: Path, run: Path, s: Setting, same_work
     """`python -m stabletune_core train` arguments (after the probe) for one row."""
     command = ["-m", "stabletune_core", "train", "--pretrained_model_name_or_path", str(model),
                "--train_data_dir", str(data), "--output_dir", str(run), "--model_family", "flux2_klein",
-               "--max_train_steps", str(s.steps), "--lora_rank", str(s.rank), "--lora_alpha", str(s.rank),
+               "--max_train_steps", str(s.steps), "--lora_rank", str(s.rank), "--lora_alpha", str(s.lora_alpha),
                "--learning_rate", str(s.learning_rate), "--train_batch_size", str(s.batch),
                "--resolution", str(s.resolution), "--seed", str(s.seed), "--mixed_precision", s.precision,
                "--save_steps", str(NO_SNAPSHOTS), "--unet_lora_targets", *example_targets()]
@@ -92,15 +98,20 @@ def stabletune_command(model: Path, data: Path, run: Path, s: Setting, same_work
     return command + (SAME_WORK if same_work else [])
 
 
-def peer_command(script: Path, model: Path, peer_data: Path, run: Path, s: Setting) -> list[str]:
-    """The example's arguments (after the probe): its defaults except what both trainers share."""
+def peer_command(script: Path, model: Path, peer_data: Path, run: Path, s: Setting, *,
+                 snapshot_steps: int = NO_SNAPSHOTS, text_length: int | None = None) -> list[str]:
+    """The example's arguments (after the probe): its defaults except what both trainers share. bench/toy_quality.py
+    also asks for a snapshot every `snapshot_steps` and a `text_length` (max_sequence_length: the toy Klein's 32
+    instead of the example's 512)."""
     command = [str(script), "--pretrained_model_name_or_path", str(model), "--dataset_name", str(peer_data),
                "--caption_column", "text", "--instance_prompt", "a shape", "--output_dir", str(run),
                "--cache_dir", str(run / "hf-cache"), "--max_train_steps", str(s.steps), "--rank", str(s.rank),
-               "--lora_alpha", str(s.rank), "--learning_rate", str(s.learning_rate),
+               "--lora_alpha", str(s.lora_alpha), "--learning_rate", str(s.learning_rate),
                "--train_batch_size", str(s.batch), "--resolution", str(s.resolution), "--seed", str(s.seed),
-               "--mixed_precision", s.precision, "--checkpointing_steps", str(NO_SNAPSHOTS),
+               "--mixed_precision", s.precision, "--checkpointing_steps", str(snapshot_steps),
                "--text_encoder_out_layers", *PIPELINE_TEXT_LAYERS, "--report_to", "tensorboard"]
+    if text_length is not None:
+        command += ["--max_sequence_length", str(text_length)]
     if s.gradient_checkpointing:
         command.append("--gradient_checkpointing")
     return command

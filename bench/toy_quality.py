@@ -24,6 +24,23 @@ image at the same prompt and seed) and the base shapes right in percent.
 
 The peer script is never committed here; `--peer-pythonpath` is a folder with what it needs that StableTune
 does not ship (`datasets` and its pyarrow, dill, xxhash, multiprocess).
+
+`--family flux2_klein` (issue 23 item 6) does the same on the toy FLUX.2 Klein base (stabletune_core/toy/klein.py)
+with its demo preset (`presets/demo-flux2-klein.toml`, or `--preset`) against diffusers'
+`examples/dreambooth/train_dreambooth_lora_flux2_klein.py`, which reads the captions from the same images as an
+imagefolder (`--dataset_name DIR --caption_column text`). Its two rows:
+- its README's Klein recipe: lr 1e-4, constant, 500 steps, and its defaults otherwise (rank 4 = alpha, batch 4:
+  the README's batch 1 x 4 accumulation is the same batch of 4, split for a 4B's memory);
+- the same with StableTune's learning rate, rank, alpha and batch (from the preset).
+Both get what the toy base itself needs and the example cannot know: the preset's text length
+(`--max_sequence_length 32`, the length the toy Klein was built and is sampled at; the example's 512 trains on other
+text embeddings than the pipeline renders with) and `--text_encoder_out_layers 9 18 27` (the layers
+Flux2KleinPipeline reads; the example's 10 20 30 are not, see bench/klein_peer.py). Each LoRA is scored through the
+toy Klein's Flux2KleinPipeline with `load_lora_weights`, by the same judge.
+
+    python bench/toy_quality.py --family flux2_klein \\
+        --peer-script /tmp/peer-klein/train_dreambooth_lora_flux2_klein.py \\
+        --peer-pythonpath /tmp/peerlib --budgets 0.5,1,2,4 --threads 2 --out /tmp/klein-quality
 """
 from __future__ import annotations
 
@@ -40,11 +57,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(ROOT / "bench"))  # klein_peer, when a Klein row is built
 
 PRESET = ROOT / "presets" / "demo.toml"
 SCORE_SEEDS_PER_PROMPT = 8  # seeds 1000..1007, as tests/test_toy_learning.py measures the demo's LoRA
 PEER_LEARNING_RATES = (1e-4, 1e-3)
 STOP_GRACE_S = 30
+FAMILIES = ("sd1", "flux2_klein")
+#: The diffusers example each family is compared with (the peer script is never committed).
+PEER_SCRIPTS = {"sd1": "examples/text_to_image/train_text_to_image_lora.py",
+                "flux2_klein": "examples/dreambooth/train_dreambooth_lora_flux2_klein.py"}
+#: The Klein example's README recipe (examples/dreambooth/README_flux2.md, "FLUX 2 [klein] 4B"): lr 1e-4, constant,
+#: 500 steps; rank (4, alpha 4) and batch (4) are the script's defaults.
+KLEIN_README = {"learning_rate": 1e-4, "steps": 500, "rank": 4, "alpha": 4, "batch": 4}
 
 
 # ------------------------------------------------------------------------------------------------- data
@@ -120,9 +145,17 @@ def thread_env(threads: int, pythonpath: str | None = None) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def stabletune_command(model: Path, data: Path, run_dir: Path, snapshot_steps: int) -> list[str]:
+def default_preset(family: str) -> Path:
+    """The family's demo preset (the one `python -m stabletune_core demo --family FAMILY` runs)."""
+    from stabletune_core.toy.bases import TOY_BASES
+
+    return ROOT / "presets" / TOY_BASES[family].preset
+
+
+def stabletune_command(model: Path, data: Path, run_dir: Path, snapshot_steps: int,
+                       preset: Path = PRESET) -> list[str]:
     """StableTune's demo preset as it ships; only where and how often it saves are the bench's."""
-    return [sys.executable, "-m", "stabletune_core", "train", "--config", str(PRESET),
+    return [sys.executable, "-m", "stabletune_core", "train", "--config", str(preset),
             "--pretrained_model_name_or_path", str(model), "--train_data_dir", str(data),
             "--output_dir", str(run_dir), "--save_steps", str(snapshot_steps),
             "--checkpoints_total_limit", "100000"]
@@ -136,6 +169,48 @@ def peer_command(script: Path, model: Path, data: Path, out: Path, learning_rate
             "--resolution", str(preset["resolution"]), "--rank", str(preset["lora_rank"]),
             "--seed", str(preset["seed"]), "--train_batch_size", str(preset["train_batch_size"]),
             "--learning_rate", str(learning_rate), "--checkpointing_steps", str(snapshot_steps)]
+
+
+def klein_peer_command(script: Path, model: Path, data: Path, out: Path, snapshot_steps: int, preset: dict,
+                       recipe: dict) -> list[str]:
+    """diffusers' Klein example on the toy Klein: `recipe`'s learning rate, steps, rank, alpha and batch; the
+    preset's resolution, seed and text length (none set: the example's 512, StableTune's default too); the
+    pipeline's text layers; a snapshot every `snapshot_steps`."""
+    # bench/klein_peer.py builds the example's arguments for its timing rows and imports this module's dataset
+    # helpers at its top, so it is imported when a Klein row is built, not at this module's top
+    from klein_peer import Setting, peer_command
+
+    setting = Setting(steps=recipe["steps"], rank=recipe["rank"], alpha=recipe["alpha"],
+                      learning_rate=recipe["learning_rate"], batch=recipe["batch"], resolution=preset["resolution"],
+                      seed=preset["seed"])
+    return [sys.executable] + peer_command(script, model, data, out, setting, snapshot_steps=snapshot_steps,
+                                           text_length=preset.get("max_sequence_length"))
+
+
+def peer_rows(family: str, preset: dict) -> list[tuple[str, dict]]:
+    """(row name, what the row sets) for each run of the family's diffusers example. sd1: the example's defaults
+    but rank and batch at the preset's, at its README's LoRA lr (1e-4) and at 1e-3; flux2_klein: its README recipe
+    (KLEIN_README), and the same at the preset's learning rate, rank, alpha and batch."""
+    if family == "sd1":
+        return [(f"diffusers example, lr {lr:g}", {"learning_rate": lr}) for lr in PEER_LEARNING_RATES]
+    alpha = preset.get("lora_alpha") or preset["lora_rank"]  # StableTune's empty alpha is the rank
+    if alpha != int(alpha):
+        raise SystemExit(f"The preset's lora_alpha {alpha} is not a whole number; the Klein example's --lora_alpha "
+                         "takes only whole numbers.")
+    ours = {"learning_rate": preset["learning_rate"], "rank": preset["lora_rank"], "alpha": int(alpha),
+            "batch": preset["train_batch_size"]}
+    return [(f"diffusers example, its README (lr {KLEIN_README['learning_rate']:g}, rank {KLEIN_README['rank']})",
+             dict(KLEIN_README)),
+            (f"diffusers example, StableTune's lr {ours['learning_rate']:g}, rank {ours['rank']}, batch "
+             f"{ours['batch']}", {**KLEIN_README, **ours})]
+
+
+def family_peer_command(family: str, script: Path, model: Path, data: Path, out: Path, snapshot_steps: int,
+                        preset: dict, row: dict) -> list[str]:
+    """The peer command of one of `peer_rows`' rows."""
+    if family == "sd1":
+        return peer_command(script, model, data, out, row["learning_rate"], snapshot_steps, preset)
+    return klein_peer_command(script, model, data, out, snapshot_steps, preset, row)
 
 
 def run_for(command: list[str], env: dict[str, str], seconds: float, log: Path) -> float:
@@ -171,15 +246,17 @@ def peer_lora(checkpoint: Path) -> Path:
     return checkpoint / "pytorch_lora_weights.safetensors"
 
 
-def score(model: Path, lora: Path | None, data: Path, base_images: dict | None = None) -> dict:
-    """The toy base with `lora` (None: the base alone), in a fresh pipeline, measured in degrees over
-    SCORE_SEEDS_PER_PROMPT seeds: the concept prompts' hue error against the concept's training images in
+def score(model: Path, lora: Path | None, data: Path, base_images: dict | None = None, family: str = "sd1",
+          seeds_per_prompt: int = SCORE_SEEDS_PER_PROMPT) -> dict:
+    """The family's toy base with `lora` (None: the base alone), in a fresh pipeline (the toy judge's: sd1's
+    StableDiffusionPipeline, flux2_klein's Flux2KleinPipeline at the toy's text length), measured in degrees over
+    `seeds_per_prompt` seeds (1000, 1001, ...): the concept prompts' hue error against the concept's training images in
     `data`, and the base prompts' drift against `base_images` (the base's own renders, same prompts and seeds;
     None: this is the base, drift 0). Returns the measures and, under "images", the base prompts' renders."""
     import diffusers
     import transformers
 
-    from stabletune_core.toy import load_toy_pipeline
+    from stabletune_core.toy.bases import TOY_BASES
     from stabletune_core.toy.evaluate import drift, mean, render, scores
     from stabletune_core.toy.judge import concept_reference_in
     from stabletune_core.toy.world import CONCEPT_COLOR, base_prompts, concept_prompts
@@ -187,10 +264,10 @@ def score(model: Path, lora: Path | None, data: Path, base_images: dict | None =
     for library in (diffusers, transformers):  # a line per loaded LoRA would bury the table
         library.utils.logging.set_verbosity_error()
         library.utils.logging.disable_progress_bar()
-    pipe = load_toy_pipeline(model)
+    pipe = TOY_BASES[family].pipeline(model)
     if lora is not None:
         pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
-    seeds = list(range(1000, 1000 + SCORE_SEEDS_PER_PROMPT))
+    seeds = list(range(1000, 1000 + seeds_per_prompt))
     reference = concept_reference_in(data, CONCEPT_COLOR)
     concept = scores(render(pipe, concept_prompts(), seeds), {CONCEPT_COLOR: reference})
     images = render(pipe, base_prompts(), seeds)
@@ -206,14 +283,15 @@ def score(model: Path, lora: Path | None, data: Path, base_images: dict | None =
 # ----------------------------------------------------------------------------------------------- report
 def markdown_table(rows: list[dict], budgets: list[float]) -> str:
     """One line per trainer and budget: steps reached, concept hue error, worst base drift, base shapes."""
-    lines = ["| trainer | budget | load avg at start | steps | concept hue error (deg) | worst base colour drift "
-             "(deg) | base shapes % |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| trainer | budget | load avg at start / end of its run | steps | concept hue error (deg) | worst "
+             "base colour drift (deg) | base shapes % |", "|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
+        load = f"{row['load']:.2f}" + (f" / {row['load_end']:.2f}" if "load_end" in row else "")
         for budget, cell in zip(budgets, row["budgets"]):
             if cell is None:
-                lines.append(f"| {row['name']} | {budget:g} min | {row['load']:.2f} | 0 | (no snapshot yet) | | |")
+                lines.append(f"| {row['name']} | {budget:g} min | {load} | 0 | (no snapshot yet) | | |")
             else:
-                lines.append(f"| {row['name']} | {budget:g} min | {row['load']:.2f} | {cell['step']} | "
+                lines.append(f"| {row['name']} | {budget:g} min | {load} | {cell['step']} | "
                              f"{cell['concept_error']:.1f} | {cell['worst_drift']:.1f} | {cell['shapes'] * 100:.0f} |")
     return "\n".join(lines)
 
@@ -229,11 +307,24 @@ def run_summary(row: dict) -> str:
             f"{last_s:.0f} s ({pace:.3f} s/step in between, snapshots and validation included)")
 
 
+def scoring_order(rows: list[dict], budget_count: int) -> list[tuple[int, dict]]:
+    """(budget index, row) of every cell with a snapshot, the longest budget first and across rows: on a busy
+    machine, where scoring takes longer than training, a run stopped while scoring has the comparable cells."""
+    return [(b, row) for b in reversed(range(budget_count)) for row in rows if row["chosen"][b] is not None]
+
+
+def write_results(path: Path, results: dict) -> None:
+    """results.json without what only the run needs (each row's environment and chosen snapshot objects)."""
+    plain = {**results, "rows": [{k: v for k, v in row.items() if k not in ("env", "chosen")}
+                                 for row in results["rows"]]}
+    path.write_text(json.dumps(plain, indent=1))
+
+
 def check_peer(args: argparse.Namespace) -> None:
     """The peer script and its `datasets` package are there: one sentence before any model loads."""
     if not args.peer_script.is_file():
         raise SystemExit(f"--peer-script {args.peer_script} is not a file; give the path of diffusers' "
-                         "examples/text_to_image/train_text_to_image_lora.py.")
+                         f"{PEER_SCRIPTS[getattr(args, 'family', 'sd1')]}.")
     found = subprocess.run([sys.executable, "-c", "import datasets"], env=thread_env(1, args.peer_pythonpath),
                            capture_output=True)
     if found.returncode:
@@ -244,15 +335,27 @@ def check_peer(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=FAMILIES, default="sd1",
+                        help="which toy base: sd1 (the toy SD 1.x) or flux2_klein (the toy FLUX.2 Klein)")
+    parser.add_argument("--preset", type=Path, default=None,
+                        help="StableTune's preset (default: the family's demo preset, presets/demo.toml or "
+                             "presets/demo-flux2-klein.toml)")
     parser.add_argument("--peer-script", type=Path, required=True,
-                        help="diffusers' examples/text_to_image/train_text_to_image_lora.py (never committed)")
+                        help="the family's diffusers example (never committed): sd1 "
+                             f"{PEER_SCRIPTS['sd1']}, flux2_klein {PEER_SCRIPTS['flux2_klein']}")
     parser.add_argument("--peer-pythonpath", default=None, help="extra site folder for the peer (datasets)")
     parser.add_argument("--budgets", default="1,2,4", help="wall-clock budgets in minutes, comma-separated")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of every trainer and of the scoring")
     parser.add_argument("--snapshot-steps", type=int, default=10, help="steps between two saved LoRAs")
+    parser.add_argument("--score-seeds", type=int, default=SCORE_SEEDS_PER_PROMPT,
+                        help="seeds per prompt of each score (fewer: a quicker, noisier score; say so with the "
+                             "numbers)")
     parser.add_argument("--out", type=Path, required=True, help="a new or empty folder for runs and results")
     args = parser.parse_args()
     budgets = parse_budgets(args.budgets)
+    args.preset = (args.preset or default_preset(args.family)).resolve()
+    if not args.preset.is_file():
+        raise SystemExit(f"--preset {args.preset} is not a file; give a StableTune preset (.toml).")
     check_peer(args)
     if args.out.exists() and any(args.out.iterdir()):
         raise SystemExit(f"--out {args.out} is not empty; give the bench a new folder (it never overwrites).")
@@ -263,56 +366,65 @@ def main() -> None:
     from stabletune_core.demo import demo_assets
 
     torch.set_num_threads(args.threads)
-    preset = read_toml(PRESET)
-    model, data = demo_assets()
+    preset = read_toml(args.preset)
+    if preset.get("model_family", "sd1") != args.family:
+        raise SystemExit(f"--preset {args.preset} trains model_family {preset.get('model_family', 'sd1')!r}, not "
+                         f"--family {args.family}.")
+    model, data = demo_assets(family=args.family)
     peer_data = write_imagefolder(dataset_images(data), args.out / "peer-data")
     limit = budgets[-1] * 60
-    trainers = [("StableTune (presets/demo.toml)", "stabletune", None)]
-    trainers += [(f"diffusers example, lr {lr:g}", "peer", lr) for lr in PEER_LEARNING_RATES]
+    shown = args.preset.relative_to(ROOT) if args.preset.is_relative_to(ROOT) else args.preset
+    trainers = [(f"StableTune ({shown})", "stabletune", None)]
+    trainers += [(name, "peer", row) for name, row in peer_rows(args.family, preset)]
 
     rows = []
-    for index, (name, kind, lr) in enumerate(trainers):
+    for index, (name, kind, peer_row) in enumerate(trainers):
         run_dir = args.out / f"run-{index}-{kind}"
         load = os.getloadavg()[0]
         print(f"{name}: running for {limit / 60:g} min (load average {load:.2f})", file=sys.stderr)
         if kind == "stabletune":
             env = thread_env(args.threads)
-            started = run_for(stabletune_command(model, data, run_dir, args.snapshot_steps), env, limit,
-                              args.out / f"run-{index}.log")
+            command = stabletune_command(model, data, run_dir, args.snapshot_steps, args.preset)
+            started = run_for(command, env, limit, args.out / f"run-{index}.log")
             found = snapshots(run_dir / "checkpoints", r"step_(\d+)", started)
         else:
             env = thread_env(args.threads, args.peer_pythonpath)
-            command = peer_command(args.peer_script, model, peer_data, run_dir, lr, args.snapshot_steps, preset)
+            command = family_peer_command(args.family, args.peer_script, model, peer_data, run_dir,
+                                          args.snapshot_steps, preset, peer_row)
             started = run_for(command, env, limit, args.out / f"run-{index}.log")
             found = snapshots(run_dir, r"checkpoint-(\d+)", started)
-        rows.append({"name": name, "kind": kind, "load": load, "env": env,
+        rows.append({"name": name, "kind": kind, "load": load, "load_end": os.getloadavg()[0], "env": env,
+                     "started_utc": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(
+                         timespec="seconds"), "command": command,
                      "snapshots": [(s.step, round(s.seconds, 1)) for s in found],
                      "chosen": [snapshot_within(found, b * 60) for b in budgets]})
 
     print("Scoring (fresh toy pipeline per LoRA) ...", file=sys.stderr)
-    base = score(model, None, data)
+    base = score(model, None, data, family=args.family, seeds_per_prompt=args.score_seeds)
     base_images = base.pop("images")
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+               "family": args.family, "preset": str(args.preset), "threads": args.threads,
+               "score_seeds_per_prompt": args.score_seeds, "budgets_min": budgets,
+               "snapshot_steps": args.snapshot_steps, "base_model": base, "complete": False, "rows": rows}
     scored: dict[Path, dict] = {}  # a run that ended early offers one snapshot to several budgets
     for row in rows:
-        row["budgets"] = []
-        for snap in row.pop("chosen"):
-            if snap is None:
-                row["budgets"].append(None)
-                continue
-            if snap.path not in scored:
-                lora = stabletune_lora(snap.path, row["env"]) if row["kind"] == "stabletune" else peer_lora(snap.path)
-                scored[snap.path] = score(model, lora, data, base_images)
-                del scored[snap.path]["images"]
-            row["budgets"].append({"step": snap.step, "seconds": round(snap.seconds, 1), **scored[snap.path]})
-        del row["env"]
-
-    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-               "threads": args.threads, "budgets_min": budgets, "snapshot_steps": args.snapshot_steps,
-               "base_model": base, "rows": rows}
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    print(f"\nToy base without a LoRA: concept {base['concept_error']:.0f} deg off, base shapes "
+        row["budgets"] = [None] * len(budgets)
+    for b, row in scoring_order(rows, len(budgets)):
+        snap = row["chosen"][b]
+        if snap.path not in scored:
+            lora = stabletune_lora(snap.path, row["env"]) if row["kind"] == "stabletune" else peer_lora(snap.path)
+            scored[snap.path] = score(model, lora, data, base_images, args.family, args.score_seeds)
+            del scored[snap.path]["images"]
+            print(f"{row['name']}, {budgets[b]:g} min, step {snap.step} ({snap.seconds:.0f} s): "
+                  f"{scored[snap.path]}", file=sys.stderr)
+        row["budgets"][b] = {"step": snap.step, "seconds": round(snap.seconds, 1), **scored[snap.path]}
+        write_results(args.out / "results.json", results)  # a run stopped while scoring keeps what it scored
+    results["complete"] = True
+    write_results(args.out / "results.json", results)
+    print(f"\nToy {args.family} base without a LoRA: concept {base['concept_error']:.0f} deg off, base shapes "
           f"{base['shapes'] * 100:.0f} %; "
-          f"{args.threads} threads, snapshots every {args.snapshot_steps} steps, {results['date']}")
+          f"{args.threads} threads, snapshots every {args.snapshot_steps} steps, {args.score_seeds} seeds per prompt, "
+          f"{results['date']}")
     print(markdown_table(rows, budgets))
     for row in rows:
         print(run_summary(row))

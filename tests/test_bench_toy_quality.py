@@ -1,6 +1,8 @@
-"""The pure helpers of bench/toy_quality.py: the peer's copy of the dataset and the budget bookkeeping."""
+"""The pure helpers of bench/toy_quality.py: the peer's copy of the dataset, the budget bookkeeping, and the
+command lines of each family's rows (the Klein example's built without the example)."""
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -80,3 +82,93 @@ def test_budgets_are_minutes_sorted_and_positive():
     for bad in ("", "1,x", "0,1"):
         with pytest.raises(SystemExit):
             bench.parse_budgets(bad)
+
+
+# ------------------------------------------------------------------------------------- --family flux2_klein
+def flags_of(command: list[str]) -> dict[str, list[str]]:
+    """{--flag: [values]} of a command line (the words before the first flag are left out)."""
+    flags: dict[str, list[str]] = {}
+    current: list[str] = []
+    for word in command:
+        if word.startswith("--"):
+            current = flags.setdefault(word, [])
+        elif flags:
+            current.append(word)
+    return flags
+
+
+def klein_preset() -> dict:
+    from stabletune_core.config import read_toml
+
+    return read_toml(bench.default_preset("flux2_klein"))
+
+
+def test_each_family_runs_its_own_demo_preset_by_default(tmp_path):
+    from stabletune_core.config.flags import add_config_arguments, config_from_args
+
+    assert bench.default_preset("sd1") == bench.PRESET == ROOT / "presets" / "demo.toml"
+    klein = bench.default_preset("flux2_klein")
+    assert klein == ROOT / "presets" / "demo-flux2-klein.toml"
+    command = bench.stabletune_command(tmp_path / "model", tmp_path / "data", tmp_path / "run", 15, klein)
+    assert command[1:4] == ["-m", "stabletune_core", "train"]
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    config = config_from_args(parser.parse_args(command[4:]))  # what StableTune's own parser makes of it
+    assert config.model_family == "flux2_klein" and config.save_steps == 15
+    assert config.learning_rate == klein_preset()["learning_rate"]  # the preset's knobs, not the bench's
+
+
+def test_klein_rows_are_the_readme_recipe_and_the_same_at_stabletunes_lr_rank_and_batch(tmp_path):
+    preset = klein_preset()
+    rows = bench.peer_rows("flux2_klein", preset)
+    assert len(rows) == 2
+    commands = [bench.family_peer_command("flux2_klein", tmp_path / "train.py", tmp_path / "model",
+                                          tmp_path / "peer-data", tmp_path / f"run{i}", 20, preset, row)
+                for i, (_, row) in enumerate(rows)]
+    readme, ours = (flags_of(c) for c in commands)
+    for command, flags in zip(commands, (readme, ours)):
+        assert command[:2] == [sys.executable, str(tmp_path / "train.py")]
+        # what the toy base and the bench fix for every row: data, resolution, seed, text length and layers, saves
+        assert flags["--dataset_name"] == [str(tmp_path / "peer-data")] and flags["--caption_column"] == ["text"]
+        assert flags["--resolution"] == [str(preset["resolution"])] and flags["--seed"] == [str(preset["seed"])]
+        assert flags["--max_sequence_length"] == [str(preset["max_sequence_length"])] == ["32"]
+        assert flags["--text_encoder_out_layers"] == ["9", "18", "27"]
+        assert flags["--checkpointing_steps"] == ["20"] and flags["--max_train_steps"] == ["500"]
+    # (a) examples/dreambooth/README_flux2.md's Klein recipe, the script's defaults for rank, alpha and batch
+    assert (readme["--learning_rate"], readme["--rank"], readme["--lora_alpha"], readme["--train_batch_size"]) == \
+        (["0.0001"], ["4"], ["4"], ["4"])
+    # (b) StableTune's learning rate, rank, alpha and batch
+    alpha = preset.get("lora_alpha") or preset["lora_rank"]
+    assert (float(ours["--learning_rate"][0]), ours["--rank"], ours["--lora_alpha"], ours["--train_batch_size"]) == \
+        (preset["learning_rate"], [str(preset["lora_rank"])], [str(int(alpha))], [str(preset["train_batch_size"])])
+    assert "lr 0.0001, rank 4" in rows[0][0] and f"lr {preset['learning_rate']:g}" in rows[1][0]
+
+
+def test_sd1_rows_are_unchanged_by_the_klein_family(tmp_path):
+    from stabletune_core.config import read_toml
+
+    preset = read_toml(bench.PRESET)
+    rows = bench.peer_rows("sd1", preset)
+    assert [name for name, _ in rows] == ["diffusers example, lr 0.0001", "diffusers example, lr 0.001"]
+    for name, row in rows:
+        assert bench.family_peer_command("sd1", Path("t.py"), Path("m"), Path("d"), Path("o"), 10, preset, row) == \
+            bench.peer_command(Path("t.py"), Path("m"), Path("d"), Path("o"), row["learning_rate"], 10, preset)
+
+
+def test_a_fractional_alpha_is_one_sentence():
+    with pytest.raises(SystemExit, match="whole number"):
+        bench.peer_rows("flux2_klein", {**klein_preset(), "lora_alpha": 4.5})
+
+
+def test_scoring_takes_the_longest_budget_first_across_rows(tmp_path):
+    """A run stopped while scoring (scoring is the slow part on a busy CPU) has the comparable cells first; a cell
+    without a snapshot is not scored, and results.json holds no run-only objects."""
+    snap = bench.Snapshot(10, 5.0, tmp_path)
+    rows = [{"name": "a", "chosen": [None, snap, snap], "env": {"X": "1"}},
+            {"name": "b", "chosen": [snap, None, snap], "env": {}}]
+    order = [(b, row["name"]) for b, row in bench.scoring_order(rows, 3)]
+    assert order == [(2, "a"), (2, "b"), (1, "a"), (0, "b")]
+    bench.write_results(tmp_path / "results.json", {"complete": False, "rows": rows})
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written == {"complete": False, "rows": [{"name": "a"}, {"name": "b"}]}
+    assert rows[0]["env"] == {"X": "1"}  # the run's own rows are left as they were

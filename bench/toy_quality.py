@@ -252,12 +252,12 @@ def score(model: Path, lora: Path | None, data: Path, base_images: dict | None =
     StableDiffusionPipeline, flux2_klein's Flux2KleinPipeline at the toy's text length), measured in degrees over
     `seeds_per_prompt` seeds (1000, 1001, ...): the concept prompts' hue error against the concept's training images in
     `data`, and the base prompts' drift against `base_images` (the base's own renders, same prompts and seeds;
-    None: this is the base, drift 0). Returns the measures and, under "images", the base prompts' renders."""
+    None: this is the base, drift 0). Returns the measures and, under "images", every prompt's renders."""
     import diffusers
     import transformers
 
     from stabletune_core.toy.bases import TOY_BASES
-    from stabletune_core.toy.evaluate import drift, mean, render, scores
+    from stabletune_core.toy.evaluate import learning_report, render
     from stabletune_core.toy.judge import concept_reference_in
     from stabletune_core.toy.world import CONCEPT_COLOR, base_prompts, concept_prompts
 
@@ -268,16 +268,11 @@ def score(model: Path, lora: Path | None, data: Path, base_images: dict | None =
     if lora is not None:
         pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
     seeds = list(range(1000, 1000 + seeds_per_prompt))
-    reference = concept_reference_in(data, CONCEPT_COLOR)
-    concept = scores(render(pipe, concept_prompts(), seeds), {CONCEPT_COLOR: reference})
-    images = render(pipe, base_prompts(), seeds)
-    drifts = drift(base_images or images, images)
-    by_colour: dict[str, list[float]] = {}
-    for prompt, value in drifts.items():
-        by_colour.setdefault(prompt.split()[-2], []).append(value)
-    return {"concept_error": round(mean(p["hue_error"] for p in concept.values()), 2),
-            "worst_drift": round(max(mean(v) for v in by_colour.values()), 2),
-            "shapes": round(mean(p["shape"] for p in scores(images).values()), 4), "images": images}
+    images = render(pipe, base_prompts() + concept_prompts(), seeds)
+    # the measures tests/test_toy_klein.py and bench/klein_demo_trials.py take (the worst colour's drift here)
+    report = learning_report(base_images or images, images, concept_reference_in(data, CONCEPT_COLOR))
+    return {"concept_error": report["concept_after"], "worst_drift": max(report["drift"].values()),
+            "shapes": report["shapes"], "images": images}
 
 
 # ----------------------------------------------------------------------------------------------- report

@@ -161,6 +161,22 @@ def stabletune_command(model: Path, data: Path, run_dir: Path, snapshot_steps: i
             "--checkpoints_total_limit", "100000"]
 
 
+#: What a preset samples while it trains (validation images and the judge reading them): the example samples nothing.
+SAMPLING_KNOBS = ("validation_prompt", "sample_judge")
+
+
+def preset_without_samples(preset: Path, target: Path) -> Path:
+    """`preset` without its validation images, written to `target`: the same training as the example does it,
+    sampling nothing, so that a row shows what StableTune's training alone reaches per minute."""
+    import tomli_w
+
+    from stabletune_core.config import read_toml
+
+    values = {k: v for k, v in read_toml(preset).items() if k not in SAMPLING_KNOBS}
+    target.write_text(tomli_w.dumps(values), encoding="utf-8")
+    return target
+
+
 def peer_command(script: Path, model: Path, data: Path, out: Path, learning_rate: float, snapshot_steps: int,
                  preset: dict) -> list[str]:
     """The diffusers example with its own defaults, except what must match StableTune's run."""
@@ -345,6 +361,9 @@ def main() -> None:
     parser.add_argument("--score-seeds", type=int, default=SCORE_SEEDS_PER_PROMPT,
                         help="seeds per prompt of each score (fewer: a quicker, noisier score; say so with the "
                              "numbers)")
+    parser.add_argument("--without-samples-row", action="store_true",
+                        help="a second StableTune row: the preset without its validation images (the example samples "
+                             "nothing while it trains)")
     parser.add_argument("--out", type=Path, required=True, help="a new or empty folder for runs and results")
     args = parser.parse_args()
     budgets = parse_budgets(args.budgets)
@@ -369,23 +388,26 @@ def main() -> None:
     peer_data = write_imagefolder(dataset_images(data), args.out / "peer-data")
     limit = budgets[-1] * 60
     shown = args.preset.relative_to(ROOT) if args.preset.is_relative_to(ROOT) else args.preset
-    trainers = [(f"StableTune ({shown})", "stabletune", None)]
+    trainers = [(f"StableTune ({shown})", "stabletune", args.preset)]
+    if args.without_samples_row:
+        quiet = preset_without_samples(args.preset, args.out / "preset-without-samples.toml")
+        trainers.append((f"StableTune ({shown}, no validation images)", "stabletune", quiet))
     trainers += [(name, "peer", row) for name, row in peer_rows(args.family, preset)]
 
     rows = []
-    for index, (name, kind, peer_row) in enumerate(trainers):
+    for index, (name, kind, what) in enumerate(trainers):  # what: StableTune's preset, or the peer's row
         run_dir = args.out / f"run-{index}-{kind}"
         load = os.getloadavg()[0]
         print(f"{name}: running for {limit / 60:g} min (load average {load:.2f})", file=sys.stderr)
         if kind == "stabletune":
             env = thread_env(args.threads)
-            command = stabletune_command(model, data, run_dir, args.snapshot_steps, args.preset)
+            command = stabletune_command(model, data, run_dir, args.snapshot_steps, what)
             started = run_for(command, env, limit, args.out / f"run-{index}.log")
             found = snapshots(run_dir / "checkpoints", r"step_(\d+)", started)
         else:
             env = thread_env(args.threads, args.peer_pythonpath)
             command = family_peer_command(args.family, args.peer_script, model, peer_data, run_dir,
-                                          args.snapshot_steps, preset, peer_row)
+                                          args.snapshot_steps, preset, what)
             started = run_for(command, env, limit, args.out / f"run-{index}.log")
             found = snapshots(run_dir, r"checkpoint-(\d+)", started)
         rows.append({"name": name, "kind": kind, "load": load, "load_end": os.getloadavg()[0], "env": env,

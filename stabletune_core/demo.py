@@ -53,7 +53,6 @@ def draw_demo_dataset(folder: Path, *, count: int = 24, size: int = 64, seed: in
 
 
 DEMO_IMAGES = 12  # of the new concept
-DEMO_PRIOR_IMAGES = 24  # the base's own images of the colours it already draws (2 per base prompt)
 #: Seeds of the base's own prior images: never a validation seed (the demo's 7, 8) nor a scoring seed
 #: (1000-1007), so keeping the base colours is measured on images the LoRA was not shown.
 DEMO_PRIOR_FIRST_SEED = 5000
@@ -123,12 +122,13 @@ def check_family(family: str) -> None:
 def demo_assets(concept: str = "colour", family: str = "sd1") -> tuple[Path, Path]:
     """The toy base model and the demo dataset, built once per base version into the cache folder.
 
-    The dataset holds 12 images of the concept (purple shapes, or rings in the base colours) and 24 images of
-    what the base already draws, rendered by the base itself at its own prompts (prior preservation as
-    DreamBooth does it: the base's images, not drawn ones). Drawn images of the known colours (the demo until
-    issue 21.4) are not what the base draws: training on them pulls every known colour towards the drawing's
-    palette, and the base's own red and green drifted 10-20 degrees; with the base's own images, what the LoRA
-    must keep is exactly what the base did, and only the concept has something new to learn.
+    The dataset holds 12 images of the concept (purple shapes, or rings in the base colours) and images of what
+    the base already draws (`prior_images_per_prompt` of each of its 12 prompts: 24 on SD 1.x, 48 on Klein),
+    rendered by the base itself at its own prompts (prior preservation as DreamBooth does it: the base's images,
+    not drawn ones). Drawn images of the known colours (the demo until issue 21.4) are not what the base draws:
+    training on them pulls every known colour towards the drawing's palette, and the base's own red and green
+    drifted 10-20 degrees; with the base's own images, what the LoRA must keep is exactly what the base did, and
+    only the concept has something new to learn.
     """
     from .toy.bases import TOY_BASES
     from .toy.world import (BASE_COLORS, CONCEPT_COLOR, CONCEPT_SHAPE, SHAPES, concept_scenes,
@@ -140,11 +140,11 @@ def demo_assets(concept: str = "colour", family: str = "sd1") -> tuple[Path, Pat
     model = toy.model()
     name, scenes = ((CONCEPT_COLOR, concept_scenes(DEMO_IMAGES)) if concept == "colour"
                     else (CONCEPT_SHAPE, shape_concept_scenes(DEMO_IMAGES)))
-    data = cache_root() / f"demo-v5-{model.name}" / f"{name}-lora"
+    per_prompt = toy.prior_images_per_prompt
+    data = cache_root() / f"demo-v6-{model.name}" / f"{name}-lora-prior{per_prompt}"
     if not data.is_dir():
         data.parent.mkdir(parents=True, exist_ok=True)
         prompts = [f"a {c} {s}" for c in BASE_COLORS for s in SHAPES]
-        per_prompt = DEMO_PRIOR_IMAGES // len(prompts)
         seeds = list(range(DEMO_PRIOR_FIRST_SEED, DEMO_PRIOR_FIRST_SEED + per_prompt))
         try:
             with atomic_path(data, folder=True) as staging:

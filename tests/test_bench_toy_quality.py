@@ -172,3 +172,16 @@ def test_scoring_takes_the_longest_budget_first_across_rows(tmp_path):
     written = json.loads((tmp_path / "results.json").read_text())
     assert written == {"complete": False, "rows": [{"name": "a"}, {"name": "b"}]}
     assert rows[0]["env"] == {"X": "1"}  # the run's own rows are left as they were
+
+
+@pytest.mark.parametrize("preset", ["demo.toml", "demo-flux2-klein.toml"])
+def test_the_row_without_samples_trains_the_same_preset_sampling_nothing(tmp_path, preset):
+    from stabletune_core.config import build_config, read_toml
+
+    shipped = read_toml(ROOT / "presets" / preset)
+    quiet = read_toml(bench.preset_without_samples(ROOT / "presets" / preset, tmp_path / "quiet.toml"))
+    assert shipped["validation_prompt"] and "validation_prompt" not in quiet and "sample_judge" not in quiet
+    assert quiet == {k: v for k, v in shipped.items() if k not in ("validation_prompt", "sample_judge")}
+    config = build_config({**quiet, "pretrained_model_name_or_path": str(tmp_path), "train_data_dir": str(tmp_path),
+                           "output_dir": str(tmp_path / "run")})
+    assert config.validation_prompts == [] and config.learning_rate == shipped["learning_rate"]

@@ -216,13 +216,14 @@ def test_the_new_token_learns_the_concept_on_the_toy_base(toy_base, tmp_path, on
     """<p1> starts as "red" (its embedding is red's, the LoRA starts at zero: the images of "a <p1> SHAPE" are the
     base's red ones) and, trained on the demo's purple images captioned "a <p1> SHAPE", ends near their hue while
     the base's own colours stay where they were. 8 render seeds; bench/pivotal_toy.py has the full comparison."""
-    from stabletune_core.demo import DEMO_IMAGES, DEMO_PRIOR_IMAGES
+    from stabletune_core.demo import DEMO_IMAGES
+    from stabletune_core.toy.bases import TOY_BASES
     from stabletune_core.toy.world import CONCEPT_COLOR, base_scenes, concept_scenes, write_dataset
 
     bench = load_bench()
     demo_data = tmp_path / "demo"  # the demo's dataset, as demo.demo_assets writes it
     write_dataset(demo_data / f"1_{CONCEPT_COLOR}", concept_scenes(DEMO_IMAGES))
-    write_dataset(demo_data / "1_known_colours", base_scenes(DEMO_PRIOR_IMAGES, seed=78))
+    write_dataset(demo_data / "1_known_colours", base_scenes(12 * TOY_BASES["sd1"].prior_images_per_prompt, seed=78))
     data, target = bench.concept_dataset(demo_data, tmp_path / "data")
     output = bench.train_run(toy_base, data, tmp_path / "run", seed=1, steps=150, pivotal=True, init="red")
     seeds = list(range(bench.FIRST_RENDER_SEED, bench.FIRST_RENDER_SEED + 8))

@@ -4,6 +4,8 @@
 
     nan_loss@N          the UNet's prediction in step N is NaN, so the loss and every gradient are
     nan_grad@N          one LoRA gradient of step N is NaN, the loss stays finite
+    fp16_overflow@N     the backward pass of step N overflows in fp16 (the UNet output's gradient is inf), as
+                        too high a loss scale makes it; only while the UNet runs in fp16
     oom@N               the first UNet forward of step N raises torch.cuda.OutOfMemoryError (list it twice
                         to fail twice)
     disk_full@save:N    writing the checkpoint of step N fails with ENOSPC half way through
@@ -29,7 +31,8 @@ import torch
 from .checkpoint import nothing
 from .session import TrainState
 
-KINDS = ("nan_loss", "nan_grad", "oom", "disk_full@save", "torch_full@save", "kill@step", "kill@checkpoint")
+KINDS = ("nan_loss", "nan_grad", "fp16_overflow", "oom", "disk_full@save", "torch_full@save", "kill@step",
+         "kill@checkpoint")
 
 
 def parse(spec: str | None) -> Counter:
@@ -90,6 +93,12 @@ def arm(denoiser: torch.nn.Module, params: list[torch.nn.Parameter], optimizer: 
                                               f"{next_step()}, micro-batch {state.micro_batch_size}).")
 
     def after_forward(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        sample = output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
+        # whether fp16 overflows by itself depends on the CPU's fp16 kernels (a rate of 1.0 overflowed from step 2
+        # where the fallback test was written, not on an AMD EPYC without AVX-512), so the tests overflow it here
+        if (torch.is_grad_enabled() and sample.requires_grad and sample.dtype == torch.float16
+                and take("fp16_overflow", next_step())):
+            sample.register_hook(lambda grad: torch.full_like(grad, float("inf")))
         if not (torch.is_grad_enabled() and take("nan_loss", next_step())):
             return None
         if isinstance(output, tuple):

@@ -1,9 +1,10 @@
-"""One trial of the FLUX.2 Klein demo's settings, measured as tests/test_toy_klein.py measures the demo (issue 23.5).
+"""One trial of a demo's settings, measured as tests/test_toy_klein.py and tests/test_toy_learning.py measure the
+demos (issues 23.5 and 21.4).
 
-The demo (`presets/demo-flux2-klein.toml` on the toy Klein base and the demo dataset: 12 purple shapes and 24 of the
-base's own images of the colours it knows), with `--set knob=value` overrides (TOML values), trains once in this
-process; its exported LoRA is then loaded into a fresh Flux2KleinPipeline with diffusers' `load_lora_weights` and
-judged over 8 seeds per prompt (toy/evaluate.learning_report): purple's hue error in degrees against the run's own
+The demo (`--family flux2_klein`, the default: `presets/demo-flux2-klein.toml` on the toy Klein base; `--family sd1`:
+`presets/demo.toml` on the toy SD 1.x base; either with the demo dataset: 12 purple shapes and the base's own images
+of the colours it knows), with `--set knob=value` overrides (TOML values), trains once in this process; its exported
+LoRA is then loaded into a fresh toy pipeline with diffusers' `load_lora_weights` and judged over 8 seeds per prompt (toy/evaluate.learning_report): purple's hue error in degrees against the run's own
 training images, each base colour's drift in degrees against the base's own image at the same prompt and seed, and
 the base prompts' shapes right. The base's renders are kept under OUT/base and reused by every trial of OUT.
 
@@ -61,6 +62,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="Folder of the trials (runs, base renders, table).")
     parser.add_argument("--name", required=True, help="The trial's name (its run folder under OUT/runs).")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KNOB=VALUE")
+    parser.add_argument("--family", choices=["flux2_klein", "sd1"], default="flux2_klein",
+                        help="which demo: the toy FLUX.2 Klein's or the toy SD 1.x's")
     args = parser.parse_args()
 
     import torch
@@ -70,21 +73,23 @@ def main() -> None:
     from stabletune_core.demo import demo_config
     from stabletune_core.toy.evaluate import SCORE_SEEDS, learning_report, render
     from stabletune_core.toy.judge import concept_reference, learning_summary
+    from stabletune_core.toy import load_toy_pipeline
     from stabletune_core.toy.klein import load_toy_klein_pipeline
     from stabletune_core.toy.world import CONCEPT_COLOR, base_prompts, concept_prompts
 
-    torch.set_num_threads(1)  # the toy Klein is dispatch-bound (train/threads.py)
+    torch.set_num_threads(1)  # the toy models are dispatch-bound (train/threads.py)
+    load_pipeline = load_toy_klein_pipeline if args.family == "flux2_klein" else load_toy_pipeline
     overrides = parse_overrides(args.overrides)
     run_dir = args.out / "runs" / args.name
     if run_dir.exists():
         raise SystemExit(f"{run_dir} exists; give the trial another --name.")
-    config = demo_config(run_dir, family="flux2_klein")  # builds the toy Klein and the demo dataset once per cache
+    config = demo_config(run_dir, family=args.family)  # builds the toy base and the demo dataset once per cache
     config = build_config({**config.model_dump(), **overrides, "output_dir": str(run_dir)})
     model = Path(config.pretrained_model_name_or_path)
     prompts = base_prompts() + concept_prompts()
     base = images_in(args.out / "base", prompts, SCORE_SEEDS)
     if base is None:
-        base = render(load_toy_klein_pipeline(model), prompts, SCORE_SEEDS)
+        base = render(load_pipeline(model), prompts, SCORE_SEEDS)
         save_images(args.out / "base", base, SCORE_SEEDS)
 
     load = os.getloadavg()[0]
@@ -94,7 +99,7 @@ def main() -> None:
     if code != 0:
         raise SystemExit(f"the trial's run failed ({code}); see {run_dir}")
     torch.set_num_threads(1)
-    pipe = load_toy_klein_pipeline(model)
+    pipe = load_pipeline(model)
     lora = run_dir / "output" / f"{config.output_name}.safetensors"
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="demo")
     tuned = render(pipe, prompts, SCORE_SEEDS)

@@ -11,6 +11,8 @@ and stopped with Ctrl-C once it has ended step N.
 Rows, all on the toy base and the demo dataset (36 images), seed 7, 64 px, rank 8, batch 4, lr 1e-3:
 - StableTune, same work as the example: presets/demo.toml with what the example does not do turned off (no
   text-encoder LoRA, no validation images, no validation loss, no held-out split), a checkpoint every 10 steps;
+- StableTune, same work, latents cached: the same with `cache_latents` (the demo preset's setting): each image
+  is VAE-encoded once, before step 1, instead of every step;
 - diffusers example (`examples/text_to_image/train_text_to_image_lora.py`, never committed), --checkpointing_steps 10;
 - StableTune as shipped (presets/demo.toml: text-encoder LoRA, 10 step-0 validation images, validation loss
   every 25 steps), a checkpoint every 10 steps: what a demo user waits for.
@@ -40,17 +42,20 @@ from toy_quality import PRESET, check_peer, dataset_images, thread_env, write_im
 
 PROBE = ROOT / "bench" / "step_probe.py"
 STOP_GRACE_S = 120
+# The example encodes every batch with the VAE, so the same-work row does too (the demo preset caches latents).
 SAME_WORK = ["--no-train_text_encoder", "--validation_prompt", "", "--validation_loss_every", "0",
-             "--validation_split", "0", "--sample_judge", "none"]
+             "--validation_split", "0", "--sample_judge", "none", "--no-cache_latents"]
+SAME_WORK_CACHED = [*SAME_WORK[:-1], "--cache_latents"]
 
 
-def stabletune(model: Path, data: Path, run: Path, steps: int, snapshot_steps: int, same_work: bool) -> list[str]:
+def stabletune(model: Path, data: Path, run: Path, steps: int, snapshot_steps: int,
+               overrides: list[str]) -> list[str]:
     """The demo preset's own length (400 steps): the bench stops the run after `steps` (see `timed`), so that
     what depends on the run's length (the cosine schedule, how the step-0 images are spread) is as a user has it."""
     return ["-m", "stabletune_core", "train", "--config", str(PRESET), "--pretrained_model_name_or_path",
             str(model), "--train_data_dir", str(data), "--output_dir", str(run),
             "--save_steps", str(snapshot_steps), "--checkpoints_total_limit", "100000",
-            *(SAME_WORK if same_work else [])]
+            *overrides]
 
 
 def peer(script: Path, model: Path, data: Path, run: Path, steps: int, snapshot_steps: int) -> list[str]:
@@ -122,22 +127,24 @@ def main() -> None:
     peer_data = write_imagefolder(dataset_images(data), args.out / "peer-data")
     rows = {
         "StableTune, same work as the example": lambda run: stabletune(model, data, run, args.steps,
-                                                                       args.snapshot_steps, True),
+                                                                       args.snapshot_steps, SAME_WORK),
+        "StableTune, same work, latents cached": lambda run: stabletune(model, data, run, args.steps,
+                                                                        args.snapshot_steps, SAME_WORK_CACHED),
         "diffusers example": lambda run: peer(args.peer_script, model, peer_data, run, args.steps,
                                               args.snapshot_steps),
         "StableTune as shipped (demo preset)": lambda run: stabletune(model, data, run, args.steps,
-                                                                      args.snapshot_steps, False),
+                                                                      args.snapshot_steps, []),
     }
     if args.before_root:
         rows["StableTune as shipped, before"] = lambda run: stabletune(model, data, run, args.steps,
-                                                                      args.snapshot_steps, False)
+                                                                      args.snapshot_steps, [])
     results: dict[str, list[dict[str, float]]] = {name: [] for name in rows}
     for r in range(args.rounds):
         order = list(rows) if r % 2 == 0 else list(reversed(rows))
         for name in order:
             index = list(rows).index(name)
             run = args.out / f"round{r}-row{index}"
-            env = thread_env(args.threads, args.peer_pythonpath if "example" in name else None)
+            env = thread_env(args.threads, args.peer_pythonpath if name == "diffusers example" else None)
             root = args.before_root.resolve() if name.endswith("before") else ROOT
             env["PYTHONPATH"] = env["PYTHONPATH"].replace(str(ROOT), str(root), 1)
             result = timed(rows[name](run), env, args.out / f"round{r}-row{index}.times",

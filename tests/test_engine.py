@@ -209,6 +209,10 @@ def test_demo_runs_from_the_command_line(tmp_path):
     assert (tmp_path / "demo" / "output" / "demo_lora.safetensors").exists()
     assert "LoRA written to" in result.stdout
     assert "should be kept in float32" not in result.stderr  # diffusers' empty-list advice, no user's concern
+    # the demo VAE-encodes its 32 training images once, before step 1, not every step (presets/demo.toml)
+    events = [json.loads(line) for line in (tmp_path / "demo" / "events.jsonl").read_text().splitlines()]
+    cached = [e for e in events if e.get("kind") == "latent_cache"]
+    assert len(cached) == 1 and cached[0]["encoded"] == 32 and "Caching latents" in result.stderr
 
 
 def test_export_command_writes_a_checkpoints_lora_and_leaves_the_run_alone(trained_run):

@@ -69,14 +69,21 @@ def app(tmp_path_factory: pytest.TempPathFactory):
     next(server, None)
 
 
-@pytest.fixture
-def page(app):
-    url, _, browser = app
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+def painted_page(browser, url: str, width: int):
+    """A new browser context's page on the app, once its first paint is done (the newest run is followed): before
+    that, choosing a run in the Train tab may find the run picker still empty (seen with a training test beside)."""
+    context = browser.new_context(viewport={"width": width, "height": 1000})
     page = context.new_page()
     page.goto(url)
     open_tab(page, "Train")  # Gradio 6 renders a tab's contents when it is first opened
-    wait_text(page, "#train-status", "single", 60)  # the first paint is done: the newest run is followed
+    wait_text(page, "#train-status", "single", 60)
+    return context, page
+
+
+@pytest.fixture
+def page(app):
+    url, _, browser = app
+    context, page = painted_page(browser, url, 1400)
     yield page
     context.close()
 
@@ -131,7 +138,10 @@ def test_a_number_box_left_unreadable_says_so_by_its_label_in_red(page) -> None:
 
 
 def rows_of_images(page) -> list[dict]:
-    """Per table row of the Samples tab: its step label, the tops and widths of its images."""
+    """Per table row of the Samples tab: its step label, the tops and widths of its images, once every image has
+    loaded (until then the rows' layout still moves: tops of one row differed by 350 px under load)."""
+    page.wait_for_function("""() => [...document.querySelectorAll('#samples-gallery img')]
+                                   .every(i => i.complete && i.naturalWidth > 0)""", timeout=30_000)
     return page.evaluate("""() => [...document.querySelectorAll('#samples-gallery tr')].map(tr => ({
         step: (tr.querySelector('th.step') || {}).innerText || '',
         images: [...tr.querySelectorAll('img')].map(i => { const r = i.getBoundingClientRect();
@@ -173,9 +183,7 @@ def test_events_table_keeps_step_on_one_line_and_shows_whole_messages(app) -> No
     """Issue 25.11: the Events table on a narrow page: "step" is one line (not a letter per line) and a long
     message wraps inside the table, whole (its end is on screen, nothing cut at the right edge)."""
     url, _, browser = app
-    context = browser.new_context(viewport={"width": 900, "height": 1000})
-    page = context.new_page()
-    page.goto(url)
+    context, page = painted_page(browser, url, 900)
     follow(page, "wide")
     open_tab(page, "Monitor")
     page.locator("#monitor-events").filter(has_text="ends HERE").first.wait_for(timeout=30_000)

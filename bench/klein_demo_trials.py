@@ -4,9 +4,10 @@ demos (issues 23.5 and 21.4).
 The demo (`--family flux2_klein`, the default: `presets/demo-flux2-klein.toml` on the toy Klein base; `--family sd1`:
 `presets/demo.toml` on the toy SD 1.x base; either with the demo dataset: 12 purple shapes and the base's own images
 of the colours it knows), with `--set knob=value` overrides (TOML values), trains once in this process; its exported
-LoRA is then loaded into a fresh toy pipeline with diffusers' `load_lora_weights` and judged over 8 seeds per prompt (toy/evaluate.learning_report): purple's hue error in degrees against the run's own
-training images, each base colour's drift in degrees against the base's own image at the same prompt and seed, and
-the base prompts' shapes right. The base's renders are kept under OUT/base and reused by every trial of OUT.
+LoRA is then loaded into a fresh toy pipeline with diffusers' `load_lora_weights` and judged over 8 seeds per
+prompt (toy/evaluate.learning_report): purple's hue error in degrees against the run's own training images, each
+base colour's drift in degrees against the base's own image at the same prompt and seed, and the base prompts'
+shapes right. The base's renders are kept under OUT/base and reused by every trial of OUT.
 
     STABLETUNE_CACHE=/tmp/kd/cache OMP_NUM_THREADS=1 python bench/klein_demo_trials.py --out /tmp/kd \\
         --name lr2e-3 --set learning_rate=2e-3

@@ -51,20 +51,26 @@ TICK_JS = """() => {
 TICK_CSS = f"#{TICK_ID} {{ display: none !important; }}\n"  # also in style.css
 
 
-def every(blocks: gr.Blocks, seconds: float, fn: Callable, inputs: Any, outputs: Any) -> None:
-    """Call `fn` every `seconds` while the page is open.
+def every(seconds: float, fn: Callable, inputs: Any, outputs: Any, after: Any) -> None:
+    """Call `fn` every `seconds` while the page is open, from the moment the event `after` has finished.
 
-    gr.Timer on Gradio 4.40+. Before it (A1111's 3.41) not `load(every=)`: that runs as a never-ending
-    generator on an open websocket, and the WebUI's "Reload UI" (`demo.close()`) then waits for it
-    forever. Instead the browser clicks a hidden button on an interval: each tick is a short event.
+    The page's first paint is `after`: a tick before it would send the page's default inputs (no run chosen
+    yet), and its late reply could land on top of what the first paint restored (seen: a reload under load
+    switched the page back to the newest run and saved that as the browser's choice).
+
+    gr.Timer on Gradio 4.40+, created inactive and switched on by `after`. Before it (A1111's 3.41) not
+    `load(every=)`: that runs as a never-ending generator on an open websocket, and the WebUI's "Reload UI"
+    (`demo.close()`) then waits for it forever. Instead the browser clicks a hidden button on an interval
+    that `after` starts: each tick is a short event.
     """
     if hasattr(gr, "Timer"):
-        timer = gr.Timer(seconds)
+        timer = gr.Timer(seconds, active=False)
         listen(timer.tick, fn, inputs, outputs, show_progress="hidden", queue=True)
+        listen(after.then, lambda: gr.Timer(active=True), None, [timer], show_progress="hidden")
         return
     tick = make(gr.Button, value="refresh", elem_id=TICK_ID, elem_classes=[TICK_ID])
     listen(tick.click, fn, inputs, outputs, show_progress="hidden", queue=False)
-    listen(blocks.load, None, None, None, _js=TICK_JS % (TICK_ID, int(seconds * 1000)))
+    listen(after.then, None, None, None, _js=TICK_JS % (TICK_ID, int(seconds * 1000)))
 
 
 # The route a page loads a local file from (a folder the app allows: the runs folder): /gradio_api/file= since

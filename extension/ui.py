@@ -47,7 +47,7 @@ def build_ui(settings: UISettings | None = None) -> gr.Blocks:
         for tab in TABS:
             tab.wire(ctx)
         after_restore = persist.wire(blocks, ctx)
-        _live(blocks, ctx, after_restore)
+        _live(ctx, after_restore)
     blocks.stabletune_context = ctx  # for tests and hosts; Blocks accepts new attributes
     return blocks
 
@@ -69,7 +69,7 @@ def follow_queue(ctx: UIContext, state: dict[str, Any], run: Path | None) -> Pat
     return run
 
 
-def _live(blocks: gr.Blocks, ctx: UIContext, after_restore: Any) -> None:
+def _live(ctx: UIContext, after_restore: Any) -> None:
     """One periodic refresh for every live tab; a per-browser `seen` state lets each tab skip sending
     what the browser already shows. Each browser follows its own run: the one its Train dropdown shows
     (`seen["run"]`), else the newest run this UI started or found."""
@@ -92,6 +92,6 @@ def _live(blocks: gr.Blocks, ctx: UIContext, after_restore: Any) -> None:
             result.extend(tab.refresh(ctx, state, *values[start - 2:start - 2 + count]))
         return [*result, state]
 
-    compat.every(blocks, ctx.settings.refresh_seconds, refresh, inputs, [*outputs, seen])
-    # First paint without waiting for the first tick, once the browser's saved run and form are back.
-    after_restore(refresh, inputs, [*outputs, seen])
+    # First paint once the browser's saved run and form are back; the ticks follow it.
+    first_paint = after_restore(refresh, inputs, [*outputs, seen])
+    compat.every(ctx.settings.refresh_seconds, refresh, inputs, [*outputs, seen], after=first_paint)

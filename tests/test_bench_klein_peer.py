@@ -3,38 +3,20 @@ parser reads as the shared setting, the example's carry the same values, the pro
 are read back by bench/first_step.py's `timed`, and a StableTune-only run of the bench ends in a table."""
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench_scripts import load_bench, parsed_by_stabletune
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("klein_peer", ROOT / "bench" / "klein_peer.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
+bench = load_bench("klein_peer")
 SETTING = bench.Setting(steps=23, rank=6, learning_rate=3e-4, batch=2, resolution=128, seed=7, precision="bf16",
                         gradient_checkpointing=True)
-
-
-def parsed_by_stabletune(command: list[str]):
-    """The TrainConfig `python -m stabletune_core train ...` would run with these arguments."""
-    from stabletune_core.config.flags import add_config_arguments, config_from_args
-
-    assert command[:3] == ["-m", "stabletune_core", "train"]
-    parser = argparse.ArgumentParser()
-    add_config_arguments(parser)
-    return config_from_args(parser.parse_args(command[3:]))
 
 
 @pytest.mark.parametrize("same_work", [True, False])

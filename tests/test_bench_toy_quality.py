@@ -3,7 +3,6 @@ command lines of each family's rows (the Klein example's built without the examp
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -12,18 +11,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from bench_scripts import load_bench
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("toy_quality", ROOT / "bench" / "toy_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
+bench = load_bench("toy_quality")
 
 
 def stabletune_dataset(root: Path) -> Path:

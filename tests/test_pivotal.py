@@ -7,7 +7,6 @@ toy base that the token learns the concept, in degrees of hue.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
@@ -19,16 +18,10 @@ from safetensors.torch import load_file
 
 from stabletune_core.config import ConfigError, build_config
 
+from bench_scripts import load_bench
+
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = dict(diagnostics_every=0, activation_stats_every=0, validation_loss_every=0)
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("pivotal_toy", ROOT / "bench" / "pivotal_toy.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -220,7 +213,7 @@ def test_the_new_token_learns_the_concept_on_the_toy_base(toy_base, tmp_path, on
     from stabletune_core.toy.bases import TOY_BASES
     from stabletune_core.toy.world import CONCEPT_COLOR, base_scenes, concept_scenes, write_dataset
 
-    bench = load_bench()
+    bench = load_bench("pivotal_toy")
     demo_data = tmp_path / "demo"  # the demo's dataset, as demo.demo_assets writes it
     write_dataset(demo_data / f"1_{CONCEPT_COLOR}", concept_scenes(DEMO_IMAGES))
     write_dataset(demo_data / "1_known_colours", base_scenes(12 * TOY_BASES["sd1"].prior_images_per_prompt, seed=78))

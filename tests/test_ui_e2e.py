@@ -294,10 +294,21 @@ def test_reload_keeps_form_and_tab_and_each_browser_follows_its_own_run(tmp_path
             wait_text(first, "#train-status strong", "run-b", 30)
             second.wait_for_timeout(3000)
             assert followed_run(second) == "run-a"
+            # Every name the status line shows from the reload on: a refresh tick before the saved run was back
+            # once showed the newest run (run-b), and its late reply switched the page (and its save) to it.
+            second.add_init_script("""window.__followed = []; setInterval(() => {
+                const root = document.querySelector('gradio-app');
+                const name = (root && root.shadowRoot ? root.shadowRoot : document)
+                    .querySelector('#train-status strong');
+                if (name && window.__followed.at(-1) !== name.innerText) window.__followed.push(name.innerText);
+            }, 20);""")
             second.reload()
             open_tab(second, "Train")
+            wait_text(second, "#train-status strong", "run-a", 30)
             second.wait_for_timeout(3000)
             assert followed_run(second) == "run-a"  # the followed run survives a reload too
+            shown = second.evaluate("window.__followed")  # before the first paint: the built page's "No run attached."
+            assert [name for name in shown if name.startswith("run-")] == ["run-a"], shown
             open_tab(second, "Model & hyperparameters")
             assert field_value(second, "lora_rank") == "16"  # the first browser's form is not the second's
             browser.close()

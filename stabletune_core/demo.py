@@ -74,7 +74,8 @@ def write_base_images(model: Path, folder: Path, prompts: list[str], seeds: list
         pipe = (pipeline or load_toy_pipeline)(model)
         folder.mkdir(parents=True, exist_ok=True)
         for p, prompt in enumerate(prompts):
-            for seed, image in zip(seeds, render(pipe, [prompt], seeds)[prompt]):
+            for seed in seeds:  # one image a call: training data bitwise the same however many seeds are asked
+                image = render(pipe, [prompt], [seed])[prompt][0]
                 stem = f"base_{p:02d}_s{seed}"
                 image.save(folder / f"{stem}.png")
                 (folder / f"{stem}.txt").write_text(prompt)

@@ -80,6 +80,30 @@ def test_toy_base_draws_the_colour_and_shape_it_is_asked_for(toy_pipe, one_threa
     assert report["concept_hue_error"] >= 30, report  # it has never seen the concept colour
 
 
+def test_render_draws_a_prompts_seeds_in_one_batch_each_as_it_is_drawn_alone(toy_pipe, one_thread):
+    """Every measure here renders 8 seeds a prompt: one pipeline call a prompt, each image from its own seed's
+    generator, so an image is what that seed draws alone (up to one 8-bit level), its hue and shape the same."""
+    import numpy as np
+
+    from stabletune_core.toy.score import hue_distance, judge
+
+    calls = []
+
+    def counted(**kwargs):
+        calls.append(kwargs)
+        return toy_pipe(**kwargs)
+
+    prompts, seeds = base_prompts()[:2], SEEDS[:4]
+    together = render(counted, prompts, seeds)
+    assert len(calls) == len(prompts) and {c["num_images_per_prompt"] for c in calls} == {len(seeds)}
+    for prompt in prompts:
+        for seed, image in zip(seeds, together[prompt]):
+            alone = render(toy_pipe, [prompt], [seed])[prompt][0]
+            assert np.abs(np.asarray(image, dtype=int) - np.asarray(alone, dtype=int)).max() <= 1
+            assert hue_distance(judge(image).hue, judge(alone).hue) <= 0.5
+            assert judge(image).shape == judge(alone).shape
+
+
 def test_demo_teaches_the_concept_without_wrecking_the_base(demo_run, toy_pipe, lora_pipe, one_thread):
     """Issue 21.4: the demo's defaults end with the concept within 8 degrees of its training images and every
     base colour within 3 degrees of the base's own images, measured on 8 seeds."""

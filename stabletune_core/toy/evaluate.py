@@ -23,15 +23,14 @@ SCORE_SEEDS = list(range(1000, 1008))  # 8 seeds per prompt: tests, bench and th
 @torch.no_grad()
 def render(pipe: Any, prompts: list[str], seeds: list[int], *, steps: int = INFERENCE_STEPS,
            guidance: float = GUIDANCE, size: int = 64, **kwargs: Any) -> dict[str, list]:
-    """{prompt: [image per seed]}; each (prompt, seed) image is the same whatever else is rendered."""
+    """{prompt: [image per seed]}. A prompt's seeds are drawn in one batch, each image from its own seeded
+    generator: an image depends on its prompt and seed only, up to one 8-bit level from the batch's summation
+    order (hue and shape as drawn alone), and the dispatch-bound toy draws 8 seeds 4-5x sooner than one by one."""
     out = {}
     for prompt in prompts:
-        images = []
-        for seed in seeds:
-            generator = torch.Generator("cpu").manual_seed(seed)
-            images += pipe(prompt=prompt, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
-                           generator=generator, **kwargs).images
-        out[prompt] = images
+        generators = [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
+        out[prompt] = pipe(prompt=prompt, num_images_per_prompt=len(seeds), height=size, width=size,
+                           num_inference_steps=steps, guidance_scale=guidance, generator=generators, **kwargs).images
     return out
 
 

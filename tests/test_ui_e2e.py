@@ -19,6 +19,8 @@ from ui_browser import (ROOT, choose, drawn, fake_live_run, field_value, followe
                         wait_text, watch_console)
 from ui_tools import require
 
+from stabletune_core.runs.jsonfiles import write_json_atomic
+
 # Small run: samples every 10 steps; Stop comes long before step 200.
 FORM = {"max_train_steps": "200", "validation_steps": "10", "save_steps": "500"}
 ENGINE_WAIT_S = 240  # the engine may share 2 CPU cores with other jobs
@@ -316,6 +318,40 @@ def test_reload_keeps_form_and_tab_and_each_browser_follows_its_own_run(tmp_path
         sleeper.kill()
         sleeper.wait()
         next(server, None)
+
+
+@pytest.mark.parametrize("gradio", ["current", "3.41"])
+def test_the_open_page_keeps_refreshing_on_both_kinds_of_tick(tmp_path: Path, gradio: str) -> None:
+    """The live refresh ticks start from the first paint (after the browser's saved choices are back): on Gradio
+    4.40+ an inactive gr.Timer switched on, on A1111's 3.41 a browser interval. Once the page shows its run, a
+    step the run writes later reaches the status line, which only a tick brings. (Forge's 4.40 runs the Timer
+    path too, but app.py cannot serve from .venv-g440 here: its gradio_client 1.2 fails on pydantic 2.11's
+    schemas, `argument of type 'bool' is not iterable`; tests/test_ui_build.py checks that build's event order.)"""
+    python = {"current": Path(sys.executable), "3.41": ROOT / ".venv-g341" / "bin" / "python"}[gradio]
+    require(python.exists(), f"{python} does not exist")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    server = serve_app(tmp_path, python=str(python))
+    url, runs = next(server)
+    try:
+        run = fake_live_run(runs, "ticking", sleeper.pid)
+        with sync_api.sync_playwright() as p:
+            browser = launch_browser(p)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(url)
+            if gradio == "3.41":  # no ARIA tab roles there; every tab is drawn at load
+                page.locator(".tab-nav button", has_text="Train").first.click()
+            else:  # Gradio 4+ draws a tab's contents when it is first opened
+                open_tab(page, "Train")
+            status = page.locator("#train-status")
+            status.filter(has_text="ticking").first.wait_for(state="attached", timeout=60_000)  # the first paint
+            assert status.filter(has_text="step 37/100").count() == 0
+            written = json.loads(run.paths.status.read_text())
+            write_json_atomic(run.paths.status, {**written, "step": 37})
+            status.filter(has_text="step 37/100").first.wait_for(state="attached", timeout=30_000)
+            browser.close()
+    finally:
+        next(server, None)
+        sleeper.kill()
 
 
 def test_reload_keeps_form_and_tab_on_gradio_341(tmp_path: Path) -> None:

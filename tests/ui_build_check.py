@@ -17,7 +17,6 @@ from extension.settings import UISettings  # noqa: E402
 from extension.ui import build_ui  # noqa: E402
 
 
-
 def ticks_follow_the_first_paint(blocks: gr.Blocks) -> bool:
     """Do the refresh ticks start only after the first paint, which follows the restore of the browser's saved
     run? (A tick before it sends the default "no run chosen", and its reply could undo the restore.) Read from
@@ -35,7 +34,8 @@ def ticks_follow_the_first_paint(blocks: gr.Blocks) -> bool:
     def shows_run_picker(dep: dict) -> bool:
         return "train-run" in {ids.get(o) for o in dep["outputs"]}
 
-    starters = [d for d in deps if "timer" in {types.get(o) for o in d["outputs"]} or "stabletuneTick" in str(d.get("js"))]
+    starters = [d for d in deps
+                if "timer" in {types.get(o) for o in d["outputs"]} or "stabletuneTick" in str(d.get("js"))]
     timers = [c for c in config["components"] if c.get("type") == "timer"]
     if len(starters) != 1 or any(t.get("props", {}).get("active", True) for t in timers) or on_load(starters[0]):
         return False

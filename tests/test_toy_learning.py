@@ -100,8 +100,9 @@ def test_render_draws_a_prompts_seeds_in_one_batch_each_as_it_is_drawn_alone(toy
         for seed, image in zip(seeds, together[prompt]):
             alone = render(toy_pipe, [prompt], [seed])[prompt][0]
             assert np.abs(np.asarray(image, dtype=int) - np.asarray(alone, dtype=int)).max() <= 1
-            assert hue_distance(judge(image).hue, judge(alone).hue) <= 0.5
-            assert judge(image).shape == judge(alone).shape
+            seen_together, seen_alone = judge(image), judge(alone)
+            assert hue_distance(seen_together.hue, seen_alone.hue) <= 0.5
+            assert seen_together.shape == seen_alone.shape
 
 
 def test_demo_teaches_the_concept_without_wrecking_the_base(demo_run, toy_pipe, lora_pipe, one_thread):

@@ -118,19 +118,3 @@ def caption_parts(prompt: str) -> tuple[str, str]:
 def reference_hue(images: Iterable[Image.Image]) -> float:
     """The hue a set of images shows (e.g. a concept's training images), as the circular mean of their hues."""
     return circular_mean(judge(image).hue for image in images)
-
-
-def hue_errors(images: Iterable[Image.Image], reference: float) -> list[float]:
-    """Each image's hue distance in degrees to `reference` (180 for an image without an object)."""
-    return [hue_distance(judge(image).hue, reference) for image in images]
-
-
-def color_score(images: Iterable[Image.Image], color: str) -> float:
-    """Fraction of images whose object's nearest palette name is `color` (the human view)."""
-    verdicts = [judge(image).color == color for image in images]
-    return sum(verdicts) / max(1, len(verdicts))
-
-
-def prompt_scores(images_by_prompt: dict[str, list[Image.Image]]) -> dict[str, float]:
-    """For each prompt 'a <colour> <shape>', the fraction of its images showing that colour."""
-    return {prompt: color_score(images, caption_parts(prompt)[0]) for prompt, images in images_by_prompt.items()}

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_failures import (ROOT, TIMEOUT, assert_failed, base_flags, environment, status, train, tree_hash,
                            user_files)  # noqa: F401 (user_files is a fixture)
@@ -121,16 +122,25 @@ def test_masks_that_keep_nothing_or_cannot_be_read_skip_their_image(tiny_model, 
 
 
 def test_masks_are_not_read_without_masked_loss(tiny_model, shapes_dataset, tmp_path):
-    """--no-masked_loss: mask files are not opened at all, so broken ones cannot stop the run."""
+    """--no-masked_loss: mask files play no part, so broken ones cannot stop the run and the LoRA is bitwise the
+    LoRA of the same data with no mask files at all."""
+    from safetensors.torch import load_file
+
+    plain = copy_dataset(shapes_dataset, tmp_path / "plain")
     data = copy_dataset(shapes_dataset, tmp_path / "data")
     _write_masks(data, {p.stem: ("corrupt", "empty")[i % 2] for i, p in enumerate(sorted(data.glob("*.png")))})
-    run = tmp_path / "run"
-    result = train(base_flags(tiny_model, data, run) + ["--no-masked_loss", "--max_train_steps", "4",
-                                                        "--validation_split", "0"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr and "error:" not in result.stderr
-    assert status(run)["state"] == "finished"
-    assert not [e for e in events(run) if e["kind"] == "data_skipped"]
+    loras = {}
+    for name, folder in (("plain", plain), ("broken masks", data)):
+        run = tmp_path / f"run-{name.replace(' ', '-')}"
+        result = train(base_flags(tiny_model, folder, run) + ["--no-masked_loss", "--max_train_steps", "4",
+                                                              "--validation_split", "0"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr and "error:" not in result.stderr
+        assert status(run)["state"] == "finished"
+        loras[name] = load_file(run / "output" / "lora.safetensors")
+    assert loras["plain"].keys() == loras["broken masks"].keys()
+    changed = [key for key in loras["plain"] if not torch.equal(loras["plain"][key], loras["broken masks"][key])]
+    assert not changed, changed[:3]
 
 
 # ---- item 4: every command keeps the train command's contract ----------------------------------------------------

@@ -60,18 +60,28 @@ def test_a_token_named_twice_and_a_text_cache_are_refused():
 
 
 def test_the_knobs_reach_the_cli_and_the_ui_schema():
+    """A command line sets the config the run gets; the WebUI's committed schema (read without torch) gives each
+    knob the type, default and range the config has, so a form value becomes the same config."""
     import argparse
 
-    from stabletune_core.config import add_config_arguments
+    from stabletune_core.config import TrainConfig, add_config_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
-    args = parser.parse_args(["--pivotal_tokens", "<p1>=red", "<p2>=dog", "--embedding_lr", "5e-3"])
-    assert args.pivotal_tokens == ["<p1>=red", "<p2>=dog"] and args.embedding_lr == 5e-3
-    schema = json.loads((ROOT / "extension" / "config_schema.json").read_text())
-    text = json.dumps(schema)
+    args = parser.parse_args(["--pivotal_tokens", "<p1>=red", "<p2>=dog", "--embedding_lr", "5e-3",
+                              "--num_vectors_per_token", "2", "--embedding_train_fraction", "0.5",
+                              "--pretrained_model_name_or_path", "m", "--train_data_dir", "d", "--output_dir", "o"])
+    config = config_from_args(args)
+    assert config.pivotal_tokens == ["<p1>=red", "<p2>=dog"] and config.embedding_lr == 5e-3
+    assert config.num_vectors_per_token == 2 and config.embedding_train_fraction == 0.5
+    fields = {f["name"]: f for f in json.loads((ROOT / "extension" / "config_schema.json").read_text())["fields"]}
+    defaults = TrainConfig.model_fields
     for knob in ("pivotal_tokens", "num_vectors_per_token", "embedding_lr", "embedding_train_fraction"):
-        assert knob in text
+        assert fields[knob]["default"] == defaults[knob].default, knob
+    assert (fields["num_vectors_per_token"]["min"], fields["num_vectors_per_token"]["max"]) == (1, 16)
+    for outside in (0, 17):  # the form's range is the config's: a value the form refuses, the run refuses too
+        with pytest.raises(ConfigError):
+            build_config(dict(pivotal_tokens=["<p1>=red"], num_vectors_per_token=outside))
 
 
 def test_the_form_shows_the_knobs_in_the_lora_group_and_reads_several_tokens():

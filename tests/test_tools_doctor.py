@@ -52,6 +52,21 @@ def config(tmp_path, dataset) -> Path:
     return path
 
 
+def console_sections(out: str) -> dict[str, list[str]]:
+    """The doctor's console listing: each heading ("Unreadable:") with the indented lines under it."""
+    sections: dict[str, list[str]] = {}
+    heading = None
+    for line in out.splitlines():
+        if line.endswith(":") and not line.startswith((" ", "!")):
+            heading = line[:-1]
+            sections[heading] = []
+        elif line.startswith("  ") and heading is not None:
+            sections[heading].append(line.strip())
+        elif not line.strip():
+            heading = None
+    return sections
+
+
 def test_doctor_finds_what_is_wrong_and_leaves_the_dataset_alone(dataset, config, tmp_path, capsys):
     before = tree_bytes(dataset)
     previews, report_file = tmp_path / "previews", tmp_path / "report.json"
@@ -86,9 +101,24 @@ def test_doctor_finds_what_is_wrong_and_leaves_the_dataset_alone(dataset, config
     assert sum(row["images"] for row in report["buckets"]) == 5 * 10 + 1
     # balance: 5 images x 10 repeats against 1 x 1
     assert "rename 1_style to 50_style" in report["balance"]
-    for words in ("cannot be read", "byte-for-byte copies", "near-duplicate", "much smaller", "longer than the 75",
-                  "no caption file", "rename 1_style to 50_style"):
-        assert words in out, words
+    # The console says the same as the report, each finding under its heading with the files it is about, and
+    # the summary line counts what the section lists.
+    sections = console_sections(out)
+    assert sections["Unreadable"] == [f"{dataset / 'broken.png'}: Cannot read image {dataset / 'broken.png'}: it is "
+                                      "not an image file or its format is not supported."]
+    assert sections["Exact duplicates"] == [f"{s}/a.png = {s}/a_copy.png"]
+    assert sections["Near duplicates"] == [f"{s}/a.png ~ {s}/a_small.jpg (distance 0)"]
+    assert sections["Much smaller than the resolution"] == [f"{s}/tiny.png: 16x16 -> bucket 64x64 (4.0x)"]
+    assert sections["Captions too long"] == [f"{s}/b.png: {captions['too_long'][0]['tokens']} tokens (limit 75)"]
+    assert sections["No caption file"] == [f"{s}/a_copy.png", f"{s}/a_small.jpg", str(dataset / "1_style/c.png")]
+    assert sections["Empty caption"] == [f"{s}/tiny.png"]
+    assert sections["Buckets (images per epoch)"] == ["48x80: 10", "64x64: 40", "72x56: 1"]
+    summary = {line for line in out.splitlines() if line.startswith("! ")}
+    for count, words in ((1, "cannot be read"), (1, "byte-for-byte copies"), (1, "near-duplicate"),
+                         (1, "much smaller"), (3, "no caption file"), (1, "caption file(s) are empty"),
+                         (1, "longer than the 75")):
+        assert [line for line in summary if words in line and line.startswith(f"! {count} ")], (count, words)
+    assert any("rename 1_style to 50_style" in line for line in summary)
 
 
 def test_sdxl_family_counts_with_both_tokenizers(dataset, config, tmp_path):

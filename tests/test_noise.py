@@ -10,7 +10,7 @@ from diffusers import DDPMScheduler
 
 from stabletune_core.models.ddpm import DDPMObjective
 from stabletune_core.train.loss import per_sample_loss
-from stabletune_core.train.noise import NoiseOptions, noised
+from stabletune_core.train.noise import NoiseOptions, noised, pyramid_noise
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +83,85 @@ def test_debiased_estimation_weights_by_inverse_sqrt_snr(scheduler, prediction_t
     assert float(weight[3] / weight[0]) > 30  # the noisiest timestep now counts far more than the cleanest
 
 
-@pytest.mark.parametrize("knob", [{"multires_noise_iterations": 6, "multires_noise_discount": 0.3},
-                                  {"ip_noise_gamma": 0.1}, {"debiased_estimation_loss": True}])
-def test_the_loop_uses_each_option(tiny_config, one_thread, knob, tmp_path):
-    """The first step's loss (same weights, batch and random stream) changes when an option is on."""
+def first_step_of_a_run(config, monkeypatch) -> dict:
+    """Train one step with the real loop and record, without changing anything, what its first sampler batch met:
+    the state of the batch's generator before the noise was drawn, the options the noise was drawn with, the
+    denoiser's input and target, and the loss weights applied at the drawn timesteps."""
+    from stabletune_core.train import step as step_module
     from stabletune_core.train.loop import train
 
-    quiet = dict(max_train_steps=1, diagnostics_every=0, activation_stats_every=0, validation_loss_every=0)
-    first = {}
-    for name, extra in (("off", {}), ("on", knob)):
-        config = tiny_config(output_dir=str(tmp_path / name), **quiet, **extra)
-        train(config)
-        first[name] = json.loads((Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()[0])["loss"]
-    assert first["on"] != pytest.approx(first["off"], rel=1e-4)
+    seen: dict = {}
+    real_noised, real_weigh = step_module.noised, step_module.weigh
+
+    def noised_spy(objective, latents, generator, options):
+        seen.setdefault("generator_state", generator.get_state())
+        seen.setdefault("options", options)
+        out = real_noised(objective, latents, generator, options)
+        seen.setdefault("latents", latents.detach().clone())
+        seen.setdefault("noisy", out[0].detach().clone())
+        return out
+
+    def weigh_spy(objective, loss, timesteps):
+        out = real_weigh(objective, loss, timesteps)
+        seen.setdefault("weight", (out / loss).detach().clone())
+        seen.setdefault("timesteps", timesteps.detach().clone())
+        seen.setdefault("objective", objective)
+        return out
+
+    real_target = DDPMObjective.target
+
+    def target_spy(self, latents, noise, timesteps):
+        value = real_target(self, latents, noise, timesteps)
+        seen.setdefault("target", value.detach().clone())
+        return value
+
+    monkeypatch.setattr(step_module, "noised", noised_spy)
+    monkeypatch.setattr(step_module, "weigh", weigh_spy)
+    monkeypatch.setattr(DDPMObjective, "target", target_spy)
+    train(config)
+    monkeypatch.undo()
+    return seen
+
+
+QUIET = dict(max_train_steps=1, diagnostics_every=0, activation_stats_every=0, validation_loss_every=0)
+
+
+def test_the_loop_trains_on_pyramid_noise_drawn_from_the_batchs_own_generator(tiny_config, one_thread, tmp_path,
+                                                                              monkeypatch):
+    """The target the loop's first step trains towards (epsilon) is kohya's pyramid noise drawn from the sampler
+    batch's generator, redrawn here from that generator's recorded state; off, it is the white noise alone."""
+    for iterations, discount in ((0, 0.3), (6, 0.3)):
+        seen = first_step_of_a_run(tiny_config(output_dir=str(tmp_path / f"p{iterations}"), **QUIET,
+                                               multires_noise_iterations=iterations,
+                                               multires_noise_discount=discount), monkeypatch)
+        assert seen["options"] == NoiseOptions(pyramid_iterations=iterations, pyramid_discount=discount)
+        generator = torch.Generator().manual_seed(0)
+        generator.set_state(seen["generator_state"])
+        white = torch.randn(seen["latents"].shape, generator=generator)
+        want = pyramid_noise(white, generator, iterations, discount) if iterations else white
+        torch.testing.assert_close(seen["target"], want.to(seen["target"].dtype), rtol=0, atol=0)
+
+
+def test_the_loop_perturbs_the_input_by_gamma_and_leaves_the_target(tiny_config, one_thread, tmp_path, monkeypatch):
+    """ip_noise_gamma: the same step's denoiser input moves by gamma times one fixed perturbation (twice the gamma,
+    twice the move) while the target stays the same noise."""
+    runs = {gamma: first_step_of_a_run(tiny_config(output_dir=str(tmp_path / f"g{gamma}"), **QUIET,
+                                                   ip_noise_gamma=gamma), monkeypatch) for gamma in (0.0, 0.1, 0.2)}
+    assert torch.equal(runs[0.1]["target"], runs[0.0]["target"]) and torch.equal(runs[0.2]["target"],
+                                                                                   runs[0.0]["target"])
+    small, large = runs[0.1]["noisy"] - runs[0.0]["noisy"], runs[0.2]["noisy"] - runs[0.0]["noisy"]
+    assert float(small.abs().max()) > 1e-3
+    torch.testing.assert_close(large, 2 * small, rtol=1e-4, atol=1e-5)
+
+
+def test_the_loop_weighs_each_image_by_inverse_sqrt_snr_with_debiased_estimation(tiny_config, one_thread, tmp_path,
+                                                                                 monkeypatch):
+    """debiased_estimation_loss: each image's loss is weighted by 1/sqrt(SNR) of its own timestep (capped at 1000
+    as kohya caps it); off, every weight is 1."""
+    off = first_step_of_a_run(tiny_config(output_dir=str(tmp_path / "off"), **QUIET), monkeypatch)
+    on = first_step_of_a_run(tiny_config(output_dir=str(tmp_path / "on"), **QUIET, debiased_estimation_loss=True),
+                             monkeypatch)
+    assert torch.equal(off["timesteps"], on["timesteps"])
+    torch.testing.assert_close(off["weight"], torch.ones_like(off["weight"]))
+    snr = on["objective"].snr(on["timesteps"]).clamp(max=1000)
+    torch.testing.assert_close(on["weight"], (1 / snr.sqrt()).to(on["weight"].dtype))

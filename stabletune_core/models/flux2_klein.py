@@ -603,6 +603,10 @@ class Flux2Klein:
     def lora_target_modules(self, model: torch.nn.Module, targets: list[str]) -> list[str]:
         return lora_target_modules(model, targets)
 
+    def swappable_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The transformer's blocks in the order they run (double, then single): what block swap moves."""
+        return [*model.transformer_blocks, *model.single_transformer_blocks]
+
     # -------------------------------------------------------------- pipeline
     def make_pipeline(self, bundle: ModelBundle, scheduler=None):
         """A Flux2KleinPipeline over the bundle's own modules, for validation images."""

@@ -244,6 +244,7 @@ def setup(config: TrainConfig) -> Session:
     objective = bundle.family.objective(bundle, config)
     add_lora(bundle, config)
     pivotal = add_pivotal_tokens(bundle, config)
+    swap_blocks(bundle, config, run, device, amp.weight_dtype)  # before placing: swapped weights never all go there
     place_models(bundle, device, amp.weight_dtype, config.mixed_precision)
     trained = {"unet": bundle.unet, **({f"te{i}": e for i, e in enumerate(bundle.text_encoders)}
                                        if config.train_text_encoder else {})}
@@ -343,6 +344,24 @@ def report_skipped(run: RunWriter, skipped: list[SkippedFile], kind: str) -> Non
     if skipped:
         run.event(events.DATA_SKIPPED, f"Skipped {len(skipped)} {kind} image(s) that cannot be used, e.g. "
                   f"{skipped[0].path.name}: {skipped[0].reason} (all listed in events.jsonl).", console=True)
+
+
+def swap_blocks(bundle: ModelBundle, config: TrainConfig, run: RunWriter, device: torch.device,
+                dtype: torch.dtype) -> None:
+    """blocks_to_swap: keep that many of the denoiser's blocks in CPU memory (models/block_swap.py); the swap's
+    bookkeeping is kept in bundle.extra["block_swap"]."""
+    if not config.blocks_to_swap:
+        return
+    from ..models.block_swap import BlockSwap
+
+    blocks = bundle.family.swappable_blocks(bundle.unet)
+    if config.blocks_to_swap > len(blocks):
+        raise ConfigError([f"blocks_to_swap {config.blocks_to_swap} is more than the {len(blocks)} blocks of this "
+                           f"{bundle.family.display_name} transformer; use at most {len(blocks)}."])
+    bundle.extra["block_swap"] = BlockSwap.attach(blocks, config.blocks_to_swap, device, dtype)
+    run.event(events.PLACEMENT, f"Block swap: {config.blocks_to_swap} of the {len(blocks)} transformer blocks stay in "
+              f"CPU memory and come to {device} one at a time while they run.", console=True,
+              blocks_swapped=config.blocks_to_swap, blocks=len(blocks))
 
 
 def enable_fast_attention(bundle: ModelBundle, config: TrainConfig, run: RunWriter) -> None:

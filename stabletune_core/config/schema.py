@@ -239,6 +239,13 @@ class TrainConfigSchema(BaseModel):
     enable_xformers_memory_efficient_attention: bool = knob(
         False, "Use xformers attention when it is installed (PyTorch SDPA is used otherwise).", "precision")
     allow_tf32: bool = knob(False, "Allow TF32 matmuls on Ampere+ GPUs.", "precision")
+    base_storage: Literal["full", "int8", "nf4", "fp8"] = knob(
+        "full", "How the frozen model's weights are stored: full = in the mixed_precision dtype (bf16: 2 bytes a "
+        "weight); int8 = 8 bits a weight, one scale per output channel (half of bf16); nf4 = 4 bits (QLoRA's "
+        "NormalFloat, a quarter of bf16); fp8 = float8 e4m3, GPUs with native fp8 only (RTX 40xx, L4, H100 and newer). "
+        "Applies to the Linear layers of the UNet or FLUX.2 transformer; each is dequantised only while it computes. "
+        "The LoRA trains in its own precision and its file is the same kind of file; its metadata records this "
+        "setting.", "precision")
     blocks_to_swap: int = knob(
         0, "FLUX.2 Klein: keep the frozen weights of this many transformer blocks (the last ones) in CPU memory and "
         "bring each onto the GPU only while it runs, forward and backward, the next one copied while the current one "

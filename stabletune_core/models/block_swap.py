@@ -102,9 +102,10 @@ class BlockSwap:
                 for name, p in list(module._parameters.items()):
                     if p is not None and not p.requires_grad:
                         frozen.append(_Frozen(module, name, True, _home(p.detach(), dtype, device)))
+                keep = getattr(module, "keeps_buffer_dtypes", False)  # quantised codes and scales stay as stored
                 for name, b in list(module._buffers.items()):
                     if b is not None:
-                        frozen.append(_Frozen(module, name, False, _home(b, dtype, device)))
+                        frozen.append(_Frozen(module, name, False, _home(b, None if keep else dtype, device)))
             swapped.append(_Block(index, block, frozen))
         swap = cls(swapped, device)
         for block in swapped:

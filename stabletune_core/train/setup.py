@@ -29,6 +29,7 @@ from ..lora.layers import run_lora_layers
 from ..lora.pivotal import add_pivotal_tokens, pivotal_problems
 from ..models.base import ModelBundle
 from ..models.loading import family_name, load_model
+from ..models.quantize import quantise_linear_layers, storage_problem, stored_bytes
 from ..runs import events
 from ..runs.earlier import earlier_run
 from ..runs.layout import RunPaths
@@ -200,6 +201,8 @@ def setup(config: TrainConfig) -> Session:
                   console=True)
     for note in config.notes():
         run.event(events.CONFIG, note)
+    if problem := storage_problem(config.base_storage, ranks.device):  # before any model loads
+        raise ConfigError([problem])
     set_seed(config.seed)
 
     scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension,
@@ -242,6 +245,7 @@ def setup(config: TrainConfig) -> Session:
         threads, sentence = set_cpu_threads(bundle.denoiser)
         run.event(events.THREADS, sentence, console=True, threads=threads)
     objective = bundle.family.objective(bundle, config)
+    store_base(bundle, config, run)
     add_lora(bundle, config)
     pivotal = add_pivotal_tokens(bundle, config)
     swap_blocks(bundle, config, run, device, amp.weight_dtype)  # before placing: swapped weights never all go there
@@ -344,6 +348,19 @@ def report_skipped(run: RunWriter, skipped: list[SkippedFile], kind: str) -> Non
     if skipped:
         run.event(events.DATA_SKIPPED, f"Skipped {len(skipped)} {kind} image(s) that cannot be used, e.g. "
                   f"{skipped[0].path.name}: {skipped[0].reason} (all listed in events.jsonl).", console=True)
+
+
+def store_base(bundle: ModelBundle, config: TrainConfig, run: RunWriter) -> None:
+    """base_storage: the denoiser's frozen Linear weights stored quantised (models/quantize.py), before the LoRA
+    wraps them and before the model is placed on the device."""
+    if config.base_storage == "full":
+        return
+    before = stored_bytes(bundle.unet)
+    layers = quantise_linear_layers(bundle.unet, config.base_storage)
+    run.event(events.PLACEMENT, f"Base storage {config.base_storage}: {layers} Linear layers of the "
+              f"{getattr(bundle.family, 'denoiser_name', 'UNet')} stored quantised, {before / 2**20:.1f} MiB in fp32 "
+              f"-> {stored_bytes(bundle.unet) / 2**20:.1f} MiB; the LoRA trains in fp32 on top.", console=True,
+              base_storage=config.base_storage, layers=layers)
 
 
 def swap_blocks(bundle: ModelBundle, config: TrainConfig, run: RunWriter, device: torch.device,

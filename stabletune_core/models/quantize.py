@@ -164,3 +164,29 @@ def stored_bytes(model: torch.nn.Module) -> int:
     """The bytes a model's parameters and buffers take as stored (quantised codes and scales included)."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def storage_bytes(model: torch.nn.Module, storage: str, dtype_bytes: int = 2) -> int:
+    """The bytes `model` takes once `quantise_linear_layers(model, storage)` has run and the model is cast to a
+    `dtype_bytes`-wide dtype ("full": nothing quantised), from shapes alone: exact for a model on the meta device
+    (the memory model's weight bytes of the real sizes, in seconds, without weights)."""
+    total, seen = 0, set()
+    for module in model.modules():
+        quantised = storage in QUANTISED_STORAGES and type(module) is torch.nn.Linear
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            if quantised and name == "weight":
+                total += _quantised_weight_bytes(tensor.shape, storage)
+            else:
+                total += tensor.numel() * (dtype_bytes if tensor.is_floating_point() else tensor.element_size())
+    return total
+
+
+def _quantised_weight_bytes(shape: torch.Size, storage: str) -> int:
+    rows, count = shape[0], shape.numel()
+    if storage == "nf4":
+        padded = -(-count // NF4_BLOCK) * NF4_BLOCK
+        return padded // 2 + padded // NF4_BLOCK * 4  # two codes a byte, an fp32 absmax a block
+    return count + rows * 4  # a byte a weight, an fp32 scale a row

@@ -29,6 +29,7 @@ from ..lora.layers import run_lora_layers
 from ..lora.pivotal import add_pivotal_tokens, pivotal_problems
 from ..models.base import ModelBundle
 from ..models.loading import family_name, load_model
+from ..models.memory_plan import plan_memory
 from ..models.quantize import quantise_linear_layers, storage_problem, stored_bytes
 from ..runs import events
 from ..runs.earlier import earlier_run
@@ -170,6 +171,9 @@ def setup(config: TrainConfig) -> Session:
     # configuration" when this came after them)
     prepare_run_dir(config)
     config = config.model_copy(update=family_defaults(config, family))
+    plan = plan_memory(config) if config.vram_gb else None  # vram_gb: the knobs it chose go into config.toml
+    if plan is not None:
+        config = config.model_copy(update=plan.update)
     random_seed = draw_seed(config)
     config = resolve(config, seed=random_seed)
     bad_checkpoints: list[str] = []
@@ -201,6 +205,9 @@ def setup(config: TrainConfig) -> Session:
                   console=True)
     for note in config.notes():
         run.event(events.CONFIG, note)
+    if plan is not None:
+        run.event(events.MEMORY_PLAN, plan.sentence, console=True, vram_gb=config.vram_gb, chosen=plan.update,
+                  estimate_bytes=plan.estimate.total)
     if problem := storage_problem(config.base_storage, ranks.device):  # before any model loads
         raise ConfigError([problem])
     set_seed(config.seed)

@@ -99,7 +99,7 @@ def test_a_block_that_is_out_cannot_compute():
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (dict(model_family="sd1", blocks_to_swap=2, gradient_checkpointing=True), "transformer blocks"),
+    (dict(model_family="sd1", blocks_to_swap=2, gradient_checkpointing=True), "block swap"),
     (dict(model_family="flux2_klein", blocks_to_swap=2), "needs gradient_checkpointing"),
 ])
 def test_swap_where_it_cannot_work_is_one_sentence(overrides, words, tmp_path):
@@ -121,3 +121,48 @@ def test_more_blocks_than_the_model_has_fails_in_one_sentence(paths, shapes_data
         setup(config)
     assert caught.value.problems == ["blocks_to_swap 9 is more than the 4 blocks of this FLUX.2 Klein transformer; "
                                      "use at most 4."]
+
+
+def test_out_of_memory_at_micro_batch_1_swaps_more_blocks_and_changes_no_number(paths, shapes_dataset, tmp_path,
+                                                                                 one_thread):
+    """The out-of-memory chain: micro-batch halves (2 -> 1), then a quarter of the blocks more are swapped (0 -> 1
+    -> 2), each time the same step retried with the same random draws; never a change of the base's storage."""
+    _, plain = klein_run(paths, shapes_dataset, tmp_path / "plain")
+    from stabletune_core.train import faults
+
+    faults.install("oom@2,oom@2,oom@3")
+    try:
+        session, survived = klein_run(paths, shapes_dataset, tmp_path / "oom")
+    finally:
+        faults.install(None)
+    ooms = [e for e in RunReader(tmp_path / "oom").events() if e.get("kind") == "oom"]
+    assert [(e["step"], e.get("new_micro_batch"), e.get("new_blocks_swapped")) for e in ooms] == [
+        (2, 1, None), (2, None, 1), (3, None, 2)]
+    assert "block swap" in ooms[1]["message"]
+    swap: BlockSwap = session.bundle.extra["block_swap"]
+    assert [b.index for b in swap.blocks] == [2, 3] and swap.resident == []
+    assert swap.brought_in[2] >= 2 and swap.brought_in[3] > swap.brought_in[2]  # block 3 swapped since step 2
+    assert RunReader(tmp_path / "oom").status()["state"] == "finished"
+    assert [m["micro_batch_size"] for m in survived] == [2, 1, 1, 1]
+    # a micro-batch of 1 sums the batch in two halves (float order); swapping itself changes no number
+    torch.testing.assert_close(torch.tensor(per_step(survived)), torch.tensor(per_step(plain)), rtol=1e-5, atol=0)
+
+
+def test_memory_guard_swaps_a_quarter_more_blocks_then_stops():
+    from types import SimpleNamespace
+
+    from stabletune_core.train.guards import MemGuard
+
+    def view(**values):
+        return SimpleNamespace(**{**dict(step=3, micro_batch_size=1, blocks_swapped=0, blocks_swappable=25), **values})
+
+    guard = MemGuard(retries=2)
+    (verdict,) = guard.on_out_of_memory(view(), "oom", tries=0)
+    assert type(verdict).__name__ == "SwapMoreBlocks" and (verdict.old, verdict.new, verdict.step) == (0, 6, 4)
+    (verdict,) = guard.on_out_of_memory(view(blocks_swapped=24), "oom", tries=5)
+    assert (verdict.old, verdict.new) == (24, 25)
+    (stop,) = guard.on_out_of_memory(view(blocks_swapped=25), "oom", tries=6)
+    assert type(stop).__name__ == "StopOutOfMemory" and "base_storage int8 or nf4" in stop.message
+    (shrink,) = guard.on_out_of_memory(view(micro_batch_size=4), "oom", tries=0)  # halving comes first
+    assert type(shrink).__name__ == "ShrinkMicroBatch"
+    assert guard.state_dict() == {"halvings": 1, "swaps": 2}

@@ -51,6 +51,15 @@ class _Frozen:
     name: str
     is_parameter: bool
     home: torch.Tensor
+    follows_dtype: bool  # a recast of the model (the fp16 fallback) recasts it; quantised codes and scales do not
+
+    def wanted(self) -> torch.dtype:
+        """The dtype the model wants it in now: its placeholder's, which a recast of the model recast."""
+        return self.current().dtype if self.follows_dtype else self.home.dtype
+
+    def copy_to(self, device: torch.device) -> torch.Tensor:
+        copy = self.home.to(device, non_blocking=True)
+        return copy.to(self.wanted()) if copy.dtype != self.wanted() else copy
 
     def install(self, tensor: torch.Tensor) -> None:
         if self.is_parameter:
@@ -94,27 +103,40 @@ class BlockSwap:
         here) and are replaced by placeholders; trainable tensors (the LoRA) are left where they are. Call before
         the model is placed on the device, so the swapped weights never go there all at once."""
         device = torch.device(device)
-        chosen = list(blocks)[len(blocks) - count:] if count else []
-        swapped = []
-        for index, block in enumerate(chosen, start=len(blocks) - count):
-            frozen = []
-            for module in block.modules():
-                for name, p in list(module._parameters.items()):
-                    if p is not None and not p.requires_grad:
-                        frozen.append(_Frozen(module, name, True, _home(p.detach(), dtype, device)))
-                keep = getattr(module, "keeps_buffer_dtypes", False)  # quantised codes and scales stay as stored
-                for name, b in list(module._buffers.items()):
-                    if b is not None:
-                        frozen.append(_Frozen(module, name, False, _home(b, None if keep else dtype, device)))
-            swapped.append(_Block(index, block, frozen))
-        swap = cls(swapped, device)
-        for block in swapped:
-            swap._send_back(block, count=False)
-            swap._handles.append(block.module.register_forward_pre_hook(swap._make_pre_hook(block)))
-            swap._handles.append(block.module.register_forward_hook(swap._make_post_hook(block)))
+        swap = cls([], device)
         if device.type == "cuda":
             swap._stream = torch.cuda.Stream(device)
+        swap.extend(blocks, count, dtype)
         return swap
+
+    def extend(self, blocks: Sequence[torch.nn.Module], count: int, dtype: torch.dtype | None = None) -> list[int]:
+        """Swap the last `count` of `blocks` from now on (more than before: the out-of-memory guard's last resort);
+        the blocks newly swapped leave the device one at a time, as they are stored. Returns their indices."""
+        first_swapped = self.blocks[0].index if self.blocks else len(blocks)
+        added = []
+        for index in range(len(blocks) - count, first_swapped):
+            block = self._swap_out(blocks[index], index, dtype)
+            added.append(block)
+            self._handles.append(block.module.register_forward_pre_hook(self._make_pre_hook(block)))
+            self._handles.append(block.module.register_forward_hook(self._make_post_hook(block)))
+        self.blocks[:0] = added
+        return [b.index for b in added]
+
+    def _swap_out(self, module: torch.nn.Module, index: int, dtype: torch.dtype | None) -> _Block:
+        frozen = []
+        for part in module.modules():
+            for name, p in list(part._parameters.items()):
+                if p is not None and not p.requires_grad:
+                    frozen.append(_Frozen(part, name, True, _home(p.detach(), dtype, self.device),
+                                          p.is_floating_point()))
+            keep = getattr(part, "keeps_buffer_dtypes", False)  # quantised codes and scales stay as stored
+            for name, b in list(part._buffers.items()):
+                if b is not None:
+                    frozen.append(_Frozen(part, name, False, _home(b, None if keep else dtype, self.device),
+                                          b.is_floating_point() and not keep))
+        block = _Block(index, module, frozen)
+        self._send_back(block, count=False)
+        return block
 
     def detach(self) -> None:
         """Bring every block in for good and remove the hooks (e.g. before merging the model)."""
@@ -139,7 +161,7 @@ class BlockSwap:
                 tensor.record_stream(stream)  # the allocator must not reuse it while the compute stream reads it
             block.copies, block.ready = None, None
         else:
-            copies = [f.home.to(self.device, non_blocking=True) for f in block.frozen]
+            copies = [f.copy_to(self.device) for f in block.frozen]
         for f, tensor in zip(block.frozen, copies):
             f.install(tensor)
         block.resident = True
@@ -149,7 +171,7 @@ class BlockSwap:
     def _send_back(self, block: _Block, *, count: bool = True) -> None:
         """Put placeholders in: the device copies are freed once nothing (autograd included) holds them."""
         for f in block.frozen:
-            f.install(torch.empty(0, dtype=f.home.dtype, device=self.device))
+            f.install(torch.empty(0, dtype=f.wanted(), device=self.device))
         block.copies, block.ready = None, None
         was_resident, block.resident = block.resident, False
         if count and was_resident:
@@ -164,7 +186,7 @@ class BlockSwap:
                 other.copies, other.ready = None, None
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            block.copies = [f.home.to(self.device, non_blocking=True) for f in block.frozen]
+            block.copies = [f.copy_to(self.device) for f in block.frozen]
             block.ready = torch.cuda.Event()
             block.ready.record(self._stream)
         self.prefetched += 1
@@ -177,14 +199,14 @@ class BlockSwap:
     def _make_pre_hook(self, block: _Block):
         def pre_hook(module, args):
             backward = in_backward_pass()
+            # torch's checkpoint stops a recomputation as soon as it has the tensors the backward node needs (early
+            # stop), so a block's forward hook never runs there: the block recomputed before this one goes back now
+            # (autograd still holds the tensors its node needs), and the last one when the backward pass ends. In a
+            # forward pass nothing else is in, unless a step died half way (out of memory) and is being retried.
+            for other in self.blocks:
+                if other is not block and other.resident:
+                    self._send_back(other)
             if backward:
-                # torch's checkpoint stops a recomputation as soon as it has the tensors the backward node needs
-                # (early stop), so the block's forward hook never runs there: the block recomputed before this one
-                # goes back now (autograd still holds the tensors its node needs), and the last one when the
-                # backward pass ends
-                for other in self.blocks:
-                    if other is not block and other.resident:
-                        self._send_back(other)
                 task = torch._C._current_graph_task_id()
                 if task != self._callback_task:
                     self._callback_task = task

@@ -137,3 +137,18 @@ def test_tiny_klein_with_vram_gb_8_plans_says_it_and_finishes(tmp_path_factory, 
     assert event["chosen"] and all(getattr(recorded, k) == v for k, v in event["chosen"].items())
     assert recorded.base_storage == event["chosen"]["base_storage"]
     assert event["estimate_bytes"] <= 8 * GIB
+
+
+def test_the_gpu_checks_plan_measurement_runs_dry_on_the_cpu(tmp_path):
+    """bench/gpu_check.sh measures the 9B plans with bench/klein_gpu.py --base-storage/--blocks-to-swap; the same
+    code path on the tiny Klein on the CPU: it trains, the swapped blocks move, the row says which plan it was."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "klein_gpu.py"), "--device", "cpu", "--tiny",
+                           "--resolutions", "64", "--steps", "1", "--max-batch", "1", "--base-storage", "nf4",
+                           "--blocks-to-swap", "2", "--json", str(tmp_path / "rows.json")], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "rows.json").read_text())
+    assert row["base_storage"] == "nf4" and row["blocks_to_swap"] == 2 and row["loss"] > 0
+    assert row["blocks_brought_in"] == 2 * 2 * 2  # 2 blocks, forward + recomputation, warm-up + 1 timed step
+    assert "base nf4, 2 blocks swapped" in done.stdout
+    assert "klein_9b_int8_swap10" in (ROOT / "bench" / "gpu_check.sh").read_text()

@@ -152,3 +152,18 @@ def test_an_already_quantised_klein_file_is_refused_in_one_sentence(paths, tmp_p
     with pytest.raises(ModelLoadError) as caught:
         Flux2Klein().load(transformer)
     assert "already quantised" in str(caught.value) and one_sentence(str(caught.value))
+
+
+def test_the_text_encoder_is_quantised_only_when_it_runs_every_step(paths, shapes_dataset, tmp_path, one_thread):
+    """Qwen3 not cached: it is frozen weight on the device every step, stored like the transformer (its output head,
+    tied to the token embeddings and unused for hidden states, stays); cached, it runs once and is left alone."""
+    session, _ = klein_run(paths, shapes_dataset, tmp_path / "uncached", base_storage="int8", max_train_steps=1)
+    encoder = session.bundle.text_encoders[0]
+    quantised = [n for n, m in encoder.named_modules() if isinstance(m, QuantisedLinear)]
+    assert quantised and all(not n.endswith("lm_head") for n in quantised)
+    assert type(encoder.lm_head) is torch.nn.Linear
+    event = [e for e in RunReader(tmp_path / "uncached").events() if e.get("kind") == "placement"][0]
+    assert event["text_encoders_quantised"] and "transformer and text encoder" in event["message"]
+    session, _ = klein_run(paths, shapes_dataset, tmp_path / "cached", base_storage="int8", max_train_steps=1,
+                           cache_text_embeddings=True)
+    assert not any(isinstance(m, QuantisedLinear) for m in session.bundle.text_encoders[0].modules())

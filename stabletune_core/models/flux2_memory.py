@@ -106,6 +106,19 @@ def stored_transformer(variant: str, storage: str = "full", dtype_bytes: int = 2
 
 
 @lru_cache(maxsize=None)
+def stored_text_encoder(variant: str, storage: str = "full", dtype_bytes: int = 2) -> int:
+    """Bytes of a shipped variant's Qwen3 text encoder in `storage` (quantised when it is not cached: setup.py)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from .quantize import storage_bytes
+
+    with torch.device("meta"):
+        text = Qwen3ForCausalLM(Qwen3Config.from_pretrained(str(SHIPPED_CONFIGS[variant] / "text_encoder")))
+    return storage_bytes(text, storage, dtype_bytes)
+
+
+@lru_cache(maxsize=None)
 def lora_parameters(variant: str, rank: int, preset: str | tuple[str, ...] = "attention") -> int:
     """Trainable LoRA parameters of a preset (or a tuple of targets) at `rank`: rank x (in + out) per adapted
     Linear layer."""
@@ -162,7 +175,8 @@ def estimate_training_memory(variant: str = "4b", *, precision: str = "bf16", gr
         activations = (sizes.blocks + RECOMPUTE_AND_GRADIENT_VECTORS) * vector
     else:
         activations = (sizes.blocks * ACTIVATION_VECTORS_PER_BLOCK + RECOMPUTE_AND_GRADIENT_VECTORS) * vector
-    weights = stored.resident(blocks_to_swap) + (sizes.vae + (0 if cache_text_embeddings else sizes.text_encoder)) * width
+    text = 0 if cache_text_embeddings else stored_text_encoder(variant, base_storage, width)
+    weights = stored.resident(blocks_to_swap) + sizes.vae * width + text
     if base_storage != "full":  # the layer computing holds its weight dequantised (and its backward another copy)
         activations += 2 * stored.largest_linear * width
     lora = lora_parameters(variant, lora_rank, preset) * LORA_BYTES_PER_PARAMETER

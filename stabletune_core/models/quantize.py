@@ -148,13 +148,18 @@ class QuantisedLinear(torch.nn.Linear):
         return f"in_features={self.in_features}, out_features={self.out_features}, storage={self.storage}"
 
 
+#: Linear layers never quantised: a causal LM's output head (Qwen3's, tied to its token embeddings, which stay as
+#: they are: quantising the head would store the shared table twice; a text encoder's hidden states never use it).
+SKIPPED_LAYERS = ("lm_head",)
+
+
 def quantise_linear_layers(model: torch.nn.Module, storage: str) -> int:
-    """Replace every nn.Linear of `model` by a QuantisedLinear in `storage` (before any adapter is added); returns how
-    many were replaced. The model must be frozen: its Linear weights are not trained."""
+    """Replace every nn.Linear of `model` by a QuantisedLinear in `storage` (before any adapter is added), except
+    SKIPPED_LAYERS; returns how many were replaced. The model must be frozen: its Linear weights are not trained."""
     replaced = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear:
+            if type(child) is torch.nn.Linear and child_name not in SKIPPED_LAYERS:
                 setattr(module, child_name, QuantisedLinear(child, storage))
                 replaced += 1
     return replaced
@@ -171,8 +176,9 @@ def storage_bytes(model: torch.nn.Module, storage: str, dtype_bytes: int = 2) ->
     `dtype_bytes`-wide dtype ("full": nothing quantised), from shapes alone: exact for a model on the meta device
     (the memory model's weight bytes of the real sizes, in seconds, without weights)."""
     total, seen = 0, set()
-    for module in model.modules():
-        quantised = storage in QUANTISED_STORAGES and type(module) is torch.nn.Linear
+    for name, module in model.named_modules():
+        quantised = (storage in QUANTISED_STORAGES and type(module) is torch.nn.Linear
+                     and name.rpartition(".")[2] not in SKIPPED_LAYERS)
         for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
             if tensor is None or id(tensor) in seen:
                 continue

@@ -359,15 +359,19 @@ def report_skipped(run: RunWriter, skipped: list[SkippedFile], kind: str) -> Non
 
 def store_base(bundle: ModelBundle, config: TrainConfig, run: RunWriter) -> None:
     """base_storage: the denoiser's frozen Linear weights stored quantised (models/quantize.py), before the LoRA
-    wraps them and before the model is placed on the device."""
+    wraps them and before the model is placed on the device; the text encoders' too when they run every step."""
     if config.base_storage == "full":
         return
-    before = stored_bytes(bundle.unet)
-    layers = quantise_linear_layers(bundle.unet, config.base_storage)
-    run.event(events.PLACEMENT, f"Base storage {config.base_storage}: {layers} Linear layers of the "
-              f"{getattr(bundle.family, 'denoiser_name', 'UNet')} stored quantised, {before / 2**20:.1f} MiB in fp32 "
-              f"-> {stored_bytes(bundle.unet) / 2**20:.1f} MiB; the LoRA trains in fp32 on top.", console=True,
-              base_storage=config.base_storage, layers=layers)
+    # a text encoder that runs every step (not cached, not trained) is frozen weight on the device like the denoiser
+    frozen = [bundle.unet] + ([] if config.cache_text_embeddings or config.train_text_encoder else
+                              list(bundle.text_encoders))
+    before = sum(stored_bytes(m) for m in frozen)
+    layers = sum(quantise_linear_layers(m, config.base_storage) for m in frozen)
+    which = getattr(bundle.family, "denoiser_name", "UNet") + (" and text encoder" if len(frozen) > 1 else "")
+    run.event(events.PLACEMENT, f"Base storage {config.base_storage}: {layers} Linear layers of the {which} stored "
+              f"quantised, {before / 2**20:.1f} MiB in fp32 -> {sum(stored_bytes(m) for m in frozen) / 2**20:.1f} "
+              "MiB; the LoRA trains in fp32 on top.", console=True, base_storage=config.base_storage, layers=layers,
+              text_encoders_quantised=len(frozen) > 1)
 
 
 def swap_blocks(bundle: ModelBundle, config: TrainConfig, run: RunWriter, device: torch.device,

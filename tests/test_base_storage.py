@@ -167,3 +167,17 @@ def test_the_text_encoder_is_quantised_only_when_it_runs_every_step(paths, shape
     session, _ = klein_run(paths, shapes_dataset, tmp_path / "cached", base_storage="int8", max_train_steps=1,
                            cache_text_embeddings=True)
     assert not any(isinstance(m, QuantisedLinear) for m in session.bundle.text_encoders[0].modules())
+
+
+def test_a_resume_never_changes_the_bases_storage_silently(tmp_path):
+    """The checkpoint records the storage the adapter was fitted to; a resume asking for another is one sentence
+    (an older checkpoint, which recorded none, was trained on the full base and is not refused)."""
+    from stabletune_core.lora.inject import adapter_mismatch, adapter_settings
+
+    values = dict(pretrained_model_name_or_path="m", train_data_dir="d", output_dir=str(tmp_path))
+    full, int8 = build_config(values), build_config({**values, "base_storage": "int8"})
+    sentence = adapter_mismatch(adapter_settings(full), int8, "step_000004")
+    assert sentence and "base_storage full" in sentence and "base_storage int8" in sentence and "\n" not in sentence
+    assert adapter_mismatch(adapter_settings(int8), int8, "step_000004") is None
+    older = {k: v for k, v in adapter_settings(full).items() if k != "base_storage"}
+    assert adapter_mismatch(older, full, "step_000004") is None

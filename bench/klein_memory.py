@@ -56,14 +56,14 @@ def main() -> None:
     print("|---|" + "---:|" * (len(STORAGES) + 1))
     for variant in ("4b", "9b"):
         stored = {st: stored_transformer(variant, st) for st in STORAGES}
-        print(f"| Klein {variant.upper()} transformer | " + " | ".join(f"{stored[st].total:,} ({stored[st].total / GIB:.2f} GiB)"
-                                                                for st in STORAGES)
+        cells = [f"{stored[st].total:,} ({stored[st].total / GIB:.2f} GiB)" for st in STORAGES]
+        print(f"| Klein {variant.upper()} transformer | " + " | ".join(cells)
               + " | " + " / ".join(f"{max(stored[st].blocks) / GIB:.3f}" for st in ("full", "int8", "nf4")) + " GiB |")
     unet = sdxl_unet_bytes()
     print("| SDXL UNet | " + " | ".join(f"{unet[st]:,} ({unet[st] / GIB:.2f} GiB)" for st in STORAGES) + " | - |")
     print("\nEstimated training peak per plan (GiB): bf16, gradient checkpointing, text cached, batch 1, rank 16:\n")
-    print("| variant | resolution | base storage | blocks swapped | weights on GPU | activations | total | fits 8 / 12 / "
-          "16 GiB |")
+    print("| variant | resolution | base storage | blocks swapped | weights on GPU | activations | total "
+          "| fits 8 / 12 / 16 GiB |")
     print("|---|---:|---|---:|---:|---:|---:|---|")
     for variant, res, storage, swapped in PLANS:
         e = estimate_training_memory(variant, precision="bf16", gradient_checkpointing=True, resolution=res,

@@ -249,8 +249,8 @@ class TrainConfigSchema(BaseModel):
     vram_gb: Optional[float] = knob(
         None, "FLUX.2 Klein: plan the run for a GPU with this many GiB (e.g. 8, 12, 16): before any model loads, the "
         "cheapest settings that fit by the memory model are chosen, in this order: text embeddings cached, bf16, "
-        "gradient checkpointing, base_storage int8, blocks swapped, base_storage nf4, then a smaller micro-batch with more "
-        "accumulation. Knobs you set yourself are kept. The plan and its estimate are one console line and go into "
+        "gradient checkpointing, base_storage int8, blocks swapped, base_storage nf4, then a smaller micro-batch "
+        "with more accumulation. Knobs you set yourself are kept. The plan and its estimate are one console line and go into "
         "the run's config.toml. Empty = no plan.", "precision", gt=0, le=1024)
     blocks_to_swap: int = knob(
         0, "FLUX.2 Klein: keep the frozen weights of this many transformer blocks (the last ones) in CPU memory and "

@@ -271,8 +271,9 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
                 added = swap_more_blocks(s.bundle, verdict.new, s.device)
                 s.run.event(events.OOM, f"Out of memory at step {verdict.step} with micro-batch 1 ({verdict.reason}); "
                             f"retrying with {verdict.new} transformer blocks in CPU memory instead of {verdict.old} "
-                            "(block swap: slower, the same numbers).", step=verdict.step, old_blocks_swapped=verdict.old,
-                            new_blocks_swapped=verdict.new, blocks=added, console=True)
+                            "(block swap: slower, the same numbers).", step=verdict.step,
+                            old_blocks_swapped=verdict.old, new_blocks_swapped=verdict.new, blocks=added,
+                            console=True)
             case StopOutOfMemory():
                 s.run.event(events.OOM_STOP, verdict.message, step=verdict.step)
                 save(s, "out of memory")

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one go (under 10 minutes on one GPU, 15 with the Klein peer), with a results table written to
-# bench/RESULTS.md (between the gpu_check markers; the rest of the file is left alone).
+# The checks that need a CUDA GPU, in one go (under 15 minutes on one GPU, 19 with the Klein peer), with a results
+# table written to bench/RESULTS.md (between the gpu_check markers; the rest of the file is left alone).
 #
 #   bash bench/gpu_check.sh
 #
-# What runs, each under its own time limit (the limits add up to 9.5 minutes; 14.5 with the Klein peer):
+# What runs, each under its own time limit (the limits add up to 14 minutes; 18 with the Klein peer):
 #   1. the tests that skip without CUDA: sampling leaves no VRAM behind, the real fp16 overflow -> bf16/fp32
 #      fallback, preflight's largest micro-batch, cached-away modules off the GPU (pytest)   <= 170 s
 #   2. bench/compare_peer.py --gpu: it/s, peak VRAM and largest batch at 512 px, fp32 vs mixed + GC  <= 170 s
@@ -12,6 +12,8 @@
 #   4. bench/klein_gpu.py: the real FLUX.2 Klein 4B transformer (random weights from the shipped config), bf16 +
 #      gradient checkpointing, LoRA rank 16, at 512 and 1024 px: it/s, peak VRAM, largest batch (doubling up
 #      to 16), beside the memory model's estimate                        <= 120 s (180 s with step 5)
+#   4b. bench/klein_gpu.py on the real 9B with the memory plans of issue 36 (int8 + 10 blocks swapped at 512 and
+#      1024 px, nf4 + 16 swapped at 1024 px): it/s and peak VRAM beside the estimate               <= 270 s
 #   5. only when KLEIN_PEER_SCRIPT names diffusers' train_dreambooth_lora_flux2_klein.py (and
 #      KLEIN_PEER_PYTHONPATH, if given, a folder with its `datasets`): step 4 also writes the random 4B as a
 #      diffusers folder, and bench/klein_peer.py runs StableTune and the example on it at 512 px, batch 1,
@@ -72,6 +74,11 @@ if [[ -n "${KLEIN_PEER_SCRIPT:-}" ]]; then  # writing the random 4B (about 16 GB
 fi
 check klein_4b "$KLEIN_LIMIT" "$PY" bench/klein_gpu.py --device cuda --resolutions 512,1024 --steps 5 --max-batch 16 \
   --budget-s 30 ${KLEIN_MODEL[@]+"${KLEIN_MODEL[@]}"}
+# issue 36: the memory plans of the 12 GB and 8 GB targets on the real 9B, measured beside their estimate
+check klein_9b_int8_swap10 150 "$PY" bench/klein_gpu.py --device cuda --variant 9b --base-storage int8 \
+  --blocks-to-swap 10 --resolutions 512,1024 --steps 3 --max-batch 1 --budget-s 10
+check klein_9b_nf4_swap16 120 "$PY" bench/klein_gpu.py --device cuda --variant 9b --base-storage nf4 \
+  --blocks-to-swap 16 --resolutions 1024 --steps 3 --max-batch 1 --budget-s 10
 if [[ -n "${KLEIN_PEER_SCRIPT:-}" ]]; then
   check klein_peer 240 "$PY" bench/klein_peer.py --peer-script "$KLEIN_PEER_SCRIPT" \
     ${KLEIN_PEER_PYTHONPATH:+--peer-pythonpath "$KLEIN_PEER_PYTHONPATH"} --model "$OUT/klein-4b" --rows same,peer \
@@ -116,7 +123,9 @@ section = "\n".join([
     "", "Written by `bash bench/gpu_check.sh`.", "", *rows, "", *tests, "",
     "### compare_peer.py --gpu", "```", table_of("compare_peer"), "```", "",
     "### cache_memory.py", "```", table_of("cache_memory"), "```", "",
-    "### klein_gpu.py (FLUX.2 Klein 4B)", "```", table_of("klein_4b"), "```",
+    "### klein_gpu.py (FLUX.2 Klein 4B)", "```", table_of("klein_4b"), "```", "",
+    "### klein_gpu.py, the memory plans (FLUX.2 Klein 9B: int8 + 10 blocks swapped, nf4 + 16; issue 36)", "```",
+    table_of("klein_9b_int8_swap10"), table_of("klein_9b_nf4_swap16"), "```",
     *(["", "### klein_peer.py (StableTune vs diffusers' Klein example on the random 4B)", "```",
        table_of("klein_peer"), "```"] if (out / "klein_peer.log").exists() else []),
     "<!-- gpu_check:end -->", ""])

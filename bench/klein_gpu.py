@@ -67,6 +67,27 @@ def build_transformer(variant: str, tiny: bool, device, dtype):
     return transformer.to(dtype=dtype).requires_grad_(False)
 
 
+def store_base(transformer, base_storage: str, device) -> None:
+    """The Linear layers stored in `base_storage` (models/quantize.py), before the adapters, as train/setup.py does."""
+    import torch
+
+    from stabletune_core.models.quantize import quantise_linear_layers
+
+    if base_storage != "full":
+        quantise_linear_layers(transformer, base_storage)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the full-size weights the codes replaced
+
+
+def swap_blocks(transformer, count: int, device):
+    """The last `count` blocks kept in CPU memory (models/block_swap.py), after the adapters (they stay on the
+    device); None when `count` is 0."""
+    from stabletune_core.models.block_swap import BlockSwap
+
+    blocks = [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+    return BlockSwap.attach(blocks, count, device) if count else None
+
+
 def with_lora(transformer, checkpointing: bool):
     """(the transformer with LoRA, its trainable parameters, AdamW, the family's objective)."""
     import torch
@@ -201,7 +222,8 @@ def write_model(transformer, variant: str, tiny: bool, out: Path) -> Path:
     return out
 
 
-def estimate_gib(variant: str, tiny: bool, batch: int, resolution: int) -> float:
+def estimate_gib(variant: str, tiny: bool, batch: int, resolution: int, base_storage: str = "full",
+                 blocks_to_swap: int = 0) -> float:
     """The memory model's number for this setting (bf16, checkpointing, text cached, rank 16, this preset)."""
     if tiny:
         return float("nan")
@@ -209,7 +231,8 @@ def estimate_gib(variant: str, tiny: bool, batch: int, resolution: int) -> float
 
     return estimate_training_memory(variant, precision="bf16", gradient_checkpointing=True, batch_size=batch,
                                     resolution=resolution, lora_rank=RANK, cache_text_embeddings=True,
-                                    preset=PRESET).total_gib
+                                    preset=PRESET, base_storage=base_storage,
+                                    blocks_to_swap=blocks_to_swap).total_gib
 
 
 def markdown(rows: list[dict], title: str) -> str:
@@ -235,6 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--write-model", type=Path, default=None, help="also write the model as a diffusers folder")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--base-storage", choices=("full", "int8", "nf4", "fp8"), default="full",
+                        help="the frozen weights' storage (the engine's base_storage)")
+    parser.add_argument("--blocks-to-swap", type=int, default=0, help="blocks kept in CPU memory (blocks_to_swap)")
     args = parser.parse_args(argv)
     resolutions = parse_resolutions(args.resolutions)
 
@@ -251,18 +277,25 @@ def main(argv: list[str] | None = None) -> None:
         print(f"model written to {write_model(transformer, args.variant, args.tiny, args.write_model)}")
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the text encoder and VAE written beside it are gone
+    store_base(transformer, args.base_storage, device)
     transformer, params, optimizer, objective = with_lora(transformer, not args.no_checkpointing)
+    swap = swap_blocks(transformer, args.blocks_to_swap, device)
     step = make_step(transformer, params, optimizer, objective, device, dtype)
     rows = []
     for resolution in resolutions:
         row = measure(step, device, resolution, args.batch, args.steps, args.max_batch, args.budget_s)
-        row["estimate_gib"] = estimate_gib(args.variant, args.tiny, args.batch, resolution)
+        row["estimate_gib"] = estimate_gib(args.variant, args.tiny, args.batch, resolution, args.base_storage,
+                                           args.blocks_to_swap)
+        row.update(base_storage=args.base_storage, blocks_to_swap=args.blocks_to_swap)
+        if swap is not None:
+            row["blocks_brought_in"] = sum(swap.brought_in.values())
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     name = "tiny Klein" if args.tiny else f"FLUX.2 Klein {args.variant.upper()} (random weights, shipped config)"
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    memory = f", base {args.base_storage}, {args.blocks_to_swap} blocks swapped"
     print(markdown(rows, f"{name}, bf16, gradient checkpointing {'off' if args.no_checkpointing else 'on'}, LoRA "
-                         f"rank {RANK} '{PRESET}', AdamW, {where}, torch {torch.__version__}"))
+                         f"rank {RANK} '{PRESET}', AdamW{memory}, {where}, torch {torch.__version__}"))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

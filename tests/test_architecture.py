@@ -130,7 +130,7 @@ def test_guards_never_save_export_or_move_the_step_counter(path: Path):
 def view(**values):
     """A GuardView with the numbers of a small run; keyword arguments override."""
     defaults = dict(step=3, max_steps=10, lr=1e-3, micro_batch_size=4, mixed_precision="no", scaler_active=False,
-                    loss_scale=None, lora_layers=())
+                    loss_scale=None, lora_layers=(), blocks_swapped=0, blocks_swappable=0)
     return SimpleNamespace(**{**defaults, **values})
 
 

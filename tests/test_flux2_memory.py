@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stabletune_core.models.flux2_memory import GIB, estimate_training_memory, klein_sizes, lora_parameters
+from stabletune_core.models.flux2_memory import (GIB, estimate_training_memory, klein_sizes, lora_parameters,
+                                                 stored_text_encoder)
 
 
 def test_parameter_counts_are_the_released_models():
@@ -32,7 +33,8 @@ def test_estimate_matches_the_presets_and_moves_the_right_way():
     shorter = estimate_training_memory("4b", **base, text_tokens=128)  # max_sequence_length 128: fewer tokens
     assert shorter.activations == four.activations * (64 * 64 + 128) // (64 * 64 + 512)
     uncached = estimate_training_memory("4b", **{**base, "cache_text_embeddings": False})
-    assert uncached.weights - four.weights == klein_sizes("4b").text_encoder * 2  # Qwen3-4B stays in bf16
+    # Qwen3-4B stays in bf16: its parameters, and its rotary-embedding buffers (256 bytes; issue 36 counts buffers)
+    assert uncached.weights - four.weights == stored_text_encoder("4b") == klein_sizes("4b").text_encoder * 2 + 256
     assert abs(four.total_gib - four.total / GIB) < 1e-9
     with pytest.raises(ValueError, match="precision must be one of"):
         estimate_training_memory("4b", precision="fp8")

@@ -55,7 +55,9 @@ _SD_ONLY = (
 )
 #: Knobs of the flow-matching objective, and of FLUX.2 Klein's separate files, that mean nothing on an SD model.
 _FLOW_ONLY = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow_shift", "max_sequence_length",
-              "text_encoder_path", "vae_path", "tokenizer_path")
+              "text_encoder_path", "vae_path", "tokenizer_path", "blocks_to_swap", "vram_gb")
+#: Knobs of how FLUX.2 Klein's transformer is kept in memory (block swap, the memory plan: not for the SD UNets yet).
+MEMORY_KNOBS = ("blocks_to_swap", "vram_gb")
 #: Knobs of how FLUX.2 Klein encodes its prompts, handed to the family's load() by these names (a set one only).
 TEXT_KNOBS = ("max_sequence_length",)
 #: The knobs naming a model's separate files (the family's load() takes them by these names minus "_path").
@@ -78,6 +80,8 @@ def _changed(config: Any, name: str) -> bool:
 
 
 def _what_it_is(knob: str) -> str:
+    if knob in MEMORY_KNOBS:
+        return "its transformer's memory plan and block swap"
     if knob in MODEL_FILE_KNOBS:
         return "its separate model files"
     return "its Qwen3 prompt encoding" if knob in TEXT_KNOBS else "its flow-matching objective"

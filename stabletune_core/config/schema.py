@@ -239,6 +239,24 @@ class TrainConfigSchema(BaseModel):
     enable_xformers_memory_efficient_attention: bool = knob(
         False, "Use xformers attention when it is installed (PyTorch SDPA is used otherwise).", "precision")
     allow_tf32: bool = knob(False, "Allow TF32 matmuls on Ampere+ GPUs.", "precision")
+    base_storage: Literal["full", "int8", "nf4", "fp8"] = knob(
+        "full", "How the frozen model's weights are stored: full = in the mixed_precision dtype (bf16: 2 bytes a "
+        "weight); int8 = 8 bits a weight, one scale per output channel (half of bf16); nf4 = 4 bits (QLoRA's "
+        "NormalFloat, a quarter of bf16); fp8 = float8 e4m3, GPUs with native fp8 only (RTX 40xx, L4, H100 and newer). "
+        "Applies to the Linear layers of the UNet or FLUX.2 transformer; each is dequantised only while it computes. "
+        "The LoRA trains in its own precision and its file is the same kind of file; its metadata records this "
+        "setting.", "precision")
+    vram_gb: Optional[float] = knob(
+        None, "FLUX.2 Klein: plan the run for a GPU with this many GiB (e.g. 8, 12, 16): before any model loads, the "
+        "cheapest settings that fit by the memory model are chosen, in this order: text embeddings cached, bf16, "
+        "gradient checkpointing, base_storage int8, blocks swapped, base_storage nf4, then a smaller micro-batch "
+        "with more accumulation. Knobs you set yourself are kept. The plan and its estimate are one console line and go into "
+        "the run's config.toml. Empty = no plan.", "precision", gt=0, le=1024)
+    blocks_to_swap: int = knob(
+        0, "FLUX.2 Klein: keep the frozen weights of this many transformer blocks (the last ones) in CPU memory and "
+        "bring each onto the GPU only while it runs, forward and backward, the next one copied while the current one "
+        "computes. Saves about one block's weights per block swapped (4B: 25 blocks, 9B: 32) at some speed; needs "
+        "gradient_checkpointing. The LoRA and its optimizer stay on the GPU. 0 = off.", "precision", ge=0, le=256)
 
     # ---- guards --------------------------------------------------------------------------------------
     max_grad_norm: float = knob(1.0, "Gradient clipping threshold (fixed mode).", "guards", ge=0)
@@ -444,6 +462,9 @@ class TrainConfigSchema(BaseModel):
         if self.optimizer == "adamw_schedulefree" and self.lr_scheduler != "constant":
             raise ValueError(f"optimizer=adamw_schedulefree replaces the learning-rate schedule; set "
                              f"lr_scheduler=constant instead of {self.lr_scheduler} (lr_warmup_steps still warms up)")
+        if self.blocks_to_swap and not self.gradient_checkpointing:
+            raise ValueError(f"blocks_to_swap {self.blocks_to_swap} needs gradient_checkpointing (without it every "
+                             "block's weights stay on the GPU until the backward pass); turn gradient_checkpointing on")
         if self.early_stopping and not self.validation_loss_every:
             raise ValueError("early_stopping needs validation loss; set validation_loss_every above 0")
         if self.network_type != "lora" and self.export_diffusers_format:

@@ -78,6 +78,8 @@ def adapter_settings(config: TrainConfig) -> dict[str, Any]:
     if config.network_type == "lokr":
         settings["lokr_factor"] = config.lokr_factor
     settings["pivotal_tokens"] = list(config.pivotal_tokens)  # the new token rows the checkpoint holds
+    # the frozen base the adapter was fitted to: a resume never changes its storage silently (issue 36)
+    settings["base_storage"] = config.base_storage
     if config.pivotal_tokens:
         settings["num_vectors_per_token"] = config.num_vectors_per_token
     return settings

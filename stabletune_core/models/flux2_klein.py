@@ -71,6 +71,16 @@ LORA_PRESETS: dict[str, list[str]] = {
 }
 
 
+#: Keys a quantised checkpoint stores beside its weights (ComfyUI's fp8 "scaled" files, torchao / bitsandbytes).
+QUANTISED_KEY_SUFFIXES = ("weight_scale", "scale_weight", "comfy_quant", "input_scale", ".absmax", ".quant_map",
+                          ".quant_state.bitsandbytes__nf4", ".SCB")
+
+
+def is_quantised(keys) -> bool:
+    """True when a checkpoint's keys say its weights are already quantised."""
+    return any(str(k).endswith(QUANTISED_KEY_SUFFIXES) for k in keys)
+
+
 def lora_target_modules(model: torch.nn.Module, targets: list[str]) -> list[str]:
     """The full names of the Linear layers `targets` select, in module order. A target is a name suffix (peft's
     rule: the name, or '.' + it at the end) or a pattern with '*' for one name part; a suffix that also names a
@@ -364,6 +374,11 @@ class Flux2Klein:
             if given["text_encoder"] is None and not (folder / "text_encoder").is_dir():
                 raise ModelLoadError(f"'{folder}' has no text_encoder/ folder, and FLUX.2 Klein needs its Qwen3 text "
                                      "encoder; add it or pass text_encoder.")
+            transformer_config = folder / "transformer" / "config.json"
+            if transformer_config.is_file() and "quantization_config" in json.loads(transformer_config.read_text()):
+                raise ModelLoadError(f"'{folder}' holds an already-quantised transformer (its config has a "
+                                     "quantization_config), and StableTune trains on the bf16 weights and quantises "
+                                     "them itself: use the bf16 Klein folder and set base_storage int8, nf4 or fp8.")
         kw = {"local_files_only": local_files_only}
         parts = {
             "transformer": Flux2Transformer2DModel.from_pretrained(where, subfolder="transformer",
@@ -406,6 +421,10 @@ class Flux2Klein:
             raise ModelLoadError(f"'{path.name}' is not a FLUX.2 Klein transformer (it lacks the FLUX.2 keys such as "
                                  "double_stream_modulation_img.lin.weight); point at flux-2-klein-base-4b.safetensors "
                                  "or a Klein diffusers folder.")
+        if is_quantised(shapes):
+            raise ModelLoadError(f"'{path.name}' is already quantised (it stores weight scales), and StableTune trains "
+                                 "on the bf16 file and quantises it itself: use flux-2-klein-base-4b.safetensors (or "
+                                 "9b) and set base_storage int8, nf4 or fp8.")
         facts = bfl_shape_facts(shapes)
         config_dir = Path(config_dir) if config_dir else self._config_for(facts, path)
         config = Flux2Transformer2DModel.load_config(str(config_dir / "transformer"))
@@ -492,7 +511,7 @@ class Flux2Klein:
         if "model.layers.0.self_attn.q_norm.weight" not in shapes:
             raise ModelLoadError(f"'{path.name}' is not a Qwen3 text encoder (no model.layers.0.self_attn.q_norm); "
                                  "FLUX.2 Klein 4B reads qwen_3_4b.safetensors and 9B reads qwen_3_8b.safetensors.")
-        if any(k.endswith(("weight_scale", "scale_weight", "comfy_quant", "input_scale")) for k in shapes):
+        if is_quantised(shapes):
             raise ModelLoadError(f"'{path.name}' is a quantised (fp8) text encoder, which StableTune cannot train "
                                  "with; use the bf16 file (qwen_3_4b.safetensors or qwen_3_8b.safetensors).")
         config = Qwen3Config.from_pretrained(str(Path(config_from) / "text_encoder"))
@@ -602,6 +621,10 @@ class Flux2Klein:
 
     def lora_target_modules(self, model: torch.nn.Module, targets: list[str]) -> list[str]:
         return lora_target_modules(model, targets)
+
+    def swappable_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The transformer's blocks in the order they run (double, then single): what block swap moves."""
+        return [*model.transformer_blocks, *model.single_transformer_blocks]
 
     # -------------------------------------------------------------- pipeline
     def make_pipeline(self, bundle: ModelBundle, scheduler=None):

@@ -63,6 +63,61 @@ def klein_sizes(variant: str) -> KleinSizes:
                       blocks=config.num_layers + config.num_single_layers)
 
 
+def _meta_transformer(variant: str):
+    import torch
+    from diffusers import Flux2Transformer2DModel
+
+    with torch.device("meta"):
+        return Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(
+            str(SHIPPED_CONFIGS[variant]), subfolder="transformer"))
+
+
+@dataclass(frozen=True)
+class StoredTransformer:
+    """A shipped transformer's bytes in one storage (exact, from its config on the meta device)."""
+
+    total: int  # every parameter and buffer as stored
+    blocks: tuple[int, ...]  # each block's, in the order they run (what block swap moves)
+    largest_linear: int  # weights of the largest Linear layer (what one dequantised layer holds)
+
+    def resident(self, swapped: int) -> int:
+        """Bytes on the device with the last `swapped` blocks kept in CPU memory: the rest, plus the two largest
+        swapped blocks (the one computing and the one being copied in)."""
+        if not swapped:
+            return self.total
+        moved = self.blocks[len(self.blocks) - swapped:]
+        return self.total - sum(moved) + sum(sorted(moved)[-2:])
+
+
+@lru_cache(maxsize=None)
+def stored_transformer(variant: str, storage: str = "full", dtype_bytes: int = 2) -> StoredTransformer:
+    """The transformer of a shipped variant ("4b" / "9b") in `storage` (base_storage: full, int8, nf4, fp8), the
+    unquantised tensors `dtype_bytes` wide."""
+    import torch
+
+    from .quantize import storage_bytes
+
+    model = _meta_transformer(variant)
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    largest = max(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return StoredTransformer(total=storage_bytes(model, storage, dtype_bytes),
+                             blocks=tuple(storage_bytes(b, storage, dtype_bytes) for b in blocks),
+                             largest_linear=largest)
+
+
+@lru_cache(maxsize=None)
+def stored_text_encoder(variant: str, storage: str = "full", dtype_bytes: int = 2) -> int:
+    """Bytes of a shipped variant's Qwen3 text encoder in `storage` (quantised when it is not cached: setup.py)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from .quantize import storage_bytes
+
+    with torch.device("meta"):
+        text = Qwen3ForCausalLM(Qwen3Config.from_pretrained(str(SHIPPED_CONFIGS[variant] / "text_encoder")))
+    return storage_bytes(text, storage, dtype_bytes)
+
+
 @lru_cache(maxsize=None)
 def lora_parameters(variant: str, rank: int, preset: str | tuple[str, ...] = "attention") -> int:
     """Trainable LoRA parameters of a preset (or a tuple of targets) at `rank`: rank x (in + out) per adapted
@@ -105,12 +160,14 @@ def estimate_training_memory(variant: str = "4b", *, precision: str = "bf16", gr
                              batch_size: int = 1, resolution: int | tuple[int, int] = 1024, lora_rank: int = 16,
                              cache_text_embeddings: bool = True,
                              preset: str | tuple[str, ...] = "attention",
-                             text_tokens: int = MAX_SEQUENCE_LENGTH) -> MemoryEstimate:
+                             text_tokens: int = MAX_SEQUENCE_LENGTH, base_storage: str = "full",
+                             blocks_to_swap: int = 0) -> MemoryEstimate:
     """The peak memory of one training step of a Klein LoRA (see the module docstring for what is counted)."""
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision must be one of {', '.join(PRECISION_BYTES)}, not '{precision}'.")
     sizes = klein_sizes(variant)
     width = PRECISION_BYTES[precision]
+    stored = stored_transformer(variant, base_storage, width)
     h, w = (resolution, resolution) if isinstance(resolution, int) else resolution
     tokens = (h // 16) * (w // 16) + text_tokens
     vector = batch_size * tokens * sizes.hidden * width  # one hidden-size vector per token of the batch
@@ -118,7 +175,10 @@ def estimate_training_memory(variant: str = "4b", *, precision: str = "bf16", gr
         activations = (sizes.blocks + RECOMPUTE_AND_GRADIENT_VECTORS) * vector
     else:
         activations = (sizes.blocks * ACTIVATION_VECTORS_PER_BLOCK + RECOMPUTE_AND_GRADIENT_VECTORS) * vector
-    weights = (sizes.transformer + sizes.vae + (0 if cache_text_embeddings else sizes.text_encoder)) * width
+    text = 0 if cache_text_embeddings else stored_text_encoder(variant, base_storage, width)
+    weights = stored.resident(blocks_to_swap) + sizes.vae * width + text
+    if base_storage != "full":  # the layer computing holds its weight dequantised (and its backward another copy)
+        activations += 2 * stored.largest_linear * width
     lora = lora_parameters(variant, lora_rank, preset) * LORA_BYTES_PER_PARAMETER
     overhead = CONTEXT_BYTES + int(FRAGMENTATION * (weights + lora + activations))
     return MemoryEstimate(weights=weights, lora=lora, activations=activations, overhead=overhead)
@@ -158,9 +218,12 @@ def config_memory_sentence(config: Any) -> tuple[str, MemoryEstimate]:
         variant, precision=precision, gradient_checkpointing=config.gradient_checkpointing,
         batch_size=config.train_batch_size, resolution=config.resolution, lora_rank=config.lora_rank,
         cache_text_embeddings=config.cache_text_embeddings, preset=tuple(config.unet_lora_targets),
-        text_tokens=config.max_sequence_length)
+        text_tokens=config.max_sequence_length, base_storage=config.base_storage,
+        blocks_to_swap=config.blocks_to_swap)
     checkpointing = "gradient checkpointing" if config.gradient_checkpointing else "no gradient checkpointing"
     cached = "text embeddings cached" if config.cache_text_embeddings else "Qwen3 kept loaded"
+    memory = "".join([f", base {config.base_storage}" if config.base_storage != "full" else "",
+                      f", {config.blocks_to_swap} blocks swapped" if config.blocks_to_swap else ""])
     return (f"Estimated GPU memory for FLUX.2 Klein {variant.upper()}{assumed}: about {estimate.total_gib:.1f} GiB "
             f"at the training step's peak ({config.resolution} px, batch {config.train_batch_size}, {precision}, "
-            f"{checkpointing}, {cached}, rank {config.lora_rank}).", estimate)
+            f"{checkpointing}, {cached}, rank {config.lora_rank}{memory}).", estimate)

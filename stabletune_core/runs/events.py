@@ -27,7 +27,8 @@ DATA_SKIPPED = "data_skipped"  # images the scan could not use
 VALIDATION_SPLIT = "validation_split"  # images held out of training
 REG_IMAGES = "reg_images"  # prior preservation with class images
 LATENT_CACHE = "latent_cache"  # latents encoded or reused
-PLACEMENT = "placement"  # modules left on the CPU after caching
+PLACEMENT = "placement"  # modules left on the CPU after caching; quantised base storage; block swap
+MEMORY_PLAN = "memory_plan"  # vram_gb: the settings the memory plan chose, with its estimate
 PERCEPTUAL = "perceptual"  # the LPIPS term is on (and whether its backbone is real)
 PREFLIGHT = "preflight"  # the preflight's measurements
 # ---- the guards' decisions ------------------------------------------------------------------------------------------

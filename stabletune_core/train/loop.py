@@ -33,10 +33,11 @@ from .guards import Guard, OutOfMemoryStop
 from .guards.out_of_memory import free_memory
 from .guards.verdicts import (Event, ExportBest, LowerLearningRate, ProtectCheckpoint, Report, RollBack, SaveBest,
                               ScaleWeights, ShrinkMicroBatch, SkipStep, StopDiverged, StopEarly, StopOutOfMemory,
-                              SwitchPrecision, TakeSnapshot, Verdict)
+                              SwapMoreBlocks, SwitchPrecision, TakeSnapshot, Verdict)
 from .lora_file import write_lora
 from .memory_stats import memory_stats
 from .noise import NoiseOptions
+from .placement import swap_more_blocks
 from .observers.base import Observation
 from .optim import evaluation_weights
 from .outcome import RunFailed
@@ -266,6 +267,13 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
                             f"({verdict.reason}); retrying with micro-batch {verdict.new} and twice the accumulation, "
                             "so the effective batch stays the same.", step=verdict.step, old_micro_batch=verdict.old,
                             new_micro_batch=verdict.new, paths=list(state.batch_paths), console=True)
+            case SwapMoreBlocks():
+                added = swap_more_blocks(s.bundle, verdict.new, s.device)
+                s.run.event(events.OOM, f"Out of memory at step {verdict.step} with micro-batch 1 ({verdict.reason}); "
+                            f"retrying with {verdict.new} transformer blocks in CPU memory instead of {verdict.old} "
+                            "(block swap: slower, the same numbers).", step=verdict.step,
+                            old_blocks_swapped=verdict.old, new_blocks_swapped=verdict.new, blocks=added,
+                            console=True)
             case StopOutOfMemory():
                 s.run.event(events.OOM_STOP, verdict.message, step=verdict.step)
                 save(s, "out of memory")

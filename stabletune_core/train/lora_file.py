@@ -98,6 +98,8 @@ def training_metadata(config: TrainConfig, data: DatasetView, *, started_at: flo
         "ss_network_dropout": str(config.lora_dropout),
         "ss_num_train_images": str(sum(not item.is_reg for item in data.items)),
         "stabletune_config": json.dumps(shareable_config(config)),
+        # the frozen base the LoRA was trained against, when it was not stored in full (files of other runs unchanged)
+        **({"stabletune_base_storage": config.base_storage} if config.base_storage != "full" else {}),
     }
 
 

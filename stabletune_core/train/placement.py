@@ -76,3 +76,17 @@ def on_device(modules: Iterable[torch.nn.Module], device: torch.device) -> Itera
             module.to(home)
         if moved:
             free_memory(device)
+
+
+def swap_more_blocks(bundle: ModelBundle, count: int, device: torch.device) -> list[int]:
+    """Keep the last `count` of the denoiser's blocks in CPU memory from now on (the out-of-memory guard's verdict);
+    returns the blocks newly swapped. Their device memory is given back before the step is retried."""
+    from ..models.block_swap import BlockSwap
+
+    blocks = bundle.family.swappable_blocks(bundle.unet)
+    swap = bundle.extra.get("block_swap")
+    if swap is None:
+        swap = bundle.extra["block_swap"] = BlockSwap.attach(blocks, 0, device)
+    added = swap.extend(blocks, count)
+    free_memory(device)
+    return added

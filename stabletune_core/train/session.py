@@ -134,6 +134,18 @@ class SessionView:
         return self._s.state.micro_batch_size
 
     @property
+    def blocks_swapped(self) -> int:
+        swap = self._s.bundle.extra.get("block_swap")
+        return len(swap.blocks) if swap is not None else 0
+
+    @property
+    def blocks_swappable(self) -> int:
+        blocks = getattr(self._s.bundle.family, "swappable_blocks", None)
+        if blocks is None or not self._s.config.gradient_checkpointing:
+            return 0
+        return len(blocks(self._s.bundle.unet))
+
+    @property
     def mixed_precision(self) -> str:
         return self._s.amp.precision
 

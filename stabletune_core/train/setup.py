@@ -29,6 +29,8 @@ from ..lora.layers import run_lora_layers
 from ..lora.pivotal import add_pivotal_tokens, pivotal_problems
 from ..models.base import ModelBundle
 from ..models.loading import family_name, load_model
+from ..models.memory_plan import plan_memory
+from ..models.quantize import quantise_linear_layers, storage_problem, stored_bytes
 from ..runs import events
 from ..runs.earlier import earlier_run
 from ..runs.layout import RunPaths
@@ -169,6 +171,9 @@ def setup(config: TrainConfig) -> Session:
     # configuration" when this came after them)
     prepare_run_dir(config)
     config = config.model_copy(update=family_defaults(config, family))
+    plan = plan_memory(config) if config.vram_gb else None  # vram_gb: the knobs it chose go into config.toml
+    if plan is not None:
+        config = config.model_copy(update=plan.update)
     random_seed = draw_seed(config)
     config = resolve(config, seed=random_seed)
     bad_checkpoints: list[str] = []
@@ -200,6 +205,11 @@ def setup(config: TrainConfig) -> Session:
                   console=True)
     for note in config.notes():
         run.event(events.CONFIG, note)
+    if plan is not None:
+        run.event(events.MEMORY_PLAN, plan.sentence, console=True, vram_gb=config.vram_gb, chosen=plan.update,
+                  estimate_bytes=plan.estimate.total)
+    if problem := storage_problem(config.base_storage, ranks.device):  # before any model loads
+        raise ConfigError([problem])
     set_seed(config.seed)
 
     scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension,
@@ -242,8 +252,10 @@ def setup(config: TrainConfig) -> Session:
         threads, sentence = set_cpu_threads(bundle.denoiser)
         run.event(events.THREADS, sentence, console=True, threads=threads)
     objective = bundle.family.objective(bundle, config)
+    store_base(bundle, config, run)
     add_lora(bundle, config)
     pivotal = add_pivotal_tokens(bundle, config)
+    swap_blocks(bundle, config, run, device, amp.weight_dtype)  # before placing: swapped weights never all go there
     place_models(bundle, device, amp.weight_dtype, config.mixed_precision)
     trained = {"unet": bundle.unet, **({f"te{i}": e for i, e in enumerate(bundle.text_encoders)}
                                        if config.train_text_encoder else {})}
@@ -343,6 +355,41 @@ def report_skipped(run: RunWriter, skipped: list[SkippedFile], kind: str) -> Non
     if skipped:
         run.event(events.DATA_SKIPPED, f"Skipped {len(skipped)} {kind} image(s) that cannot be used, e.g. "
                   f"{skipped[0].path.name}: {skipped[0].reason} (all listed in events.jsonl).", console=True)
+
+
+def store_base(bundle: ModelBundle, config: TrainConfig, run: RunWriter) -> None:
+    """base_storage: the denoiser's frozen Linear weights stored quantised (models/quantize.py), before the LoRA
+    wraps them and before the model is placed on the device; the text encoders' too when they run every step."""
+    if config.base_storage == "full":
+        return
+    # a text encoder that runs every step (not cached, not trained) is frozen weight on the device like the denoiser
+    frozen = [bundle.unet] + ([] if config.cache_text_embeddings or config.train_text_encoder else
+                              list(bundle.text_encoders))
+    before = sum(stored_bytes(m) for m in frozen)
+    layers = sum(quantise_linear_layers(m, config.base_storage) for m in frozen)
+    which = getattr(bundle.family, "denoiser_name", "UNet") + (" and text encoder" if len(frozen) > 1 else "")
+    run.event(events.PLACEMENT, f"Base storage {config.base_storage}: {layers} Linear layers of the {which} stored "
+              f"quantised, {before / 2**20:.1f} MiB in fp32 -> {sum(stored_bytes(m) for m in frozen) / 2**20:.1f} "
+              "MiB; the LoRA trains in fp32 on top.", console=True, base_storage=config.base_storage, layers=layers,
+              text_encoders_quantised=len(frozen) > 1)
+
+
+def swap_blocks(bundle: ModelBundle, config: TrainConfig, run: RunWriter, device: torch.device,
+                dtype: torch.dtype) -> None:
+    """blocks_to_swap: keep that many of the denoiser's blocks in CPU memory (models/block_swap.py); the swap's
+    bookkeeping is kept in bundle.extra["block_swap"]."""
+    if not config.blocks_to_swap:
+        return
+    from ..models.block_swap import BlockSwap
+
+    blocks = bundle.family.swappable_blocks(bundle.unet)
+    if config.blocks_to_swap > len(blocks):
+        raise ConfigError([f"blocks_to_swap {config.blocks_to_swap} is more than the {len(blocks)} blocks of this "
+                           f"{bundle.family.display_name} transformer; use at most {len(blocks)}."])
+    bundle.extra["block_swap"] = BlockSwap.attach(blocks, config.blocks_to_swap, device, dtype)
+    run.event(events.PLACEMENT, f"Block swap: {config.blocks_to_swap} of the {len(blocks)} transformer blocks stay in "
+              f"CPU memory and come to {device} one at a time while they run.", console=True,
+              blocks_swapped=config.blocks_to_swap, blocks=len(blocks))
 
 
 def enable_fast_attention(bundle: ModelBundle, config: TrainConfig, run: RunWriter) -> None:

@@ -37,6 +37,12 @@ class GuardView(Protocol):
     def micro_batch_size(self) -> int: ...
 
     @property
+    def blocks_swapped(self) -> int: ...  # transformer blocks kept in CPU memory now (block swap)
+
+    @property
+    def blocks_swappable(self) -> int: ...  # how many could be (0: the family has none, or no checkpointing)
+
+    @property
     def mixed_precision(self) -> str: ...  # what autocast runs in now: "no", "fp16" or "bf16"
 
     @property

@@ -1,4 +1,7 @@
-"""Out-of-memory recovery: free, halve the micro-batch, try the same step again.
+"""Out-of-memory recovery: free, halve the micro-batch, try the same step again; at micro-batch 1 (or once the
+halvings are spent), keep more transformer blocks in CPU memory (block swap, a quarter of them more each time; only
+where the family has blocks and gradient checkpointing is on), which changes speed and no number. The base's storage
+is never changed in the middle of a run.
 
 The loop draws noise and timesteps per sampler batch before splitting it into micro-batches, so a smaller
 micro-batch changes memory use and nothing else: the effective batch (and, up to float summation order,
@@ -18,10 +21,10 @@ from typing import Any
 import torch
 
 from .base import Guard, GuardView, Verdicts
-from .verdicts import ShrinkMicroBatch, StopOutOfMemory
+from .verdicts import ShrinkMicroBatch, StopOutOfMemory, SwapMoreBlocks
 
 ADVICE = ("lower resolution or max_bucket_reso, turn on gradient_checkpointing, use mixed_precision fp16/bf16, "
-          "cache_latents, or a smaller lora_rank; then resume with --resume auto")
+          "base_storage int8 or nf4, cache_latents, or a smaller lora_rank; then resume with --resume auto")
 
 
 class OutOfMemoryStop(RuntimeError):
@@ -43,10 +46,15 @@ class MemGuard(Guard):
     def __init__(self, retries: int = 3) -> None:
         self.retries = retries
         self.halvings = 0  # over the whole run, for the record
+        self.swaps = 0
 
     def on_out_of_memory(self, view: GuardView, reason: str, tries: int) -> Verdicts:
         """`tries`: retries this step already had."""
         step, micro = view.step + 1, view.micro_batch_size
+        swapped, swappable = view.blocks_swapped, view.blocks_swappable
+        if (micro <= 1 or tries >= self.retries) and swapped < swappable:
+            self.swaps += 1
+            return (SwapMoreBlocks(step, swapped, min(swappable, swapped + max(1, swappable // 4)), reason),)
         if micro <= 1 or tries >= self.retries:
             message = (f"Out of memory at step {step} even with micro-batch {micro} ({reason}). To fit: {ADVICE}.")
             return (StopOutOfMemory(step, message),)
@@ -54,7 +62,8 @@ class MemGuard(Guard):
         return (ShrinkMicroBatch(step, micro, max(1, micro // 2), reason),)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"halvings": self.halvings}
+        return {"halvings": self.halvings, "swaps": self.swaps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.halvings = int(state.get("halvings", 0))
+        self.swaps = int(state.get("swaps", 0))

@@ -73,6 +73,17 @@ class ShrinkMicroBatch(Verdict):
 
 
 @dataclass(frozen=True)
+class SwapMoreBlocks(Verdict):
+    """Out of memory at micro-batch 1: keep `new` transformer blocks in CPU memory instead of `old` and retry the
+    step (block swap; the numbers stay the same, the step gets slower). The base's storage never changes mid-run."""
+
+    step: int
+    old: int
+    new: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class StopOutOfMemory(Verdict):
     """Out of memory even at the smallest micro-batch: save a checkpoint and fail with `message`."""
 

@@ -1,0 +1,154 @@
+"""Issue 36 items 3 and 5: the memory plan (vram_gb) picks the cheapest settings that fit by the memory model,
+keeps what the user set, says it in one line and records it in the run; and the exact weight bytes per base storage
+of the real Klein 4B / 9B (and SDXL's UNet) from the shipped configs, which that model counts."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flux2_tools import one_sentence, tiny_klein_paths
+from stabletune_core.config import ConfigError, TrainConfig, build_config
+from stabletune_core.models.flux2_klein import SHIPPED_CONFIGS
+from stabletune_core.models.flux2_memory import GIB, estimate_training_memory, stored_transformer
+from stabletune_core.models.memory_plan import plan_memory
+from stabletune_core.models.quantize import quantise_linear_layers, storage_bytes, stored_bytes
+from stabletune_core.runs.reader import RunReader
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def released(variant: str, where: Path) -> Path:
+    """A folder variant_of reads as the released 4B / 9B (its transformer config only: no weights are needed)."""
+    folder = where / f"klein-{variant}"
+    (folder / "transformer").mkdir(parents=True)
+    shutil.copy(SHIPPED_CONFIGS[variant] / "transformer" / "config.json", folder / "transformer" / "config.json")
+    return folder
+
+
+def klein_config(model: Path, **values) -> TrainConfig:
+    return build_config(dict(model_family="flux2_klein", pretrained_model_name_or_path=str(model),
+                             train_data_dir="data", resolution=1024, **values))
+
+
+# ---- item 5: exact bytes ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("storage", ["full", "int8", "nf4", "fp8"])
+def test_bytes_from_shapes_are_what_quantising_stores(storage):
+    """storage_bytes (meta device, shapes only) is exactly what quantise_linear_layers + a bf16 cast store."""
+    from diffusers import Flux2Transformer2DModel, UNet2DConditionModel
+
+    from stabletune_core.models.tiny_flux2 import TRANSFORMER_CONFIG
+
+    torch.manual_seed(0)
+    for model in (Flux2Transformer2DModel(**TRANSFORMER_CONFIG),
+                  UNet2DConditionModel(block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+                                       norm_num_groups=8, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                       up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), sample_size=8)):
+        expected = storage_bytes(model, storage, 2)
+        if storage != "full":
+            quantise_linear_layers(model, storage)
+        torch.nn.Module.to(model, torch.bfloat16)
+        assert stored_bytes(model) == expected
+
+
+def test_klein_weight_bytes_per_storage_are_the_released_sizes():
+    four, nine = stored_transformer("4b"), stored_transformer("9b")
+    assert (four.total, nine.total) == (7_751_089_152, 18_157_162_496)  # BFL's bf16 files, to the byte
+    assert (len(four.blocks), len(nine.blocks)) == (25, 32)
+    for variant, full in (("4b", four), ("9b", nine)):
+        int8, nf4 = stored_transformer(variant, "int8"), stored_transformer(variant, "nf4")
+        assert 0.49 < int8.total / full.total < 0.51 and 0.27 < nf4.total / full.total < 0.29
+        assert stored_transformer(variant, "fp8").total == int8.total
+        assert int8.resident(3) == int8.total - sum(int8.blocks[-3:]) + sum(sorted(int8.blocks[-3:])[-2:])
+
+
+def test_the_issues_targets_fit_by_the_estimate():
+    """Klein 9B at 1024 px within 12 GiB (int8 + swap) and 8 GiB (nf4 + swap); Klein 4B within 8 GiB."""
+    base = dict(precision="bf16", gradient_checkpointing=True, resolution=1024, cache_text_embeddings=True)
+    assert not estimate_training_memory("9b", **base).fits(12)
+    assert estimate_training_memory("9b", **base, base_storage="int8", blocks_to_swap=10).fits(12)
+    assert estimate_training_memory("9b", **base, base_storage="nf4", blocks_to_swap=16).fits(8)
+    assert estimate_training_memory("4b", **base, base_storage="int8").fits(8)
+    full = estimate_training_memory("4b", **base)
+    assert full.weights == stored_transformer("4b").total + 84_046_115 * 2  # the transformer and the VAE, bf16
+
+
+# ---- item 3: the plan ------------------------------------------------------------------------------------------------
+def test_plan_picks_the_cheapest_settings_that_fit(tmp_path):
+    nine = released("9b", tmp_path)
+    plan = plan_memory(klein_config(nine, vram_gb=12))
+    assert plan.estimate.fits(12)
+    assert plan.update["base_storage"] == "int8" and plan.update["blocks_to_swap"] > 0
+    fewer = klein_config(nine, vram_gb=12).model_copy(update={**plan.update,
+                                                               "blocks_to_swap": plan.update["blocks_to_swap"] - 1})
+    from stabletune_core.models.flux2_memory import config_memory_sentence
+
+    assert not config_memory_sentence(fewer)[1].fits(12)  # one block fewer would not fit: the cheapest that does
+    small = plan_memory(klein_config(nine, vram_gb=8))  # int8 with most blocks swapped still fits 8 GiB
+    assert small.estimate.fits(8) and small.update["blocks_to_swap"] > plan.update["blocks_to_swap"]
+    smaller = plan_memory(klein_config(nine, vram_gb=5))  # below int8 with every block swapped: 4 bits
+    assert smaller.update["base_storage"] == "nf4" and smaller.estimate.fits(5)
+    roomy = plan_memory(klein_config(nine, vram_gb=80, mixed_precision="bf16", cache_text_embeddings=True))
+    assert roomy.update == {} and "fit as given" in roomy.sentence
+    assert plan.sentence.startswith("Memory plan for 12 GiB: chose ") and "\n" not in plan.sentence
+
+
+def test_what_the_user_set_is_kept_and_an_impossible_budget_is_one_sentence(tmp_path):
+    four = released("4b", tmp_path)
+    kept = plan_memory(klein_config(four, vram_gb=10, base_storage="full", mixed_precision="bf16"))
+    assert "base_storage" not in kept.update and kept.update["blocks_to_swap"] > 0
+    with pytest.raises(ConfigError) as caught:
+        plan_memory(klein_config(four, vram_gb=2))
+    (sentence,) = caught.value.problems
+    assert sentence.startswith("vram_gb 2 is below anything") and "smallest plan (" in sentence
+    assert "GiB" in sentence and one_sentence(sentence.replace("; ", " "))
+
+
+def test_sd_runs_have_no_plan_yet():
+    with pytest.raises((ConfigError, ValueError)) as caught:
+        build_config(dict(model_family="sdxl", pretrained_model_name_or_path="x", train_data_dir="y", vram_gb=6))
+    assert "vram_gb" in str(caught.value) and "\n" not in str(caught.value).strip()
+
+
+def test_tiny_klein_with_vram_gb_8_plans_says_it_and_finishes(tmp_path_factory, shapes_dataset, tmp_path):
+    from test_faults import environment
+
+    paths = tiny_klein_paths(tmp_path_factory)
+    run = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "stabletune_core", "train", "--model", str(paths["folder"]),
+                             "--dataset", str(shapes_dataset), "--output_dir", str(run), "--resolution", "64",
+                             "--bucket_step", "8", "--min_bucket_reso", "32", "--max_bucket_reso", "128",
+                             "--max_train_steps", "2", "--lora_rank", "4", "--validation_split", "0",
+                             "--vram_gb", "8"],
+                            cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if "Memory plan for 8 GiB" in line]
+    assert len(lines) == 1 and "about" in lines[0] and "GiB" in lines[0]
+    assert result.stderr.index("Memory plan") < result.stderr.index("Loaded")  # before the model loads
+    reader = RunReader(run)
+    assert reader.status()["state"] == "finished"
+    (event,) = [e for e in reader.events() if e.get("kind") == "memory_plan"]
+    recorded = TrainConfig.from_toml(run / "config.toml")
+    assert event["chosen"] and all(getattr(recorded, k) == v for k, v in event["chosen"].items())
+    assert recorded.base_storage == event["chosen"]["base_storage"]
+    assert event["estimate_bytes"] <= 8 * GIB
+
+
+def test_the_gpu_checks_plan_measurement_runs_dry_on_the_cpu(tmp_path):
+    """bench/gpu_check.sh measures the 9B plans with bench/klein_gpu.py --base-storage/--blocks-to-swap; the same
+    code path on the tiny Klein on the CPU: it trains, the swapped blocks move, the row says which plan it was."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "klein_gpu.py"), "--device", "cpu", "--tiny",
+                           "--resolutions", "64", "--steps", "1", "--max-batch", "1", "--base-storage", "nf4",
+                           "--blocks-to-swap", "2", "--json", str(tmp_path / "rows.json")], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "rows.json").read_text())
+    assert row["base_storage"] == "nf4" and row["blocks_to_swap"] == 2 and row["loss"] > 0
+    assert row["blocks_brought_in"] == 2 * 2 * 2  # 2 blocks, forward + recomputation, warm-up + 1 timed step
+    assert "base nf4, 2 blocks swapped" in done.stdout
+    assert "klein_9b_int8_swap10" in (ROOT / "bench" / "gpu_check.sh").read_text()

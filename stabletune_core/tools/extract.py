@@ -65,7 +65,7 @@ def extract(base: str, tuned: str, output: Path, *, rank: int | None = None, ene
     from ..lora.export import _atomic_save, build_kohya_metadata, precalculate_sshs_hashes
     from ..lora.names import ALPHA, DOWN, UP
     from ..lora.resize import ModuleResize
-    from ..models import detect_family
+    from ..models import detect_family, get_family
     from .lora_file import walk_layers
     from .merge import dtype_of, load_base
 
@@ -74,6 +74,8 @@ def extract(base: str, tuned: str, output: Path, *, rank: int | None = None, ene
         raise refuse(f"The base and the tuned checkpoints are of different model families ({', '.join(sorted(families))});"
                      " extract a LoRA from a fine-tune against its own base.")
     family = families.pop() if families else None
+    if conv_rank and family and get_family(family).kohya_unet_naming == "bfl":
+        raise refuse(f"{get_family(family).display_name} has no convolutions to extract; leave out --conv_rank.")
     base_bundle = load_base(base, config_dir, family)
     tuned_bundle = load_base(tuned, config_dir, family)
     tuned_layers = {name: layer for _, name, layer in walk_layers(tuned_bundle, conv=conv_rank > 0)}
@@ -85,7 +87,7 @@ def extract(base: str, tuned: str, output: Path, *, rank: int | None = None, ene
     dtype = dtype_of(save_precision)
     with torch.no_grad():
         for component, name, layer in progress(wanted, len(wanted), "extracting", unit="layer"):
-            other = tuned_layers.get(name)
+            other = tuned_layers.get(name)  # layer, other: lora_file.LayerTarget (FLUX.2's q/k/v one fused target)
             if other is None or other.weight.shape != layer.weight.shape:
                 raise refuse(f"The tuned checkpoint's layer '{name}' does not match the base's; they are not the same "
                              "architecture.")
@@ -136,6 +138,11 @@ def run(args: argparse.Namespace) -> int:
         raise refuse(f"--rank {args.rank} is not a rank; give a whole number of 1 or more.")
     if args.energy is not None and not 0 < args.energy <= 1:
         raise refuse(f"--energy {args.energy} is not a fraction; give a number above 0 and at most 1, e.g. 0.95.")
+    if args.conv_rank < 0:
+        raise refuse(f"--conv_rank {args.conv_rank} is not a rank; give a whole number of 1 or more (0: no "
+                     "convolutions).")
+    if not 0 <= args.min_diff < float("inf"):  # NaN fails this too
+        raise refuse(f"--min_diff {args.min_diff} is not a weight change; give a number of 0 or more, e.g. 1e-5.")
     for which in ("base", "tuned"):
         if not Path(getattr(args, which)).expanduser().exists():
             raise refuse(f"The {which} checkpoint {getattr(args, which)} does not exist; give a .safetensors file or "

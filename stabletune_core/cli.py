@@ -305,9 +305,15 @@ def run_inspect(path: Path) -> int:
         raise ConfigError([f"{path} does not exist; give a LoRA .safetensors file or a run folder."])
     if problem := lora_file_problem(path):
         raise ConfigError([problem])
+    from .tools.lora_file import not_a_lora
+
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata() or {}
         keys = list(f.keys())
+    if (what := not_a_lora([k for k in keys if not k.startswith("bundle_emb.")])) and not \
+            any(k.startswith("bundle_emb.") for k in keys):
+        raise ConfigError([f"{path.name} is {what} ({len(keys)} tensors), not a LoRA; inspect describes LoRA files "
+                           "and run folders."])
     words = sorted({k.split(".", 2)[1] for k in keys if k.startswith("bundle_emb.")})  # pivotal tuning's words
     modules = {k.rsplit(".", 2)[0] for k in keys if not k.startswith("bundle_emb.")}
     bundled = f", the words {', '.join(words)} (bundle_emb)" if words else ""

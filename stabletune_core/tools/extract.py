@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import check_new_output, progress, refuse
+from .merge import PRECISIONS
 
 
 def add_parser(commands: Any) -> None:
@@ -33,7 +34,7 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--no_text_encoder", action="store_true", help="UNet layers only.")
     p.add_argument("--model_config_dir", default=None, help="Config folder describing single files of an unusual "
                    "architecture.")
-    p.add_argument("--save_precision", choices=("fp16", "bf16", "fp32"), default="fp16")
+    p.add_argument("--save_precision", choices=PRECISIONS, default="fp16")
     p.set_defaults(run_tool=run)
 
 
@@ -67,7 +68,8 @@ def extract(base: str, tuned: str, output: Path, *, rank: int | None = None, ene
     from ..lora.resize import ModuleResize
     from ..models import detect_family, get_family
     from .lora_file import walk_layers
-    from .merge import dtype_of, load_base
+    from ..train.amp import precision_dtype
+    from .merge import load_base
 
     families = {detect_family(Path(p).expanduser()) for p in (base, tuned) if Path(p).expanduser().exists()}
     if len(families) > 1:
@@ -84,7 +86,7 @@ def extract(base: str, tuned: str, output: Path, *, rank: int | None = None, ene
     tensors: dict[str, Any] = {}
     report: list[ModuleResize] = []
     unchanged: dict[str, int] = {}
-    dtype = dtype_of(save_precision)
+    dtype = precision_dtype(save_precision)
     with torch.no_grad():
         for component, name, layer in progress(wanted, len(wanted), "extracting", unit="layer"):
             other = tuned_layers.get(name)  # layer, other: lora_file.LayerTarget (FLUX.2's q/k/v one fused target)
@@ -135,9 +137,10 @@ def run(args: argparse.Namespace) -> int:
         raise refuse(f"The LoRA must be a .safetensors file, not '{output.name}'.")
     check_new_output(output)
     if args.rank is not None and args.rank < 1:
-        raise refuse(f"--rank {args.rank} is not a rank; give a whole number of 1 or more.")
+        raise refuse(f"The rank {args.rank} (--rank) is not a rank; give a whole number of 1 or more.")
     if args.energy is not None and not 0 < args.energy <= 1:
-        raise refuse(f"--energy {args.energy} is not a fraction; give a number above 0 and at most 1, e.g. 0.95.")
+        raise refuse(f"The energy {args.energy} (--energy) is not a fraction; give a number above 0 and at most 1, "
+                     "e.g. 0.95.")
     if args.conv_rank < 0:
         raise refuse(f"--conv_rank {args.conv_rank} is not a rank; give a whole number of 1 or more (0: no "
                      "convolutions).")

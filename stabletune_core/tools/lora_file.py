@@ -278,3 +278,32 @@ def walk_layers(bundle, *, conv: bool) -> Iterator[tuple[str, str, LayerTarget]]
         for path, module in encoder.named_modules():
             if isinstance(module, torch.nn.Linear) and ".layers." in f".{path}":
                 yield f"text_encoder{'' if i == 0 else '_2'}", kohya_te_name(path, prefix), LayerTarget([module])
+
+
+#: what a .safetensors file without adapter modules holds, by the prefixes of its keys (first match wins)
+NOT_A_LORA = (
+    (("text_model.", "embeddings.token_embedding.", "cond_stage_model.", "conditioner.embedders.", "text_encoders."),
+     "a CLIP text encoder"),
+    (("model.embed_tokens.", "model.layers.", "embed_tokens."), "a Qwen3 text encoder (FLUX.2 Klein's)"),
+    (("model.diffusion_model.", "double_blocks.", "single_blocks.", "down_blocks.", "input_blocks.", "conv_in."),
+     "a model checkpoint (UNet or transformer weights)"),
+    (("encoder.down.", "decoder.up.", "encoder.down_blocks.", "decoder.up_blocks.", "first_stage_model."), "a VAE"),
+    (("emb_params", "string_to_param", "clip_l", "clip_g", "string_to_token"), "a textual-inversion embedding"),
+)
+ADAPTER_SUFFIXES = tuple(f".{part}" for part in KNOWN_PARTS - {ALPHA}) + (".lora_A.weight", ".lora_B.weight")
+
+
+def adapter_modules(keys: Iterable[str]) -> set[str]:
+    """The adapter modules (LoRA, LoHa, LoKr, DoRA; kohya or PEFT names) among a file's tensor keys."""
+    return {key.rsplit(".", 2 if key.endswith(".weight") and ".lora_" in key else 1)[0]
+            for key in keys if key.endswith(ADAPTER_SUFFIXES)}
+
+
+def not_a_lora(keys: list[str]) -> str | None:
+    """What a file whose keys hold no adapter module is, e.g. "a CLIP text encoder"; None for an adapter file."""
+    if adapter_modules(keys):
+        return None
+    for prefixes, what in NOT_A_LORA:
+        if any(key.startswith(prefixes) for key in keys):
+            return what
+    return "a file with no LoRA modules"

@@ -25,12 +25,6 @@ from .common import check_new_output, progress, refuse
 PRECISIONS = ("fp16", "bf16", "fp32")
 
 
-def dtype_of(precision: str):
-    import torch
-
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
-
-
 def add_parser(commands: Any) -> None:
     p = commands.add_parser("merge", help="Merge LoRAs into a checkpoint (--model), or several LoRAs into one "
                             "(SVD to --rank); writes a new file, never over an input.")
@@ -212,7 +206,7 @@ def write_single_file(bundle, source: Path, target: Path, components: set[str], 
                 if key.endswith("position_ids"):
                     continue
                 raise refuse(f"{source.name} stores its weights under other names than StableTune writes (no "
-                             f"'{key}'); write a diffusers folder instead (an --output without .safetensors).")
+                             f"'{key}'); write a diffusers folder instead (an output path without .safetensors).")
             old = state[key]
             new = value.to(old.dtype).reshape(old.shape)
             if not torch.equal(new, old):
@@ -270,13 +264,15 @@ def merge_checkpoint(model: str, loras: list[tuple[Path, float]], output: Path, 
                      config_dir: str | None = None) -> str:
     from ..models import get_family
 
+    from ..train.amp import precision_dtype
+
     source = Path(model).expanduser()
     family = base_family(model)
     read = read_loras(loras, family)  # one sentence for a LoRA of another family, before the model loads
     if source.is_file() and output.suffix.lower() != ".safetensors" and \
             get_family(family).kohya_unet_naming == "bfl":  # its single files carry no diffusers configs
         raise refuse(f"A {get_family(family).display_name} model given as its transformer file merges into a "
-                     "single file; give an --output ending in .safetensors (or merge into its diffusers folder).")
+                     "single file; give an output path ending in .safetensors (or merge into its diffusers folder).")
     bundle = load_base(model, config_dir, family)
     components, records = merge_into(bundle, read)
     note = {"base": source.name, "loras": records}
@@ -284,12 +280,12 @@ def merge_checkpoint(model: str, loras: list[tuple[Path, float]], output: Path, 
     if output.suffix.lower() == ".safetensors":
         # from a single file, "same" keeps every tensor's own dtype
         dtype = None if save_precision == "same" and source.is_file() else \
-            source_dtype(source) if save_precision == "same" else dtype_of(save_precision)
+            source_dtype(source) if save_precision == "same" else precision_dtype(save_precision)
         replaced = write_single_file(bundle, source, output, components, dtype, note)
         kept = f"; {replaced} tensors changed, every other one copied as it was" if replaced >= 0 else ""
         layout = f"{bundle.family.display_name}'s original layout"
         return f"Merged checkpoint written to {output} (single file, {layout}{kept}).{words}"
-    dtype = source_dtype(source) if save_precision == "same" else dtype_of(save_precision)
+    dtype = source_dtype(source) if save_precision == "same" else precision_dtype(save_precision)
     write_folder(bundle, source, output, dtype, note, config_dir)
     return f"Merged checkpoint written to {output} (diffusers folder).{words}"
 
@@ -320,10 +316,12 @@ def merge_loras(loras: list[tuple[Path, float]], output: Path, *, rank: int | No
     from ..lora.names import ALPHA, DOWN, UP
     from ..lora.resize import ModuleResize, chosen_rank, truncated_factors
     from ..lora.svd import spectra
+    from ..train.amp import precision_dtype
     from .lora_file import AdapterModule, family_display_name, family_of_file, read_adapter
 
     if len(loras) < 2:
-        raise refuse("Give two or more --lora files to merge into one (or --model to merge into a checkpoint).")
+        raise refuse("Give two or more LoRA files (--lora) to merge into one, or a checkpoint (--model) to merge "
+                     "them into.")
     read: list[tuple[Path, float, dict[str, AdapterModule], dict[str, str]]] = []
     labels = input_labels([path for path, _ in loras])
     families: dict[str, str] = {}  # family -> the first input made for it
@@ -343,14 +341,15 @@ def merge_loras(loras: list[tuple[Path, float]], output: Path, *, rank: int | No
                      "LoRA; merge LoRAs made for one model family.")
     largest = max(m.rank for _, _, modules, _ in read for m in modules.values())
     if rank is not None and rank < 1:
-        raise refuse(f"--rank {rank} is not a rank; give a whole number of 1 or more.")
+        raise refuse(f"The rank {rank} (--rank) is not a rank; give a whole number of 1 or more.")
     most = max(sum(modules[name].rank for _, _, modules, _ in read if name in modules)
                for name in {name for _, _, modules, _ in read for name in modules})
     if rank is not None and rank > most:
-        raise refuse(f"--rank {rank} is more than any merged module can use (at most {most}, the input ranks "
+        raise refuse(f"The rank {rank} (--rank) is more than any merged module can use (at most {most}, the input ranks "
                      f"added up); give {most} or less.")
     if energy is not None and not 0 < energy <= 1:
-        raise refuse(f"--energy {energy} is not a fraction; give a number above 0 and at most 1, e.g. 0.95.")
+        raise refuse(f"The energy {energy} (--energy) is not a fraction; give a number above 0 and at most 1, "
+                     "e.g. 0.95.")
     # with --energy alone every module may keep as many directions as its stacked factors have
     ceiling = rank if rank is not None else None if energy is not None else largest
     names = sorted({name for _, _, modules, _ in read for name in modules})
@@ -371,7 +370,7 @@ def merge_loras(loras: list[tuple[Path, float]], output: Path, *, rank: int | No
         if energy is None:
             new = ceiling  # every module at --rank (thinner ones padded with zero directions), as kohya writes
         new_down, new_up = truncated_factors(down, up, new)
-        dtype = first.parts[DOWN].dtype if save_precision == "same" else dtype_of(save_precision)
+        dtype = first.parts[DOWN].dtype if save_precision == "same" else precision_dtype(save_precision)
         tensors[f"{name}.{DOWN}"] = new_down.reshape(new, *first.parts[DOWN].shape[1:]).to(dtype).contiguous()
         tensors[f"{name}.{UP}"] = new_up.reshape(first.parts[UP].shape[0], new,
                                                  *first.parts[UP].shape[2:]).to(dtype).contiguous()
@@ -431,15 +430,17 @@ def run(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise refuse(f"The LoRA file {path} does not exist; give the path of a .safetensors LoRA.")
         if path.resolve() == output.resolve():
-            raise refuse("--output names an input file; the tools never write over their inputs.")
+            raise refuse("The output path (--output) names an input file; the tools never write over their inputs.")
     if args.model:
         if args.rank is not None or args.energy is not None:
-            raise refuse("--rank and --energy are for merging LoRAs into one; a merge into a checkpoint has no rank.")
+            raise refuse("A rank or an energy (--rank, --energy) is for merging LoRAs into one; a merge into a "
+                         "checkpoint has no rank.")
         print(merge_checkpoint(args.model, loras, output, save_precision=args.save_precision,
                                config_dir=args.model_config_dir))
         return 0
     if output.suffix.lower() != ".safetensors":
-        raise refuse(f"The merged LoRA must be a .safetensors file, not '{output.name}'.")
+        raise refuse(f"The merged LoRA must be a .safetensors file, not '{output.name}'; give an output path ending "
+                     "in .safetensors.")
     from ..lora.resize import report_table
 
     note, report = merge_loras(loras, output, rank=args.rank, energy=args.energy, save_precision=args.save_precision)

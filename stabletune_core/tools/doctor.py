@@ -446,8 +446,8 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    settings = settings_from(args)  # first: its bucket-step sentence is the more useful one for a resolution
     check_numbers(args)
-    settings = settings_from(args)
     run_dir = Path(args.run).expanduser() if args.run else None
     if run_dir is not None and not image_losses_path(run_dir).is_file():
         print(f"note: {run_dir} has no per-image losses ({image_losses_path(run_dir).relative_to(run_dir)}); "

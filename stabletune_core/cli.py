@@ -290,8 +290,12 @@ def run_resize(path: Path, rank: int | None, energy: float | None) -> int:
 
 def run_inspect(path: Path) -> int:
     if path.is_dir():
+        from .runs.layout import RunPaths
         from .runs.reader import RunReader
 
+        if not (RunPaths(path).status.is_file() or RunPaths(path).config.is_file()):
+            raise ConfigError([f"{path} is not a run folder (it has no status.json or config.toml); give a LoRA "
+                               ".safetensors file or a folder StableTune trained into."])
         reader = RunReader(path)
         print(json.dumps(reader.status(), indent=1))
         print(f"{len(reader.metrics())} metric lines, {len(reader.events())} events, "

@@ -137,3 +137,29 @@ def test_tool_tracebacks_are_kept_in_the_cache_and_bounded(tmp_path, monkeypatch
         os.utime(where, ns=(n * 10**9, n * 10**9))  # one a second: the newest are the last ones written
     kept = sorted(folder.iterdir())
     assert len(kept) == 3 and all(f"bug {n}" in p.read_text() for n, p in zip((2, 3, 4), kept))
+
+
+def test_files_a_user_can_name_are_one_sentence_not_an_internal_error(tmp_path, capsys):
+    """Each of these ended in `internal error` (merge/extract: SafetensorError; doctor: UnicodeDecodeError,
+    IsADirectoryError, FileNotFoundError) or printed an empty run for a folder that is none (inspect)."""
+    from PIL import Image
+
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(bytes(range(256)) * 4)
+    folder = tmp_path / "not-a-run"
+    folder.mkdir()
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (64, 64), (200, 0, 0)).save(data / "a.png")
+    _, lora = trained_lora("sd1", "lora", tmp_path / "a.safetensors", seed=5)
+    capsys.readouterr()
+    commands = [["inspect", str(folder)],
+                ["merge", "--model", str(junk), "--lora", str(lora), "--output", str(tmp_path / "m.safetensors")],
+                ["extract", "--base", str(junk), "--tuned", str(junk), "--output", str(tmp_path / "e.safetensors")],
+                ["doctor", str(data), "--config", str(junk)],
+                ["doctor", str(data), "--json", str(folder)],
+                ["doctor", str(data), "--json", str(tmp_path / "missing" / "report.json")]]
+    for command in commands:
+        assert main(command) == 2, command
+        err = capsys.readouterr().err.strip().removeprefix("error: ")
+        assert one_sentence(err) and "internal error" not in err, (command, err)

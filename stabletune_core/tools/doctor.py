@@ -448,6 +448,11 @@ def check_numbers(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)  # first: its bucket-step sentence is the more useful one for a resolution
     check_numbers(args)
+    if args.json:
+        report_file = Path(args.json).expanduser()
+        if report_file.is_dir() or not report_file.parent.is_dir():
+            raise refuse(f"--json {report_file} is not a file in an existing folder; give the path of the JSON "
+                         "report to write.")
     run_dir = Path(args.run).expanduser() if args.run else None
     if run_dir is not None and not image_losses_path(run_dir).is_file():
         print(f"note: {run_dir} has no per-image losses ({image_losses_path(run_dir).relative_to(run_dir)}); "

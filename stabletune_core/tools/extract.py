@@ -66,12 +66,12 @@ def extract(base: str, tuned: str, output: Path, *, rank: int | None = None, ene
     from ..lora.export import _atomic_save, build_kohya_metadata, precalculate_sshs_hashes
     from ..lora.names import ALPHA, DOWN, UP
     from ..lora.resize import ModuleResize
-    from ..models import detect_family, get_family
+    from ..models import get_family
     from .lora_file import walk_layers
     from ..train.amp import precision_dtype
-    from .merge import load_base
+    from .merge import base_family, load_base
 
-    families = {detect_family(Path(p).expanduser()) for p in (base, tuned) if Path(p).expanduser().exists()}
+    families = {base_family(p) for p in (base, tuned) if Path(p).expanduser().exists()}
     if len(families) > 1:
         raise refuse(f"The base and the tuned checkpoints are of different model families ({', '.join(sorted(families))});"
                      " extract a LoRA from a fine-tune against its own base.")

@@ -82,9 +82,13 @@ def input_labels(paths: list[Path]) -> list[str]:
 def base_family(model: str) -> str:
     from ..models import detect_family
 
+    from ..config import safetensors_problem
+
     path = Path(model).expanduser()
     if not path.exists():
         raise refuse(f"The checkpoint {model} does not exist; give a .safetensors file or a diffusers folder.")
+    if path.is_file() and (problem := safetensors_problem(path)):
+        raise refuse(f"The checkpoint {path} {problem}; give a complete .safetensors file or a diffusers folder.")
     return detect_family(path)
 
 

@@ -1,7 +1,8 @@
 """`python -m stabletune_core extract --base BASE --tuned TUNED --output LORA.safetensors`: a LoRA from a fine-tune.
 
 For every layer a LoRA usually trains (the UNet's transformer blocks, the text encoders' attention and MLP;
-with `--conv_rank` also the UNet's ResNet convolutions), dW = W_tuned - W_base is split by SVD into its best
+with `--conv_rank` also every layer of the UNet's ResNets and samplers; FLUX.2 Klein: its blocks' modules under
+BFL's names, lora_file.walk_layers), dW = W_tuned - W_base is split by SVD into its best
 rank-N factors (Eckart-Young): N is `--rank`, or per layer the smallest rank keeping `--energy` of ||dW||_F^2
 (with `--rank` as the ceiling). Layers whose largest change is below `--min_diff` are left out (a text encoder
 the fine-tune did not train). The file is in the kohya/A1111 format with alpha = rank (scale 1), names as

@@ -2,8 +2,8 @@
 
 * `merge --model BASE --lora a.safetensors:0.8 [b.safetensors:0.5 ...] --output OUT`: a new checkpoint with
   the LoRAs applied as the WebUIs apply them at those weights (LoRA, LoHa, LoKr and DoRA files). OUT ending in
-  `.safetensors` is a single file in the original SD layout (what A1111, Forge and ComfyUI load); any other
-  OUT is a diffusers folder. From a single-file BASE, only the tensors the LoRAs change are replaced: every
+  `.safetensors` is a single file in the original layout (SD's, which A1111, Forge and ComfyUI load; FLUX.2
+  Klein's BFL transformer file, which ComfyUI loads); any other OUT is a diffusers folder. From a single-file BASE, only the tensors the LoRAs change are replaced: every
   other tensor (the VAE, extra keys) is copied bit for bit, in its own dtype.
 * `merge --lora a.safetensors:0.7 b.safetensors:0.3 --rank 16 --output c.safetensors`: one LoRA whose update
   is the weighted sum of theirs, brought to `--rank` (or the rank keeping `--energy` of each module's

@@ -161,7 +161,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         family = detect_family(model) if model and Path(model).expanduser().exists() else "sd1"
     if args.max_sequence_length is not None:
         values["max_sequence_length"] = args.max_sequence_length
-    settings = Settings(Path(folder).expanduser(), int(values["resolution"] if args.resolution is None else args.resolution),
+    resolution = values["resolution"] if args.resolution is None else args.resolution  # 0 is a value, not unset
+    settings = Settings(Path(folder).expanduser(), int(resolution),
                         bool(values["enable_bucket"]) and not args.no_buckets, int(values["bucket_step"]),
                         int(values["min_bucket_reso"]), int(values["max_bucket_reso"]),
                         args.caption_extension or values["caption_extension"], values["default_caption"] or "",

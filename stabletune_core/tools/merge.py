@@ -3,8 +3,9 @@
 * `merge --model BASE --lora a.safetensors:0.8 [b.safetensors:0.5 ...] --output OUT`: a new checkpoint with
   the LoRAs applied as the WebUIs apply them at those weights (LoRA, LoHa, LoKr and DoRA files). OUT ending in
   `.safetensors` is a single file in the original layout (SD's, which A1111, Forge and ComfyUI load; FLUX.2
-  Klein's BFL transformer file, which ComfyUI loads); any other OUT is a diffusers folder. From a single-file BASE, only the tensors the LoRAs change are replaced: every
-  other tensor (the VAE, extra keys) is copied bit for bit, in its own dtype.
+  Klein's BFL transformer file, which ComfyUI loads); any other OUT is a diffusers folder. From a single-file
+  BASE, only the tensors the LoRAs change are replaced: every other tensor (the VAE, extra keys) is copied bit
+  for bit, in its own dtype.
 * `merge --lora a.safetensors:0.7 b.safetensors:0.3 --rank 16 --output c.safetensors`: one LoRA whose update
   is the weighted sum of theirs, brought to `--rank` (or the rank keeping `--energy` of each module's
   ||dW||^2) by SVD; exact when the sum's rank fits.
@@ -349,8 +350,8 @@ def merge_loras(loras: list[tuple[Path, float]], output: Path, *, rank: int | No
     most = max(sum(modules[name].rank for _, _, modules, _ in read if name in modules)
                for name in {name for _, _, modules, _ in read for name in modules})
     if rank is not None and rank > most:
-        raise refuse(f"The rank {rank} (--rank) is more than any merged module can use (at most {most}, the input ranks "
-                     f"added up); give {most} or less.")
+        raise refuse(f"The rank {rank} (--rank) is more than any merged module can use (at most {most}, the input "
+                     f"ranks added up); give {most} or less.")
     if energy is not None and not 0 < energy <= 1:
         raise refuse(f"The energy {energy} (--energy) is not a fraction; give a number above 0 and at most 1, "
                      "e.g. 0.95.")

@@ -163,3 +163,26 @@ def test_files_a_user_can_name_are_one_sentence_not_an_internal_error(tmp_path, 
         assert main(command) == 2, command
         err = capsys.readouterr().err.strip().removeprefix("error: ")
         assert one_sentence(err) and "internal error" not in err, (command, err)
+
+
+@pytest.mark.parametrize("flags", [["--batch_size", "0"], ["--batch_size", "100000000"], ["--max_new_tokens", "0"],
+                                   ["--max_new_tokens", "-5"], ["--max_new_tokens", "10000000"],
+                                   ["--num_beams", "0"], ["--num_beams", "100000"], ["--threshold", "nan"],
+                                   ["--character_threshold", "inf"]])
+def test_caption_numbers_are_checked_in_one_sentence(flags, tmp_path, capsys):
+    from tests.tools_helpers import build_wd14_tagger
+
+    data = tmp_path / "data"
+    data.mkdir()
+    tagger = build_wd14_tagger(tmp_path / "tagger")
+    assert main(["caption", str(data), "--model", str(tagger), *flags]) == 2
+    err = capsys.readouterr().err.strip().removeprefix("error: ")
+    assert one_sentence(err) and flags[0] in err and "internal error" not in err
+
+
+def test_a_missing_captioning_model_is_worded_for_the_ui_too(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    assert main(["caption", str(data), "--model", str(tmp_path / "no-such-tagger")]) == 2
+    err = capsys.readouterr().err.strip().removeprefix("error: ")
+    assert one_sentence(err) and "as the captioning model (--model)" in err and "point --model" not in err

@@ -382,11 +382,18 @@ def caption_pending(report: CaptionReport, captioner, *, caption_extension: str 
     return report
 
 
+#: Upper bounds of the captioner's numbers: beyond them a value is a typo that would only exhaust memory.
+MAX_BATCH, MAX_NEW_TOKENS, MAX_BEAMS = 1024, 1024, 32
+
+
 def run(args: argparse.Namespace) -> int:
     if args.overwrite and args.append:
         raise refuse("--overwrite and --append exclude each other: replace captions, or add to them.")
-    if args.batch_size < 1:
-        raise refuse(f"--batch_size {args.batch_size} is not a batch size; give 1 or more.")
+    for name, most, what in (("batch_size", MAX_BATCH, "a batch size"), ("max_new_tokens", MAX_NEW_TOKENS,
+                                                                          "a caption length in tokens"),
+                             ("num_beams", MAX_BEAMS, "a number of beams")):
+        if not 1 <= getattr(args, name) <= most:
+            raise refuse(f"--{name} {getattr(args, name)} is not {what}; give a whole number from 1 to {most}.")
     for name in ("threshold", "character_threshold"):
         if not 0 <= getattr(args, name) <= 1:
             raise refuse(f"--{name} {getattr(args, name)} is not a probability; give a number from 0 to 1.")

@@ -38,7 +38,7 @@ def tensors_of(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-@pytest.mark.parametrize("network", ["lora", "lokr"])
+@pytest.mark.parametrize("network", ["lora", "lokr", "dora"])
 def test_our_klein_lora_merges_into_the_klein_folder_as_trained(paths, network, tmp_path, one_thread, capsys):
     bundle, lora = klein_lora(paths, tmp_path / f"{network}.safetensors", network)
     if network == "lora":  # the exported file uses BFL names, q/k/v fused: what issue 39 found refused

@@ -81,9 +81,8 @@ def input_labels(paths: list[Path]) -> list[str]:
 
 # ------------------------------------------------------------------------------------- into a model
 def base_family(model: str) -> str:
-    from ..models import detect_family
-
     from ..config import safetensors_problem
+    from ..models import detect_family
 
     path = Path(model).expanduser()
     if not path.exists():
@@ -268,7 +267,6 @@ def source_dtype(source: Path):
 def merge_checkpoint(model: str, loras: list[tuple[Path, float]], output: Path, *, save_precision: str = "same",
                      config_dir: str | None = None) -> str:
     from ..models import get_family
-
     from ..train.amp import precision_dtype
 
     source = Path(model).expanduser()

@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from flux2_tools import one_sentence

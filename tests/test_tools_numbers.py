@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from flux2_tools import one_sentence
 from stabletune_core.cli import main
 from stabletune_core.tools.merge import merge_loras, parse_weighted
-from tests.test_tools_merge import bases, deltas, tensors_of, trained_lora  # noqa: F401  (bases: a fixture)
+from tests.test_tools_merge import bases, deltas, trained_lora  # noqa: F401  (bases: a fixture)
 
 RESNET = ["conv1", "conv2", "time_emb_proj", "conv_shortcut"]
 

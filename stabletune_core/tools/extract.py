@@ -72,11 +72,12 @@ def extract(base: str, tuned: str, output: Path, *, rank: int | None = None, ene
     from ..train.amp import precision_dtype
     from .merge import base_family, load_base
 
-    families = {base_family(p) for p in (base, tuned) if Path(p).expanduser().exists()}
-    if len(families) > 1:
-        raise refuse(f"The base and the tuned checkpoints are of different model families ({', '.join(sorted(families))});"
-                     " extract a LoRA from a fine-tune against its own base.")
-    family = families.pop() if families else None
+    found = [base_family(p) for p in (base, tuned) if Path(p).expanduser().exists()]
+    if len(set(found)) > 1:
+        names = " and ".join(get_family(name).display_name for name in found)
+        raise refuse(f"The base and the tuned checkpoints are of different model families ({names}); extract a "
+                     "LoRA from a fine-tune against its own base.")
+    family = found[0] if found else None
     if conv_rank and family and get_family(family).kohya_unet_naming == "bfl":
         raise refuse(f"{get_family(family).display_name} has no convolutions to extract; leave out --conv_rank.")
     base_bundle = load_base(base, config_dir, family)

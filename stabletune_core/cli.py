@@ -290,8 +290,12 @@ def run_resize(path: Path, rank: int | None, energy: float | None) -> int:
 
 def run_inspect(path: Path) -> int:
     if path.is_dir():
+        from .runs.layout import RunPaths
         from .runs.reader import RunReader
 
+        if not (RunPaths(path).status.is_file() or RunPaths(path).config.is_file()):
+            raise ConfigError([f"{path} is not a run folder (it has no status.json or config.toml); give a LoRA "
+                               ".safetensors file or a folder StableTune trained into."])
         reader = RunReader(path)
         print(json.dumps(reader.status(), indent=1))
         print(f"{len(reader.metrics())} metric lines, {len(reader.events())} events, "
@@ -305,9 +309,15 @@ def run_inspect(path: Path) -> int:
         raise ConfigError([f"{path} does not exist; give a LoRA .safetensors file or a run folder."])
     if problem := lora_file_problem(path):
         raise ConfigError([problem])
+    from .tools.lora_file import not_a_lora
+
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata() or {}
         keys = list(f.keys())
+    if (what := not_a_lora([k for k in keys if not k.startswith("bundle_emb.")])) and not \
+            any(k.startswith("bundle_emb.") for k in keys):
+        raise ConfigError([f"{path.name} is {what} ({len(keys)} tensors), not a LoRA; inspect describes LoRA files "
+                           "and run folders."])
     words = sorted({k.split(".", 2)[1] for k in keys if k.startswith("bundle_emb.")})  # pivotal tuning's words
     modules = {k.rsplit(".", 2)[0] for k in keys if not k.startswith("bundle_emb.")}
     bundled = f", the words {', '.join(words)} (bundle_emb)" if words else ""

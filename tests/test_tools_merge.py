@@ -126,13 +126,13 @@ def test_merge_refusals(bases, tmp_path, capsys):
     assert main(["merge", "--model", str(single), "--model_config_dir", str(folder), "--lora", str(sdxl_lora),
                  "--output", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("error: xl.safetensors is a SDXL LoRA and the model is Stable Diffusion 1.x; use a LoRA made for "
-                   "this model's family.") and not out.exists()
+    assert err == ("error: xl.safetensors is a Stable Diffusion XL LoRA and the model is Stable Diffusion 1.x; use a "
+                   "LoRA made for this model's family.") and not out.exists()
     plain = {k: v for k, v in tensors_of(sdxl_lora).items()}
     save_file(plain, str(tmp_path / "no-meta.safetensors"))  # no metadata: the key names give it away
     assert main(["merge", "--model", str(single), "--model_config_dir", str(folder), "--lora",
                  str(tmp_path / "no-meta.safetensors"), "--output", str(out)]) == 2
-    assert "is a SDXL LoRA" in capsys.readouterr().err
+    assert "is a Stable Diffusion XL LoRA" in capsys.readouterr().err
     assert main(["merge", "--model", str(tmp_path / "nope"), "--lora", str(sdxl_lora), "--output", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["merge", "--model", str(single), "--lora", str(sdxl_lora), "--output", str(single)]) == 2

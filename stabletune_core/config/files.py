@@ -38,6 +38,8 @@ def read_toml(path: Path | str) -> dict[str, Any]:
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"Config file {path} is not valid TOML ({exc}); fix the line it names."]) from exc
+    except UnicodeDecodeError:
+        raise ConfigError([f"Config file {path} is not UTF-8 text; give a TOML config file."]) from None
     return resolve_aliases(data)
 
 

@@ -123,6 +123,10 @@ class ModelFamily(Protocol):
     unet_lora_targets: list[str]  # module name suffixes in the UNet that get LoRA
     text_encoder_lora_targets: list[str]
     text_encoder_kohya_prefixes: list[str]  # one per text encoder: ["lora_te"] or ["lora_te1", "lora_te2"]
+    display_name: str  # what a sentence calls the family, e.g. "Stable Diffusion 1.x"
+    # the kohya names of the denoiser's modules: "diffusers" (lora_unet_ + diffusers path), "sgm" (SDXL's
+    # input_blocks...) or "bfl" (FLUX.2's double_blocks..., q/k/v fused); see lora/names.py, lora/flux2.py
+    kohya_unet_naming: str
 
     def load(self, source: str, *, local_files_only: bool = True) -> ModelBundle: ...
 

@@ -64,6 +64,7 @@ class SD1:
     unet_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
     text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
     text_encoder_kohya_prefixes = ["lora_te"]
+    kohya_unet_naming = "diffusers"  # lora/names.py: kohya names of diffusers' UNet paths
     diffusers_pipeline_class = "StableDiffusionPipeline"
     text_encoder_parts = ("text_encoder",)  # pipeline component names, in kohya prefix order
     tokenizer_parts = ("tokenizer",)

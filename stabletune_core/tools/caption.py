@@ -259,7 +259,8 @@ def model_kind(model: str, allow_download: bool) -> tuple[str, Path]:
         if not (path.parent / TAGGER_TAGS).is_file():
             raise refuse(f"{path.parent} has no {TAGGER_TAGS} beside {path.name}; a WD14 tagger needs both files.")
         if path.name != TAGGER_MODEL:
-            raise refuse(f"Point --model at the tagger's folder holding {TAGGER_MODEL} and {TAGGER_TAGS}.")
+            raise refuse(f"Give the tagger's folder holding {TAGGER_MODEL} and {TAGGER_TAGS} as the captioning model "
+                         "(--model), not one of its files.")
         return "tagger", path.parent
     if path.is_dir():
         if (path / TAGGER_MODEL).is_file():
@@ -269,13 +270,14 @@ def model_kind(model: str, allow_download: bool) -> tuple[str, Path]:
         if (path / "config.json").is_file():
             return "captioner", path
         raise refuse(f"{path} holds neither a WD14 tagger ({TAGGER_MODEL} + {TAGGER_TAGS}) nor a transformers "
-                     "captioner (config.json); point --model at one of them.")
+                     "captioner (config.json); give the folder of one of them as the captioning model (--model).")
     hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
     if hub_id and allow_download:
         return "captioner", path
     hint = " (a hub id is downloaded only with --allow_download)" if hub_id else ""
-    raise refuse(f"The captioning model folder {model} does not exist{hint}; point --model at a local WD14 "
-                 "tagger folder (model.onnx + selected_tags.csv) or a transformers captioner folder.")
+    raise refuse(f"The captioning model folder {model} does not exist{hint}; give a local WD14 tagger folder "
+                 "(model.onnx + selected_tags.csv) or a transformers captioner folder as the captioning model "
+                 "(--model).")
 
 
 def compose(generated: str, *, prefix: str, existing: str | None, append: bool, tags: bool) -> str:
@@ -380,11 +382,18 @@ def caption_pending(report: CaptionReport, captioner, *, caption_extension: str 
     return report
 
 
+#: Upper bounds of the captioner's numbers: beyond them a value is a typo that would only exhaust memory.
+MAX_BATCH, MAX_NEW_TOKENS, MAX_BEAMS = 1024, 1024, 32
+
+
 def run(args: argparse.Namespace) -> int:
     if args.overwrite and args.append:
         raise refuse("--overwrite and --append exclude each other: replace captions, or add to them.")
-    if args.batch_size < 1:
-        raise refuse(f"--batch_size {args.batch_size} is not a batch size; give 1 or more.")
+    for name, most, what in (("batch_size", MAX_BATCH, "a batch size"), ("max_new_tokens", MAX_NEW_TOKENS,
+                                                                          "a caption length in tokens"),
+                             ("num_beams", MAX_BEAMS, "a number of beams")):
+        if not 1 <= getattr(args, name) <= most:
+            raise refuse(f"--{name} {getattr(args, name)} is not {what}; give a whole number from 1 to {most}.")
     for name in ("threshold", "character_threshold"):
         if not 0 <= getattr(args, name) <= 1:
             raise refuse(f"--{name} {getattr(args, name)} is not a probability; give a number from 0 to 1.")

@@ -9,6 +9,7 @@ last one can be undone; an undo refuses, naming the file, when a caption was edi
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
 import re
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..atomic import write_text_atomic
+from ..atomic import write_bytes_atomic, write_text_atomic
 from ..cache import cache_root
 
 
@@ -93,11 +94,38 @@ def without_tag(text: str | None, tag: str) -> str | None:
     return ", ".join(t for t in tags if t != tag) if tag in tags else text
 
 
+BOM = b"\xef\xbb\xbf"
+
+
+def read_bytes(path: Path) -> bytes | None:
+    """The caption file as stored (None: there is none): what an undo puts back, byte for byte."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def encoded_like(text: str, old: bytes | None) -> bytes:
+    """`text` as the caption file `old` was stored: its byte-order mark, its line ending (CRLF or LF) and a final
+    newline only if it had one; a new caption file is UTF-8 ending in one newline."""
+    if old is None:
+        return (text + "\n").encode("utf-8")
+    newline = "\r\n" if b"\r\n" in old else "\n"
+    ending = newline if old.endswith(b"\n") else ""
+    body = (text.replace("\n", newline) + ending).encode("utf-8")
+    return (BOM + body) if old.startswith(BOM) else body
+
+
 @dataclass(frozen=True)
 class Change:
     path: Path
     before: str | None  # None: the caption file did not exist
     after: str
+    before_bytes: bytes | None  # the file exactly as it was (None: it did not exist)
+
+    @property
+    def after_bytes(self) -> bytes:
+        return encoded_like(self.after, self.before_bytes)
 
 
 def plan_changes(captions: Iterable[Path], edit) -> list[Change]:
@@ -107,8 +135,16 @@ def plan_changes(captions: Iterable[Path], edit) -> list[Change]:
         before = read_caption(path)
         after = edit(before)
         if after is not None and after.strip() != (before or "") and not (before is None and not after.strip()):
-            changes.append(Change(path, before, after.strip()))
+            changes.append(Change(path, before, after.strip(), read_bytes(path)))
     return changes
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str | None) -> bytes | None:
+    return None if text is None else base64.b64decode(text)
 
 
 def journal_path(folder: Path | str) -> Path:
@@ -118,21 +154,48 @@ def journal_path(folder: Path | str) -> Path:
 
 
 def apply_changes(folder: Path | str, changes: list[Change], what: str) -> int:
-    """Write the journal, then every changed caption (each atomically); returns how many were written."""
+    """Write the journal, then every changed caption (each atomically); returns how many were written. A change
+    that fails half-way puts back the captions it already wrote, so the folder is as before or as asked."""
     if not changes:
         return 0
     journal = journal_path(folder)
     journal.parent.mkdir(parents=True, exist_ok=True)
     record = {"folder": str(Path(folder).expanduser().resolve()), "what": what, "time": time.time(),
-              "files": [{"path": str(c.path), "before": c.before, "after": c.after} for c in changes]}
+              "files": [{"path": str(c.path), "before": c.before, "after": c.after,
+                         "before_bytes": _b64(c.before_bytes), "after_bytes": _b64(c.after_bytes)} for c in changes]}
     write_text_atomic(journal, json.dumps(record, ensure_ascii=False, indent=1))
     for n, change in enumerate(changes):
         try:
-            write_text_atomic(change.path, change.after + "\n")
+            write_bytes_atomic(change.path, change.after_bytes)
         except OSError as exc:
-            raise CaptionEditError(f"Could not write {change.path} ({exc.strerror or exc}); {n} of {len(changes)} "
-                                   "captions were changed, and undo puts them back.") from None
+            reason = exc.strerror or str(exc)
+            if not _roll_back(changes[:n]):
+                raise CaptionEditError(f"Could not write {change.path} ({reason}); {n} of {len(changes)} captions "
+                                       "were changed and could not all be put back, so run undo to restore "
+                                       "them.") from None
+            write_text_atomic(journal, json.dumps({**record, "undone": time.time()}, ensure_ascii=False))
+            raise CaptionEditError(f"Could not write {change.path} ({reason}), so no caption was changed (the "
+                                   f"{n} written before it were put back); fix that and run the change again."
+                                   ) from None
     return len(changes)
+
+
+def _roll_back(written: list[Change]) -> bool:
+    """Put the captions a failed bulk change wrote back as they were; False when one of them cannot be."""
+    ok = True
+    for change in reversed(written):
+        try:
+            _restore(change.path, change.before_bytes)
+        except OSError:
+            ok = False
+    return ok
+
+
+def _restore(path: Path, before: bytes | None) -> None:
+    if before is None:
+        path.unlink(missing_ok=True)  # the bulk change created it
+    else:
+        write_bytes_atomic(path, before)
 
 
 def last_change(folder: Path | str) -> dict[str, Any] | None:
@@ -151,21 +214,32 @@ def undo_last(folder: Path | str) -> tuple[str, int]:
     if record is None:
         raise CaptionEditError(f"There is no bulk caption change to undo in {folder}.")
     files = record["files"]
-    for entry in files:
-        now = read_caption(Path(entry["path"]))
-        if now != entry["after"]:
-            raise CaptionEditError(f"{entry['path']} was changed after the bulk change '{record['what']}', so "
-                                   "undo stops here to keep that edit; nothing was undone.")
-    restored = 0
+    to_restore = []
     for entry in files:
         path = Path(entry["path"])
-        if entry["before"] is None:
-            path.unlink()  # the bulk change created it, and it still holds exactly what was written then
-        else:
-            write_text_atomic(path, entry["before"] + "\n")
+        if "after_bytes" not in entry:  # a journal of an older StableTune: the text, not the bytes
+            before = None if entry["before"] is None else (entry["before"] + "\n").encode("utf-8")
+            if read_caption(path) == entry["after"]:
+                to_restore.append((path, before))
+            elif read_caption(path) != entry["before"]:
+                raise _changed_since(entry, record)
+            continue
+        now, before = read_bytes(path), _unb64(entry["before_bytes"])
+        if now == _unb64(entry["after_bytes"]):
+            to_restore.append((path, before))
+        elif now != before:  # as before already: a change that stopped before this file
+            raise _changed_since(entry, record)
+    restored = 0
+    for path, before in to_restore:
+        _restore(path, before)
         restored += 1
     write_text_atomic(journal_path(folder), json.dumps({**record, "undone": time.time()}, ensure_ascii=False))
     return record["what"], restored
+
+
+def _changed_since(entry: dict[str, Any], record: dict[str, Any]) -> CaptionEditError:
+    return CaptionEditError(f"{entry['path']} was changed after the bulk change '{record['what']}', so undo stops "
+                            "here to keep that edit; nothing was undone.")
 
 
 def bulk_edit(folder: Path | str, captions: list[Path], *, replace: tuple[str, str] | None = None,
@@ -221,6 +295,8 @@ def _run(args: argparse.Namespace) -> int:
     from ..data import DatasetError, scan_dataset
 
     folder = Path(args.folder).expanduser()
+    if args.top < 1:
+        raise CaptionEditError(f"--top {args.top} is not a number of rows; give a whole number of 1 or more.")
     if args.undo:
         what, n = undo_last(folder)
         print(f"Undid '{what}': {n} caption(s) restored.")

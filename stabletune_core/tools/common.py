@@ -27,10 +27,10 @@ def check_writable(folders: Iterable[Path], what: str) -> None:
 def check_new_output(path: Path, flag: str = "--output") -> None:
     """A tool writes a new file or folder; an existing one is never replaced."""
     if path.exists():
-        raise refuse(f"{path} already exists; choose another {flag} (tools never overwrite a file).")
+        raise refuse(f"{path} already exists; choose another output path ({flag}): tools never overwrite a file.")
     if not path.parent.is_dir():
         raise refuse(f"The folder {path.parent} for {path.name} does not exist; create it or choose another "
-                     f"{flag}.")
+                     f"output path ({flag}).")
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise refuse(f"Cannot write {path.name} in {path.parent}: the folder is read-only for this user.")
 

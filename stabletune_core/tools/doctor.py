@@ -24,6 +24,7 @@ from .common import progress, refuse
 from ..runs.layout import RunPaths
 from .image_losses import FLAG_RATIO, image_losses_path, rank_run
 
+HASH_BITS = 64  # the picture hash's length (pHash: 8 x 8 DCT frequencies)
 NEAR_DISTANCE = 10  # of 64 hash bits: resized, re-encoded or lightly edited copies of one picture
 COLOUR_DISTANCE = 40.0  # mean absolute difference (0-255) of the 4x4 colour thumbnails
 MAX_UPSCALE = 1.5  # "much smaller": the image must be enlarged more than this to cover its bucket
@@ -160,7 +161,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         family = detect_family(model) if model and Path(model).expanduser().exists() else "sd1"
     if args.max_sequence_length is not None:
         values["max_sequence_length"] = args.max_sequence_length
-    settings = Settings(Path(folder).expanduser(), int(args.resolution or values["resolution"]),
+    resolution = values["resolution"] if args.resolution is None else args.resolution  # 0 is a value, not unset
+    settings = Settings(Path(folder).expanduser(), int(resolution),
                         bool(values["enable_bucket"]) and not args.no_buckets, int(values["bucket_step"]),
                         int(values["min_bucket_reso"]), int(values["max_bucket_reso"]),
                         args.caption_extension or values["caption_extension"], values["default_caption"] or "",
@@ -428,8 +430,30 @@ def console(report: Report, top: int) -> str:
     return "\n".join(lines)
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """The doctor's numbers, checked as the training flags are (the resolution by TrainConfig's own rule)."""
+    from ..config import ConfigError, build_config
+
+    if args.resolution is not None:
+        try:
+            build_config({"resolution": args.resolution})
+        except ConfigError as exc:
+            raise refuse(exc.problems[0]) from None
+    if not 0 <= args.near_distance <= HASH_BITS:
+        raise refuse(f"--near_distance {args.near_distance} is not a distance between picture hashes; give a whole "
+                     f"number from 0 (exact copies only) to {HASH_BITS}, e.g. {NEAR_DISTANCE}.")
+    if args.top < 1:
+        raise refuse(f"--top {args.top} is not a number of lines; give a whole number of 1 or more.")
+
+
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from(args)
+    settings = settings_from(args)  # first: its bucket-step sentence is the more useful one for a resolution
+    check_numbers(args)
+    if args.json:
+        report_file = Path(args.json).expanduser()
+        if report_file.is_dir() or not report_file.parent.is_dir():
+            raise refuse(f"--json {report_file} is not a file in an existing folder; give the path of the JSON "
+                         "report to write.")
     run_dir = Path(args.run).expanduser() if args.run else None
     if run_dir is not None and not image_losses_path(run_dir).is_file():
         print(f"note: {run_dir} has no per-image losses ({image_losses_path(run_dir).relative_to(run_dir)}); "

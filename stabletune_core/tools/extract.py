@@ -1,7 +1,8 @@
 """`python -m stabletune_core extract --base BASE --tuned TUNED --output LORA.safetensors`: a LoRA from a fine-tune.
 
 For every layer a LoRA usually trains (the UNet's transformer blocks, the text encoders' attention and MLP;
-with `--conv_rank` also the UNet's ResNet convolutions), dW = W_tuned - W_base is split by SVD into its best
+with `--conv_rank` also every layer of the UNet's ResNets and samplers; FLUX.2 Klein: its blocks' modules under
+BFL's names, lora_file.walk_layers), dW = W_tuned - W_base is split by SVD into its best
 rank-N factors (Eckart-Young): N is `--rank`, or per layer the smallest rank keeping `--energy` of ||dW||_F^2
 (with `--rank` as the ceiling). Layers whose largest change is below `--min_diff` are left out (a text encoder
 the fine-tune did not train). The file is in the kohya/A1111 format with alpha = rank (scale 1), names as
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import check_new_output, progress, refuse
+from .merge import PRECISIONS
 
 
 def add_parser(commands: Any) -> None:
@@ -33,7 +35,7 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--no_text_encoder", action="store_true", help="UNet layers only.")
     p.add_argument("--model_config_dir", default=None, help="Config folder describing single files of an unusual "
                    "architecture.")
-    p.add_argument("--save_precision", choices=("fp16", "bf16", "fp32"), default="fp16")
+    p.add_argument("--save_precision", choices=PRECISIONS, default="fp16")
     p.set_defaults(run_tool=run)
 
 
@@ -65,15 +67,19 @@ def extract(base: str, tuned: str, output: Path, *, rank: int | None = None, ene
     from ..lora.export import _atomic_save, build_kohya_metadata, precalculate_sshs_hashes
     from ..lora.names import ALPHA, DOWN, UP
     from ..lora.resize import ModuleResize
-    from ..models import detect_family
+    from ..models import get_family
     from .lora_file import walk_layers
-    from .merge import dtype_of, load_base
+    from ..train.amp import precision_dtype
+    from .merge import base_family, load_base
 
-    families = {detect_family(Path(p).expanduser()) for p in (base, tuned) if Path(p).expanduser().exists()}
-    if len(families) > 1:
-        raise refuse(f"The base and the tuned checkpoints are of different model families ({', '.join(sorted(families))});"
-                     " extract a LoRA from a fine-tune against its own base.")
-    family = families.pop() if families else None
+    found = [base_family(p) for p in (base, tuned) if Path(p).expanduser().exists()]
+    if len(set(found)) > 1:
+        names = " and ".join(get_family(name).display_name for name in found)
+        raise refuse(f"The base and the tuned checkpoints are of different model families ({names}); extract a "
+                     "LoRA from a fine-tune against its own base.")
+    family = found[0] if found else None
+    if conv_rank and family and get_family(family).kohya_unet_naming == "bfl":
+        raise refuse(f"{get_family(family).display_name} has no convolutions to extract; leave out --conv_rank.")
     base_bundle = load_base(base, config_dir, family)
     tuned_bundle = load_base(tuned, config_dir, family)
     tuned_layers = {name: layer for _, name, layer in walk_layers(tuned_bundle, conv=conv_rank > 0)}
@@ -82,10 +88,10 @@ def extract(base: str, tuned: str, output: Path, *, rank: int | None = None, ene
     tensors: dict[str, Any] = {}
     report: list[ModuleResize] = []
     unchanged: dict[str, int] = {}
-    dtype = dtype_of(save_precision)
+    dtype = precision_dtype(save_precision)
     with torch.no_grad():
         for component, name, layer in progress(wanted, len(wanted), "extracting", unit="layer"):
-            other = tuned_layers.get(name)
+            other = tuned_layers.get(name)  # layer, other: lora_file.LayerTarget (FLUX.2's q/k/v one fused target)
             if other is None or other.weight.shape != layer.weight.shape:
                 raise refuse(f"The tuned checkpoint's layer '{name}' does not match the base's; they are not the same "
                              "architecture.")
@@ -133,9 +139,15 @@ def run(args: argparse.Namespace) -> int:
         raise refuse(f"The LoRA must be a .safetensors file, not '{output.name}'.")
     check_new_output(output)
     if args.rank is not None and args.rank < 1:
-        raise refuse(f"--rank {args.rank} is not a rank; give a whole number of 1 or more.")
+        raise refuse(f"The rank {args.rank} (--rank) is not a rank; give a whole number of 1 or more.")
     if args.energy is not None and not 0 < args.energy <= 1:
-        raise refuse(f"--energy {args.energy} is not a fraction; give a number above 0 and at most 1, e.g. 0.95.")
+        raise refuse(f"The energy {args.energy} (--energy) is not a fraction; give a number above 0 and at most 1, "
+                     "e.g. 0.95.")
+    if args.conv_rank < 0:
+        raise refuse(f"--conv_rank {args.conv_rank} is not a rank; give a whole number of 1 or more (0: no "
+                     "convolutions).")
+    if not 0 <= args.min_diff < float("inf"):  # NaN fails this too
+        raise refuse(f"--min_diff {args.min_diff} is not a weight change; give a number of 0 or more, e.g. 1e-5.")
     for which in ("base", "tuned"):
         if not Path(getattr(args, which)).expanduser().exists():
             raise refuse(f"The {which} checkpoint {getattr(args, which)} does not exist; give a .safetensors file or "

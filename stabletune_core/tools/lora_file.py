@@ -25,9 +25,20 @@ from .common import refuse
 
 LORA_PARTS = (DOWN, UP)
 KNOWN_PARTS = set(LORA_PARTS) | set(LOHA_PARTS) | set(LOKR_PARTS) | {ALPHA, DORA_SCALE}
-#: ss_base_model_version prefixes -> family
-VERSION_FAMILY = (("sdxl", "sdxl"), ("sd_v2", "sd2"), ("sd_v1", "sd1"))
-FAMILY_NAMES = {"sd1": "Stable Diffusion 1.x", "sd2": "Stable Diffusion 2.x", "sdxl": "SDXL"}
+#: ss_base_model_version (or modelspec.architecture) prefixes -> family, as the trainers write them
+VERSION_FAMILY = (("sdxl", "sdxl"), ("sd_v2", "sd2"), ("sd_v1", "sd1"), ("flux2_klein", "flux2_klein"),
+                  ("flux.2-klein", "flux2_klein"))
+#: module-name prefixes only one family's files use (SD 1.x and 2.x share theirs: shapes tell those apart)
+NAME_FAMILY = ((("lora_te1_", "lora_te2_", "lora_unet_input_blocks", "lora_unet_output_blocks",
+                 "lora_unet_middle_block"), "sdxl"),
+               (("lora_unet_double_blocks", "lora_unet_single_blocks", "lycoris_transformer_blocks",
+                 "lycoris_single_transformer_blocks"), "flux2_klein"))
+
+
+def family_display_name(family: str) -> str:
+    from ..models import get_family
+
+    return get_family(family).display_name
 
 
 @dataclass
@@ -132,7 +143,7 @@ def word_names(keys: Iterable[str]) -> list[str]:
 
 
 def family_of_metadata(metadata: dict[str, str]) -> str | None:
-    version = metadata.get("ss_base_model_version", "") or metadata.get("modelspec.architecture", "")
+    version = (metadata.get("ss_base_model_version", "") or metadata.get("modelspec.architecture", "")).lower()
     for prefix, family in VERSION_FAMILY:
         if version.startswith(prefix) or (prefix == "sdxl" and "stable-diffusion-xl" in version):
             return family
@@ -144,57 +155,155 @@ def family_of_metadata(metadata: dict[str, str]) -> str | None:
 
 
 def family_of_names(names: list[str]) -> str | None:
-    """A guess from the module names alone: SDXL files have two text encoders and SGM UNet names."""
-    if any(n.startswith(("lora_te1_", "lora_te2_")) or n.startswith("lora_unet_input_blocks") or
-           n.startswith("lora_unet_output_blocks") or n.startswith("lora_unet_middle_block") for n in names):
-        return "sdxl"
-    if any(n.startswith(("lora_unet_down_blocks", "lora_unet_up_blocks", "lora_unet_mid_block", "lora_te_"))
-           for n in names):
-        return None  # SD 1.x and 2.x share these names; their shapes tell them apart
+    """A guess from the module names alone: SDXL files have two text encoders and SGM UNet names, FLUX.2 Klein
+    files BFL's block names (LoRA) or diffusers' transformer paths (LyCORIS); SD 1.x and 2.x share their names."""
+    for prefixes, family in NAME_FAMILY:
+        if any(n.startswith(prefixes) for n in names):
+            return family
     return None
+
+
+def family_of_file(modules: dict[str, "AdapterModule"], metadata: dict[str, str]) -> str | None:
+    """The family a LoRA file was made for, from its metadata or else its module names (None: cannot tell)."""
+    return family_of_metadata(metadata) or family_of_names(list(modules))
 
 
 def check_family(path: Path, modules: dict[str, AdapterModule], metadata: dict[str, str], family: str) -> None:
     """One sentence when a LoRA was made for another model family than `family`."""
-    made_for = family_of_metadata(metadata) or family_of_names(list(modules))
+    made_for = family_of_file(modules, metadata)
     if made_for is not None and made_for != family:
-        raise refuse(f"{Path(path).name} is a {FAMILY_NAMES[made_for]} LoRA and the model is "
-                     f"{FAMILY_NAMES[family]}; use a LoRA made for this model's family.")
+        raise refuse(f"{Path(path).name} is a {family_display_name(made_for)} LoRA and the model is "
+                     f"{family_display_name(family)}; use a LoRA made for this model's family.")
 
 
-def kohya_layers(bundle) -> dict[str, torch.nn.Module]:
-    """Every Linear and Conv2d layer of the UNet and text encoders under its kohya name (SDXL UNet layers also
-    under their diffusers-style name, which some SDXL files use)."""
+class LayerTarget:
+    """Where one module of an adapter file acts on the model: one layer, or a module the original checkpoint fuses
+    from several of the model's layers (FLUX.2's q/k/v: the fused weight is theirs stacked by rows, in order)."""
+
+    def __init__(self, layers: list[torch.nn.Module]) -> None:
+        self.layers = layers
+
+    @property
+    def weight(self) -> torch.Tensor:
+        if len(self.layers) == 1:
+            return self.layers[0].weight
+        return torch.cat([layer.weight for layer in self.layers], dim=0)
+
+    def add(self, delta: torch.Tensor) -> None:
+        """weight += delta (float64 sum, stored in the weight's dtype), each layer its own rows."""
+        start = 0
+        for layer in self.layers:
+            rows = layer.weight.shape[0]
+            layer.weight.copy_((layer.weight.double() + delta[start:start + rows]).to(layer.weight.dtype))
+            start += rows
+
+
+def kohya_layers(bundle) -> dict[str, LayerTarget]:
+    """Every module an adapter file may name, under that name: for SD families every Linear and Conv2d of the
+    UNet and text encoders (SDXL's UNet layers also under their diffusers-style name, which some SDXL files use);
+    for FLUX.2 Klein the transformer's modules under BFL's names (q/k/v fused) and diffusers' (LyCORIS files)."""
+    if bundle.family.kohya_unet_naming == "bfl":
+        return bfl_layers(bundle.unet, blocks_only=False)
     family = bundle.family
-    sgm = getattr(family, "kohya_unet_naming", "diffusers") == "sgm"
-    layers: dict[str, torch.nn.Module] = {}
+    sgm = family.kohya_unet_naming == "sgm"
+    layers: dict[str, LayerTarget] = {}
     kinds = (torch.nn.Linear, torch.nn.Conv2d)
     for path, module in bundle.unet.named_modules():
         if isinstance(module, kinds):
-            layers[kohya_unet_name(path)] = module
+            layers[kohya_unet_name(path)] = LayerTarget([module])
             if sgm:
-                layers[kohya_sgm_unet_name(path, bundle.unet.config)] = module
+                layers[kohya_sgm_unet_name(path, bundle.unet.config)] = LayerTarget([module])
     for prefix, encoder in zip(family.text_encoder_kohya_prefixes, bundle.text_encoders):
         for path, module in encoder.named_modules():
             if isinstance(module, kinds):
-                layers[kohya_te_name(path, prefix)] = module
+                layers[kohya_te_name(path, prefix)] = LayerTarget([module])
     return layers
 
 
-def walk_layers(bundle, *, conv: bool) -> Iterator[tuple[str, str, torch.nn.Module]]:
-    """(component, kohya name, layer) of the layers LoRA usually trains: the UNet's transformer blocks (every
-    Linear and 1x1 conv inside `attentions`), with `conv` also its ResNet and sampler convolutions, and the
-    text encoders' attention and MLP layers. Names as the exporter writes them (SGM names for SDXL)."""
+def bfl_layers(transformer: torch.nn.Module, *, blocks_only: bool) -> dict[str, LayerTarget]:
+    """A FLUX.2 transformer's Linear layers under the names its adapter files use (lora/flux2.py): kohya names of
+    BFL's modules (q, k and v one fused module) and, unless `blocks_only`, LyCORIS names of diffusers' paths.
+    `blocks_only`: just the BFL modules of the double and single blocks (what a LoRA usually trains)."""
+    from ..lora.flux2 import LYCORIS_PREFIX, kohya_name
+    from ..models.flux2_single_file import SWAPPED_HALVES, bfl_module
+
+    layers: dict[str, LayerTarget] = {}
+    fused: dict[str, dict[int, torch.nn.Module]] = {}
+    for path, module in transformer.named_modules():
+        if not isinstance(module, torch.nn.Linear) or path == SWAPPED_HALVES:  # BFL stores its halves swapped
+            continue
+        if not blocks_only:
+            layers[LYCORIS_PREFIX + path.replace(".", "_")] = LayerTarget([module])
+        name = bfl_module(path)
+        if name is None or (blocks_only and not name.path.startswith(("double_blocks.", "single_blocks."))):
+            continue
+        if name.part is None:
+            layers[kohya_name(name.path)] = LayerTarget([module])
+        else:
+            fused.setdefault(name.path, {})[name.part] = module
+    for path, parts in fused.items():
+        if sorted(parts) == [0, 1, 2]:
+            layers[kohya_name(path)] = LayerTarget([parts[i] for i in range(3)])
+    return layers
+
+
+#: kohya's LoCon classes beside the transformer blocks: ResnetBlock2D, Downsample2D, Upsample2D
+CONV_BLOCKS = (".resnets.", ".downsamplers.", ".upsamplers.")
+
+
+def walk_layers(bundle, *, conv: bool) -> Iterator[tuple[str, str, LayerTarget]]:
+    """(component, kohya name, target) of the layers LoRA usually trains, named as the exporter writes them.
+    SD families: the UNet's transformer blocks (every Linear and 1x1 conv inside `attentions`), with `conv` also
+    every layer of its ResNets and samplers (convolutions, `time_emb_proj`, `conv_shortcut`) and its other 3x3
+    convolutions, and the text encoders' attention and MLP layers (SGM names for SDXL). FLUX.2 Klein: every
+    module of the transformer's double and single blocks under BFL's names (q/k/v fused), which has no
+    convolutions."""
     family = bundle.family
-    sgm = getattr(family, "kohya_unet_naming", "diffusers") == "sgm"
+    if family.kohya_unet_naming == "bfl":
+        for name, target in bfl_layers(bundle.unet, blocks_only=True).items():
+            yield "unet", name, target
+        return
+    sgm = family.kohya_unet_naming == "sgm"
     for path, module in bundle.unet.named_modules():
         if not isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
             continue
-        in_transformer = ".attentions." in f".{path}."
+        where = f".{path}."
+        in_transformer = ".attentions." in where
         is_conv = isinstance(module, torch.nn.Conv2d) and module.kernel_size != (1, 1)
-        if (in_transformer and not is_conv) or (conv and is_conv and not in_transformer):
-            yield "unet", kohya_sgm_unet_name(path, bundle.unet.config) if sgm else kohya_unet_name(path), module
+        beside = not in_transformer and (is_conv or any(block in where for block in CONV_BLOCKS))
+        if (in_transformer and not is_conv) or (conv and beside):
+            name = kohya_sgm_unet_name(path, bundle.unet.config) if sgm else kohya_unet_name(path)
+            yield "unet", name, LayerTarget([module])
     for i, (prefix, encoder) in enumerate(zip(family.text_encoder_kohya_prefixes, bundle.text_encoders)):
         for path, module in encoder.named_modules():
             if isinstance(module, torch.nn.Linear) and ".layers." in f".{path}":
-                yield f"text_encoder{'' if i == 0 else '_2'}", kohya_te_name(path, prefix), module
+                yield f"text_encoder{'' if i == 0 else '_2'}", kohya_te_name(path, prefix), LayerTarget([module])
+
+
+#: what a .safetensors file without adapter modules holds, by the prefixes of its keys (first match wins)
+NOT_A_LORA = (
+    (("text_model.", "embeddings.token_embedding.", "cond_stage_model.", "conditioner.embedders.", "text_encoders."),
+     "a CLIP text encoder"),
+    (("model.embed_tokens.", "model.layers.", "embed_tokens."), "a Qwen3 text encoder (FLUX.2 Klein's)"),
+    (("model.diffusion_model.", "double_blocks.", "single_blocks.", "down_blocks.", "input_blocks.", "conv_in."),
+     "a model checkpoint (UNet or transformer weights)"),
+    (("encoder.down.", "decoder.up.", "encoder.down_blocks.", "decoder.up_blocks.", "first_stage_model."), "a VAE"),
+    (("emb_params", "string_to_param", "clip_l", "clip_g", "string_to_token"), "a textual-inversion embedding"),
+)
+ADAPTER_SUFFIXES = tuple(f".{part}" for part in KNOWN_PARTS - {ALPHA}) + (".lora_A.weight", ".lora_B.weight")
+
+
+def adapter_modules(keys: Iterable[str]) -> set[str]:
+    """The adapter modules (LoRA, LoHa, LoKr, DoRA; kohya or PEFT names) among a file's tensor keys."""
+    return {key.rsplit(".", 2 if key.endswith(".weight") and ".lora_" in key else 1)[0]
+            for key in keys if key.endswith(ADAPTER_SUFFIXES)}
+
+
+def not_a_lora(keys: list[str]) -> str | None:
+    """What a file whose keys hold no adapter module is, e.g. "a CLIP text encoder"; None for an adapter file."""
+    if adapter_modules(keys):
+        return None
+    for prefixes, what in NOT_A_LORA:
+        if any(key.startswith(prefixes) for key in keys):
+            return what
+    return "a file with no LoRA modules"

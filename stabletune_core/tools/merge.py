@@ -2,9 +2,10 @@
 
 * `merge --model BASE --lora a.safetensors:0.8 [b.safetensors:0.5 ...] --output OUT`: a new checkpoint with
   the LoRAs applied as the WebUIs apply them at those weights (LoRA, LoHa, LoKr and DoRA files). OUT ending in
-  `.safetensors` is a single file in the original SD layout (what A1111, Forge and ComfyUI load); any other
-  OUT is a diffusers folder. From a single-file BASE, only the tensors the LoRAs change are replaced: every
-  other tensor (the VAE, extra keys) is copied bit for bit, in its own dtype.
+  `.safetensors` is a single file in the original layout (SD's, which A1111, Forge and ComfyUI load; FLUX.2
+  Klein's BFL transformer file, which ComfyUI loads); any other OUT is a diffusers folder. From a single-file
+  BASE, only the tensors the LoRAs change are replaced: every other tensor (the VAE, extra keys) is copied bit
+  for bit, in its own dtype.
 * `merge --lora a.safetensors:0.7 b.safetensors:0.3 --rank 16 --output c.safetensors`: one LoRA whose update
   is the weighted sum of theirs, brought to `--rank` (or the rank keeping `--energy` of each module's
   ||dW||^2) by SVD; exact when the sum's rank fits.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,12 +24,6 @@ from typing import Any
 from .common import check_new_output, progress, refuse
 
 PRECISIONS = ("fp16", "bf16", "fp32")
-
-
-def dtype_of(precision: str):
-    import torch
-
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
 
 def add_parser(commands: Any) -> None:
@@ -49,6 +45,9 @@ def add_parser(commands: Any) -> None:
     p.set_defaults(run_tool=run)
 
 
+MAX_WEIGHT = 100.0  # a WebUI multiplier is about -2..2; beyond this a weight is a typo that makes weights inf
+
+
 def parse_weighted(specs: list[str]) -> list[tuple[Path, float]]:
     out = []
     for spec in specs:
@@ -59,17 +58,37 @@ def parse_weighted(specs: list[str]) -> list[tuple[Path, float]]:
                 path, weight = head, float(tail)
             except ValueError:
                 path = spec  # a ':' inside the path, not a weight
+        if not (math.isfinite(weight) and 0 < abs(weight) <= MAX_WEIGHT):
+            raise refuse(f"The weight {tail} of {Path(path).name} is not a LoRA weight; give a number other than 0 "
+                         f"between -{MAX_WEIGHT:g} and {MAX_WEIGHT:g}, e.g. {Path(path).name}:0.8.")
         out.append((Path(path).expanduser(), weight))
     return out
 
 
+def input_labels(paths: list[Path]) -> list[str]:
+    """How sentences name the inputs: the file name, or as many of its last folders as tell two inputs of the same
+    name apart (style/a.safetensors, face/a.safetensors)."""
+    resolved = [Path(p).expanduser().absolute() for p in paths]
+    labels = []
+    for path in resolved:
+        depth = 1
+        while depth < len(path.parts) and any(other != path and other.parts[-depth:] == path.parts[-depth:]
+                                              for other in resolved):
+            depth += 1
+        labels.append("/".join(path.parts[-depth:]))
+    return labels
+
+
 # ------------------------------------------------------------------------------------- into a model
 def base_family(model: str) -> str:
+    from ..config import safetensors_problem
     from ..models import detect_family
 
     path = Path(model).expanduser()
     if not path.exists():
         raise refuse(f"The checkpoint {model} does not exist; give a .safetensors file or a diffusers folder.")
+    if path.is_file() and (problem := safetensors_problem(path)):
+        raise refuse(f"The checkpoint {path} {problem}; give a complete .safetensors file or a diffusers folder.")
     return detect_family(path)
 
 
@@ -108,33 +127,39 @@ def merge_into(bundle, read: list[tuple[Path, float, dict[str, Any]]]) -> tuple[
     owner = {id(m): "unet" for m in bundle.unet.modules()}
     for i, encoder in enumerate(bundle.text_encoders):
         owner.update({id(m): "text_encoder" if i == 0 else "text_encoder_2" for m in encoder.modules()})
-    for path, _, modules in read:  # every file's names are checked before any layer changes
+    labels = input_labels([path for path, _, _ in read])
+    for label, (path, _, modules) in zip(labels, read):  # every file's names are checked before any layer changes
         missing = [name for name in modules if name not in layers]
         if missing:
-            raise refuse(f"{path.name} has modules this {bundle.family.display_name} model lacks (e.g. "
+            raise refuse(f"{label} has modules this {bundle.family.display_name} model lacks (e.g. "
                          f"'{missing[0]}'); it was made for another model or another layout.")
     changed: set[str] = set()
     records = []
     with torch.no_grad():
-        for path, weight, modules in read:
-            for module in progress(modules.values(), len(modules), f"merging {path.name}", unit="module"):
-                layer = layers[module.name]
+        for label, (path, weight, modules) in zip(labels, read):
+            for module in progress(modules.values(), len(modules), f"merging {label}", unit="module"):
+                target = layers[module.name]
                 try:
-                    delta = module.delta(layer.weight)
+                    delta = module.delta(target.weight)
                 except (ValueError, RuntimeError):
-                    raise refuse(f"{path.name}: '{module.name}' does not fit this model's layer of shape "
-                                 f"{tuple(layer.weight.shape)}; the LoRA was made for another model family.") from None
-                layer.weight.copy_((layer.weight.double() + weight * delta).to(layer.weight.dtype))
-                changed.add(owner[id(layer)])
-            records.append({"file": path.name, "weight": weight, "sshs_model_hash": compute_sshs_hash(path),
+                    raise refuse(f"{label}: '{module.name}' does not fit this model's layer of shape "
+                                 f"{tuple(target.weight.shape)}; the LoRA was made for another model family.") from None
+                target.add(weight * delta)
+                changed.add(owner[id(target.layers[0])])
+            records.append({"file": label, "weight": weight, "sshs_model_hash": compute_sshs_hash(path),
                             "kind": sorted({m.kind for m in modules.values()})})
     return changed, records
 
 
 def original_layout(bundle, components: set[str]) -> dict[str, Any]:
-    """The given components' tensors under their original (CompVis / SGM / OpenCLIP) checkpoint keys."""
+    """The given components' tensors under their original (CompVis / SGM / OpenCLIP; FLUX.2: BFL) checkpoint
+    keys."""
     from ..models import single_file as sf
 
+    if bundle.family.kohya_unet_naming == "bfl":  # a FLUX.2 single file is the transformer alone (ComfyUI's layout)
+        from ..models.flux2_single_file import transformer_to_bfl
+
+        return transformer_to_bfl(bundle.unet.state_dict()) if "unet" in components else {}
     state: dict[str, torch.Tensor] = {}
     name = bundle.family.name
     if "unet" in components:
@@ -156,6 +181,8 @@ def full_original(bundle) -> dict[str, Any]:
     from ..models import single_file as sf
 
     unet, vae, encoders = bundle.unet, bundle.vae, bundle.text_encoders
+    if bundle.family.kohya_unet_naming == "bfl":
+        return original_layout(bundle, {"unet"})
     if bundle.family.name == "sdxl":
         return sf.diffusers_to_original_sdxl(unet, vae, encoders[0], encoders[1])
     if bundle.family.name == "sd2":
@@ -169,6 +196,7 @@ def write_single_file(bundle, source: Path, target: Path, components: set[str], 
     from safetensors import safe_open
 
     from ..lora.export import _atomic_save
+    from ..models.flux2_single_file import DIFFUSION_MODEL_PREFIX
 
     if source.is_file():
         with safe_open(str(source), framework="pt") as f:
@@ -176,11 +204,13 @@ def write_single_file(bundle, source: Path, target: Path, components: set[str], 
             metadata = dict(f.metadata() or {})
         replaced = 0
         for key, value in original_layout(bundle, components).items():
+            if key not in state and DIFFUSION_MODEL_PREFIX + key in state:  # an all-in-one file's transformer
+                key = DIFFUSION_MODEL_PREFIX + key
             if key not in state:
                 if key.endswith("position_ids"):
                     continue
                 raise refuse(f"{source.name} stores its weights under other names than StableTune writes (no "
-                             f"'{key}'); write a diffusers folder instead (an --output without .safetensors).")
+                             f"'{key}'); write a diffusers folder instead (an output path without .safetensors).")
             old = state[key]
             new = value.to(old.dtype).reshape(old.shape)
             if not torch.equal(new, old):
@@ -208,11 +238,16 @@ def write_folder(bundle, source: Path, target: Path, dtype, note: dict[str, Any]
         shutil.copy(layout / "model_index.json", tmp / "model_index.json")
         for part in ("scheduler", *family.tokenizer_parts):
             shutil.copytree(layout / part, tmp / part)
-        modules = {"unet": bundle.unet, "vae": bundle.vae}
+        modules = {denoiser_part(bundle): bundle.unet, "vae": bundle.vae}
         modules.update(zip(family.text_encoder_parts, bundle.text_encoders))
         for name, module in modules.items():
             module.to(dtype).save_pretrained(str(tmp / name), safe_serialization=True)
         (tmp / "stabletune_merge.json").write_text(json.dumps(note, indent=1))
+
+
+def denoiser_part(bundle) -> str:
+    """The diffusers folder name of the bundle's denoiser ("unet", FLUX.2's "transformer")."""
+    return "transformer" if bundle.family.kohya_unet_naming == "bfl" else "unet"
 
 
 def source_dtype(source: Path):
@@ -220,7 +255,8 @@ def source_dtype(source: Path):
     import torch
     from safetensors import safe_open
 
-    files = sorted((source / "unet").glob("*.safetensors")) if source.is_dir() else [source]
+    folder = next((source / part for part in ("unet", "transformer") if (source / part).is_dir()), source / "unet")
+    files = sorted(folder.glob("*.safetensors")) if source.is_dir() else [source]
     if not files or not files[0].is_file():
         return torch.float32
     with safe_open(str(files[0]), framework="pt") as f:
@@ -230,9 +266,16 @@ def source_dtype(source: Path):
 
 def merge_checkpoint(model: str, loras: list[tuple[Path, float]], output: Path, *, save_precision: str = "same",
                      config_dir: str | None = None) -> str:
+    from ..models import get_family
+    from ..train.amp import precision_dtype
+
     source = Path(model).expanduser()
     family = base_family(model)
     read = read_loras(loras, family)  # one sentence for a LoRA of another family, before the model loads
+    if source.is_file() and output.suffix.lower() != ".safetensors" and \
+            get_family(family).kohya_unet_naming == "bfl":  # its single files carry no diffusers configs
+        raise refuse(f"A {get_family(family).display_name} model given as its transformer file merges into a "
+                     "single file; give an output path ending in .safetensors (or merge into its diffusers folder).")
     bundle = load_base(model, config_dir, family)
     components, records = merge_into(bundle, read)
     note = {"base": source.name, "loras": records}
@@ -240,11 +283,12 @@ def merge_checkpoint(model: str, loras: list[tuple[Path, float]], output: Path, 
     if output.suffix.lower() == ".safetensors":
         # from a single file, "same" keeps every tensor's own dtype
         dtype = None if save_precision == "same" and source.is_file() else \
-            source_dtype(source) if save_precision == "same" else dtype_of(save_precision)
+            source_dtype(source) if save_precision == "same" else precision_dtype(save_precision)
         replaced = write_single_file(bundle, source, output, components, dtype, note)
         kept = f"; {replaced} tensors changed, every other one copied as it was" if replaced >= 0 else ""
-        return f"Merged checkpoint written to {output} (single file, original SD layout{kept}).{words}"
-    dtype = source_dtype(source) if save_precision == "same" else dtype_of(save_precision)
+        layout = f"{bundle.family.display_name}'s original layout"
+        return f"Merged checkpoint written to {output} (single file, {layout}{kept}).{words}"
+    dtype = source_dtype(source) if save_precision == "same" else precision_dtype(save_precision)
     write_folder(bundle, source, output, dtype, note, config_dir)
     return f"Merged checkpoint written to {output} (diffusers folder).{words}"
 
@@ -254,7 +298,9 @@ def words_left_out(loras: list[tuple[Path, float]]) -> str:
     added to the prompt's vocabulary, not to a weight): they stay usable from the run's embedding files."""
     from .lora_file import bundled_words, word_names
 
-    found = [f"{', '.join(word_names(words))} of {path.name}" for path, _ in loras if (words := bundled_words(path))]
+    labels = input_labels([path for path, _ in loras])
+    found = [f"{', '.join(word_names(words))} of {label}" for label, (path, _) in zip(labels, loras)
+             if (words := bundled_words(path))]
     if not found:
         return ""
     return (f" The words {'; '.join(found)} (bundle_emb) are not part of a checkpoint: use them through the LoRA "
@@ -273,31 +319,42 @@ def merge_loras(loras: list[tuple[Path, float]], output: Path, *, rank: int | No
     from ..lora.names import ALPHA, DOWN, UP
     from ..lora.resize import ModuleResize, chosen_rank, truncated_factors
     from ..lora.svd import spectra
-    from .lora_file import AdapterModule, family_of_metadata, family_of_names, read_adapter
+    from ..train.amp import precision_dtype
+    from .lora_file import AdapterModule, family_display_name, family_of_file, read_adapter
 
     if len(loras) < 2:
-        raise refuse("Give two or more --lora files to merge into one (or --model to merge into a checkpoint).")
+        raise refuse("Give two or more LoRA files (--lora) to merge into one, or a checkpoint (--model) to merge "
+                     "them into.")
     read: list[tuple[Path, float, dict[str, AdapterModule], dict[str, str]]] = []
-    families = set()
-    for path, weight in loras:
+    labels = input_labels([path for path, _ in loras])
+    families: dict[str, str] = {}  # family -> the first input made for it
+    for label, (path, weight) in zip(labels, loras):
         modules, metadata = read_adapter(path)
         odd = next((m for m in modules.values() if m.kind != "lora"), None)
         if odd is not None:
-            raise refuse(f"{path.name} is a {odd.kind.upper() if odd.kind == 'dora' else odd.kind.capitalize()} file; "
+            raise refuse(f"{label} is a {odd.kind.upper() if odd.kind == 'dora' else odd.kind.capitalize()} file; "
                          "merging LoRAs into one takes plain LoRA files (merge it into a checkpoint with --model).")
-        made_for = family_of_metadata(metadata) or family_of_names(list(modules))
+        made_for = family_of_file(modules, metadata)
         if made_for:
-            families.add(made_for)
+            families.setdefault(made_for, label)
         read.append((path, weight, modules, metadata))
     if len(families) > 1:
-        raise refuse(f"These LoRAs were made for different model families ({', '.join(sorted(families))}); merge "
-                     "LoRAs of one family.")
+        (one, first), (other, second) = list(families.items())[:2]
+        raise refuse(f"{first} is a {family_display_name(one)} LoRA and {second} a {family_display_name(other)} "
+                     "LoRA; merge LoRAs made for one model family.")
     largest = max(m.rank for _, _, modules, _ in read for m in modules.values())
-    rank = rank or largest
-    if rank < 1:
-        raise refuse(f"--rank {rank} is not a rank; give a whole number of 1 or more.")
+    if rank is not None and rank < 1:
+        raise refuse(f"The rank {rank} (--rank) is not a rank; give a whole number of 1 or more.")
+    most = max(sum(modules[name].rank for _, _, modules, _ in read if name in modules)
+               for name in {name for _, _, modules, _ in read for name in modules})
+    if rank is not None and rank > most:
+        raise refuse(f"The rank {rank} (--rank) is more than any merged module can use (at most {most}, the input "
+                     f"ranks added up); give {most} or less.")
     if energy is not None and not 0 < energy <= 1:
-        raise refuse(f"--energy {energy} is not a fraction; give a number above 0 and at most 1, e.g. 0.95.")
+        raise refuse(f"The energy {energy} (--energy) is not a fraction; give a number above 0 and at most 1, "
+                     "e.g. 0.95.")
+    # with --energy alone every module may keep as many directions as its stacked factors have
+    ceiling = rank if rank is not None else None if energy is not None else largest
     names = sorted({name for _, _, modules, _ in read for name in modules})
     stacked = []
     for name in names:
@@ -312,11 +369,11 @@ def merge_loras(loras: list[tuple[Path, float]], output: Path, *, rank: int | No
     tensors: dict[str, torch.Tensor] = {}
     report = []
     for (name, down, up, first), spectrum in zip(stacked, found):
-        new, kept = chosen_rank(spectrum, rank, energy)
+        new, kept = chosen_rank(spectrum, ceiling, energy)
         if energy is None:
-            new = rank  # every module at --rank (thinner ones padded with zero directions), as kohya writes
+            new = ceiling  # every module at --rank (thinner ones padded with zero directions), as kohya writes
         new_down, new_up = truncated_factors(down, up, new)
-        dtype = first.parts[DOWN].dtype if save_precision == "same" else dtype_of(save_precision)
+        dtype = first.parts[DOWN].dtype if save_precision == "same" else precision_dtype(save_precision)
         tensors[f"{name}.{DOWN}"] = new_down.reshape(new, *first.parts[DOWN].shape[1:]).to(dtype).contiguous()
         tensors[f"{name}.{UP}"] = new_up.reshape(first.parts[UP].shape[0], new,
                                                  *first.parts[UP].shape[2:]).to(dtype).contiguous()
@@ -324,8 +381,9 @@ def merge_loras(loras: list[tuple[Path, float]], output: Path, *, rank: int | No
         report.append(ModuleResize(name, down.shape[0], new, kept))
     ranks = {m.new_rank for m in report}
     energies = [m.energy_kept for m in report]
-    how = (f"energy {energy}" + (f", at most rank {rank}" if rank != largest else "")) if energy else f"rank {rank}"
-    sources = [{"file": p.name, "weight": w, "sshs_model_hash": md.get("sshs_model_hash", "")} for p, w, _, md in read]
+    how = (f"energy {energy}" + (f", at most rank {rank}" if rank else "")) if energy else f"rank {ceiling}"
+    sources = [{"file": label, "weight": w, "sshs_model_hash": md.get("sshs_model_hash", "")}
+               for label, (_, w, _, md) in zip(labels, read)]
     metadata = {k: v for k, v in read[0][3].items() if k not in ("ss_network_args", "stabletune_resize")}
     note = (f"merged by SVD ({how}) from " + ", ".join(f"{s['file']} x{s['weight']:g}" for s in sources) +
             f"; energy kept per module: min {min(energies):.2%}, mean {sum(energies) / len(energies):.2%}")
@@ -356,13 +414,13 @@ def carried_words(loras: list[tuple[Path, float]]) -> dict[str, Any]:
 
     carried: dict[str, Any] = {}
     owner: dict[str, str] = {}
-    for path, _ in loras:
+    for label, (path, _) in zip(input_labels([path for path, _ in loras]), loras):
         words = bundled_words(path)
         for word in word_names(words):
             if word in owner:
-                raise refuse(f"{owner[word]} and {path.name} both bundle the word {word}; merge LoRAs whose "
+                raise refuse(f"{owner[word]} and {label} both bundle the word {word}; merge LoRAs whose "
                              "pivotal-tuning words differ.")
-            owner[word] = path.name
+            owner[word] = label
         carried.update(words)
     return carried
 
@@ -375,15 +433,17 @@ def run(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise refuse(f"The LoRA file {path} does not exist; give the path of a .safetensors LoRA.")
         if path.resolve() == output.resolve():
-            raise refuse("--output names an input file; the tools never write over their inputs.")
+            raise refuse("The output path (--output) names an input file; the tools never write over their inputs.")
     if args.model:
         if args.rank is not None or args.energy is not None:
-            raise refuse("--rank and --energy are for merging LoRAs into one; a merge into a checkpoint has no rank.")
+            raise refuse("A rank or an energy (--rank, --energy) is for merging LoRAs into one; a merge into a "
+                         "checkpoint has no rank.")
         print(merge_checkpoint(args.model, loras, output, save_precision=args.save_precision,
                                config_dir=args.model_config_dir))
         return 0
     if output.suffix.lower() != ".safetensors":
-        raise refuse(f"The merged LoRA must be a .safetensors file, not '{output.name}'.")
+        raise refuse(f"The merged LoRA must be a .safetensors file, not '{output.name}'; give an output path ending "
+                     "in .safetensors.")
     from ..lora.resize import report_table
 
     note, report = merge_loras(loras, output, rank=args.rank, energy=args.energy, save_precision=args.save_precision)

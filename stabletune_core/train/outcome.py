@@ -15,6 +15,7 @@ import errno
 import os
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -87,19 +88,52 @@ def report_failure(exc: BaseException, output_dir: str | None, *, may_write_stat
     return code
 
 
+#: How many tracebacks of commands without a run folder (the tools, the UI's queries) are kept: the newest.
+TRACEBACKS_KEPT = 20
+
+
+def traceback_folder() -> Path:
+    """Where a command without a run folder keeps its tracebacks: the StableTune cache, not the system temp."""
+    from ..cache import cache_root
+
+    return cache_root() / "tracebacks"
+
+
 def save_traceback(exc: BaseException, output_dir: str | None) -> Path:
+    """The traceback in RUN/ (a run), else in `traceback_folder()` (the newest TRACEBACKS_KEPT kept), else in the
+    system temp folder; the console when none can be written."""
     text = "".join(traceback.format_exception(exc))
-    for folder in ([Path(output_dir)] if output_dir else []) + [Path(tempfile.gettempdir())]:
-        path = RunPaths(folder).traceback if folder != Path(tempfile.gettempdir()) else \
-            folder / f"stabletune-traceback-{os.getpid()}.txt"
+    if output_dir:
         try:
-            if folder.is_dir():
+            if Path(output_dir).is_dir():
+                path = RunPaths(Path(output_dir)).traceback
                 path.write_text(text, encoding="utf-8")
                 return path
         except OSError:
+            pass
+    name = f"traceback-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{time.time_ns() % 10**9:09d}.txt"
+    for folder in (traceback_folder(), Path(tempfile.gettempdir())):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / (name if folder == traceback_folder() else f"stabletune-{name}")
+            path.write_text(text, encoding="utf-8")
+        except OSError:
             continue
+        if folder == traceback_folder():
+            _keep_newest(folder, TRACEBACKS_KEPT)
+        return path
     print(text, file=sys.stderr)  # nowhere to keep it: the console is the last resort
     return Path("the console above")
+
+
+def _keep_newest(folder: Path, kept: int) -> None:
+    """Remove all but the `kept` newest tracebacks of `folder` (each command writes its own)."""
+    try:
+        files = sorted(folder.glob("traceback-*.txt"), key=lambda f: f.stat().st_mtime_ns, reverse=True)
+        for old in files[kept:]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        pass  # another process pruning at the same time: the next command tidies up
 
 
 def owns_status(config: Any) -> bool:

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from .filenames import is_file, name_too_long
+
 MASK_SUFFIX = ".mask.png"
 MASK_FOLDER = "masks"
 
@@ -31,10 +33,20 @@ def is_mask_file(path: Path) -> bool:
 def mask_path(image: Path) -> Path | None:
     """The mask of an image, looked up once per process (a file system lookup per example costs more than
     the rest of the example on a slow disk); like the scan, masks added during a run count from the next."""
-    for candidate in (image.with_name(image.stem + MASK_SUFFIX), image.parent / MASK_FOLDER / f"{image.stem}.png"):
-        if candidate.is_file():
+    for candidate in (mask_beside(image), image.parent / MASK_FOLDER / f"{image.stem}.png"):
+        if is_file(candidate):  # NAME.mask.png of an image named near the limit is too long to exist
             return candidate
     return None
+
+
+def mask_beside(image: Path) -> Path:
+    """Where the mask of `image` lives beside it (NAME.mask.png)."""
+    return image.with_name(image.stem + MASK_SUFFIX)
+
+
+def mask_name_too_long(image: Path) -> bool:
+    """Whether `image`'s name is so long that NAME.mask.png cannot exist beside it (its mask must go in masks/)."""
+    return name_too_long(mask_beside(image))
 
 
 def mask_problem(image: Path) -> str | None:

@@ -21,6 +21,7 @@ from ..atomic import write_text_atomic
 from ..config import ConfigError
 from .buckets import assign_bucket
 from .images import IMAGE_EXTENSIONS, UnreadableImageError, load_image
+from .filenames import is_file
 from .masks import MASK_FOLDER, is_mask_file, mask_problem
 
 # Kohya's convention: a folder named "10_mychar" repeats its images 10 times
@@ -255,7 +256,7 @@ def _check(path: Path, repeats: int, default_caption: str, caption_extension: st
 
 
 def _read_caption(caption_path: Path, default_caption: str) -> str:
-    if not caption_path.is_file():
+    if not is_file(caption_path):  # a caption name past the length limit cannot exist
         return default_caption
     # utf-8-sig: Windows Notepad writes a byte-order mark that would otherwise
     # become part of the first tag.

@@ -257,7 +257,9 @@ def run_export(checkpoint: Path, name: str | None) -> int:
     except CheckpointError as exc:
         raise ConfigError([f"Cannot export {checkpoint.name}: {str(exc).rstrip('.')}. Export another checkpoint "
                            f"of the run ({checkpoint.parent})."]) from None
+    from .atomic import atomic_path
     from .train.loop import export, resume  # the engine (diffusers, peft) loads only when the input is good
+    from .train.outcome import RunFailed, is_disk_full
     from .train.setup import setup
 
     values = read_toml(paths.config)
@@ -271,7 +273,15 @@ def run_export(checkpoint: Path, name: str | None) -> int:
         if target.exists():
             raise ConfigError([f"{target} already exists; pass --name to write the LoRA under another name."])
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(export(session, name)), target)
+        try:
+            written = export(session, name)
+            with atomic_path(target) as tmp:  # whole or not at all: a full disk leaves no truncated LoRA to refuse
+                shutil.copyfile(written, tmp)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            raise RunFailed(f"The disk is full: the LoRA could not be written to {target.parent} (nothing was left "
+                            "there); free some space and run the same export again.") from None
     print(f"LoRA written to {target}")
     return 0
 

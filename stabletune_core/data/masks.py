@@ -100,6 +100,25 @@ def batch_loss_mask(batch: dict[str, Any], latent_size: tuple[int, int]) -> torc
     return torch.nn.functional.interpolate(full, size=tuple(latent_size), mode="area")
 
 
+#: A crop whose mask is nowhere above this trains (almost) nothing: bilinear resizing leaks a few levels of a white
+#: area just outside the crop into its edge, which must not count as "trained".
+KEEPS_NOTHING = 1 / 255
+
+
+def masks_outside_crop(view: Any) -> list[Any]:
+    """The items of a `DatasetView` whose mask is white only outside the part of the image that trains, so that the
+    image trains nothing: with a fixed (centre) crop, the crop of every epoch; with a random crop the crop can land
+    anywhere, so none is listed (an all-black mask is the scan's job, mask_problem)."""
+    if not view.masked_loss or view.random_crop:
+        return []
+    outside = []
+    for index, item in enumerate(view.items):
+        mask = load_loss_mask(item, view.item_buckets[index], view.placement(index, 0))
+        if mask is not None and float(mask.max()) <= KEEPS_NOTHING:
+            outside.append(item)
+    return outside
+
+
 def masks_note(items: list[Any]) -> str | None:
     """How many training images have a mask (for events.jsonl); None when none has."""
     found = sum(mask_path(item.path) is not None for item in items)

@@ -162,7 +162,21 @@ def run_train(config: TrainConfig) -> int:
         lock.release(config.output_dir)
     if path:
         print(f"LoRA written to {path}")
+        for limit in _host_limits(config):  # the run's last lines: where this file does not load
+            print(f"host: {limit}")
     return stop.exit_code
+
+
+def _host_limits(config: TrainConfig) -> list[str]:
+    """config/hosts.py's limits of the run's adapter kind in the programs that load its family."""
+    from .config.hosts import run_host_limits
+    from .models.loading import family_name
+
+    try:
+        family = family_name(config)
+    except Exception:  # noqa: BLE001  (a model that moved since the run started: the limits are a courtesy)
+        return []
+    return run_host_limits(config, family)
 
 
 def _quit_now(config: TrainConfig, signum: int) -> None:

@@ -164,7 +164,22 @@ def run_train(config: TrainConfig) -> int:
         print(f"LoRA written to {path}")
         for limit in _host_limits(config):  # the run's last lines: where this file does not load
             print(f"host: {limit}")
+        for line in _word_lines(config, Path(path)):  # and how each host loads pivotal tuning's words
+            print(f"words: {line}")
     return stop.exit_code
+
+
+def _word_lines(config: TrainConfig, lora: Path) -> list[str]:
+    """lora/pivotal.py's word_loading_lines for a run with pivotal tokens (none without)."""
+    if not config.pivotal_tokens:
+        return []
+    from .config.tokens import parse_tokens
+    from .lora.pivotal import FORGE_FILE_SUFFIX, word_loading_lines
+    from .models.loading import family_name
+
+    tokens = [t.token for t in parse_tokens(config.pivotal_tokens)]
+    forge_file = lora.with_name(f"{lora.stem}{FORGE_FILE_SUFFIX}.safetensors").is_file()
+    return word_loading_lines(tokens, family_name(config) == "sdxl", lora.stem, forge_file=forge_file)
 
 
 def _host_limits(config: TrainConfig) -> list[str]:

@@ -338,6 +338,7 @@ def run_inspect(path: Path) -> int:
         return 0
     from safetensors import safe_open
 
+    from .lora.names import module_and_part
     from .lora.resize import lora_file_problem
 
     if not path.exists():
@@ -348,7 +349,7 @@ def run_inspect(path: Path) -> int:
         metadata = f.metadata() or {}
         keys = list(f.keys())
     words = sorted({k.split(".", 2)[1] for k in keys if k.startswith("bundle_emb.")})  # pivotal tuning's words
-    modules = {k.rsplit(".", 2)[0] for k in keys if not k.startswith("bundle_emb.")}
+    modules = {module_and_part(k)[0] for k in keys if not k.startswith("bundle_emb.")}
     bundled = f", the words {', '.join(words)} (bundle_emb)" if words else ""
     print(f"{path.name}: {len(keys)} tensors, {len(modules)} LoRA modules{bundled}")
     for key in sorted(metadata):

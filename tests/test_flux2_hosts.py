@@ -28,7 +28,7 @@ CASES = [("lora", "lora", LORA_PRESETS["attention"]), ("dora", "dora", LORA_PRES
 
 
 def declared_loads(kind: str, targets: list[str], host: str) -> bool:
-    return not any(f"does not load in {host}" in limit for limit in klein_host_limits(kind, targets))
+    return not any(f"does not load in {host}" in limit for limit in klein_host_limits(kind))
 
 
 def written_file(paths, kind, targets, tmp_path):
@@ -88,8 +88,8 @@ def test_the_readme_host_table_says_what_the_matrix_says():
         if kind != "lora":  # the ComfyUI builds that first load every layer of a LyCORIS-named file
             assert "2026-01" in row[next(c for c in row if c.startswith("ComfyUI"))], kind
     lokr_diffusers = rows["lokr"][next(c for c in rows["lokr"] if c.startswith("diffusers"))]
-    assert all(name in lokr_diffusers for name in TOP_LEVEL)  # the targets it cannot take
-    assert not declared_loads("lokr", list(TOP_LEVEL), "diffusers")
+    assert all(name in lokr_diffusers for name in TOP_LEVEL)  # the top-level targets load too
+    assert declared_loads("lokr", list(TOP_LEVEL), "diffusers")
 
 
 def test_the_limits_reach_the_ui_and_the_console_before_start():
@@ -113,3 +113,17 @@ def test_a_klein_loha_run_says_where_its_file_does_not_load_in_its_last_lines(pa
     assert any(line.startswith("host: This LoHa file does not load in diffusers") and "0.42.1" in line
                for line in last), last
     assert any(line.startswith("host: This LoHa file loads in ComfyUI") and "2026-01" in line for line in last), last
+
+
+def test_a_klein_lokr_on_top_level_modules_is_one_module_per_layer_for_inspect(paths, tmp_path, capsys):
+    """The LoKr's module names are dotted paths (transformer.<path>): inspect and the tools count one per layer."""
+    from stabletune_core.cli import main
+    from stabletune_core.tools.lora_file import read_adapter
+
+    targets = LORA_PRESETS["attention"] + list(TOP_LEVEL)
+    _, file = written_file(paths, "lokr", targets, tmp_path)
+    assert all(k.startswith("transformer.") and ".alpha" not in k for k in read_keys(file))  # alpha folded in
+    assert main(["inspect", str(file)]) == 0
+    assert f": {len(read_keys(file))} tensors, 23 LoRA modules" in capsys.readouterr().out  # 20 + 3 top-level
+    modules, _ = read_adapter(file)
+    assert len(modules) == 23 and "transformer.x_embedder" in modules

@@ -5,16 +5,17 @@ kind with diffusers' real loader and with ComfyUI's rules (re-stated in tests/te
 "loads" here computes what was trained and each limit here is real. The UI (before Start), the console (a note before
 training and at the end of the run) say the limits of the run's kind from `klein_host_limits`.
 
-The file is the kohya-style one StableTune writes (lora/flux2.py): LoRA under BFL module names, DoRA / LoHa / LoKr
-under diffusers module paths in LyCORIS naming (a magnitude or a Hadamard / Kronecker product cannot be fused onto
-BFL's q/k/v weight exactly).
+The file is the kohya-style one StableTune writes (lora/flux2.py): LoRA under BFL module names, DoRA / LoHa under
+diffusers module paths in LyCORIS naming, LoKr as transformer.<diffusers path> with alpha folded in (a magnitude or a
+Hadamard / Kronecker product cannot be fused onto BFL's q/k/v weight exactly). A LoKr used to be LyCORIS-named too,
+which diffusers 0.42.1 refuses whole when it adapts x_embedder, context_embedder or proj_out.
 """
 from __future__ import annotations
 
 from typing import Any
 
 HOSTS = ("ComfyUI", "diffusers 0.42")
-#: The Klein modules outside the blocks that a LyCORIS file can adapt (lora/flux2.py LYCORIS_TOP_LEVEL).
+#: The Klein modules outside the blocks that a DoRA / LoHa / LoKr file can adapt (lora/flux2.py LYCORIS_TOP_LEVEL).
 TOP_LEVEL = ("x_embedder", "context_embedder", "proj_out")
 
 #: {kind: {host: None (loads) or what stops it, ending in the host version that first loads it}}.
@@ -27,10 +28,6 @@ KLEIN_SUPPORT: dict[str, dict[str, str | None]] = {
              "diffusers 0.42": "diffusers 0.42.1 refuses a FLUX.2 LoHa file (no diffusers release loads one yet)"},
     "lokr": {"ComfyUI": None, "diffusers 0.42": None},
 }
-#: A LoKr that adapts one of TOP_LEVEL: diffusers' LyCORIS FLUX.2 converter reads block modules only, and refuses the
-#: whole file.
-LOKR_TOP_LEVEL_DIFFUSERS = ("diffusers 0.42.1 refuses a FLUX.2 LoKr that adapts x_embedder, context_embedder or "
-                            "proj_out (no diffusers release loads one yet); leave those out of the targets")
 #: ComfyUI builds before its FLUX.2 LyCORIS key table grew (2026-01) map only the double blocks' attention layers of
 #: a DoRA / LoHa / LoKr file: the single blocks' and the MLP layers are skipped with a warning.
 COMFYUI_LYCORIS_SINCE = "ComfyUI builds from 2026-01 load every layer of it (older ones skip the single blocks' and MLP layers)"
@@ -41,15 +38,12 @@ def adapter_kind(network_type: str, use_dora: bool) -> str:
     return "dora" if use_dora and network_type == "lora" else network_type
 
 
-def klein_host_limits(kind: str, targets: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """Where a FLUX.2 Klein file of `kind` (trained on `targets`) does not load, one sentence each; [] when it loads
-    in every host of the table."""
+def klein_host_limits(kind: str) -> list[str]:
+    """Where a FLUX.2 Klein file of `kind` does not load (or loads only from some version), one sentence each."""
     limits = []
     for host, reason in KLEIN_SUPPORT[kind].items():
         if reason is not None:
             limits.append(f"This {kind_words(kind)} file does not load in {host.split()[0]}: {reason}.")
-    if kind == "lokr" and any(t in TOP_LEVEL for t in targets):
-        limits.append(f"This LoKr file does not load in diffusers: {LOKR_TOP_LEVEL_DIFFUSERS}.")
     if kind != "lora":
         limits.append(f"This {kind_words(kind)} file loads in ComfyUI: {COMFYUI_LYCORIS_SINCE}.")
     return limits
@@ -64,4 +58,4 @@ def run_host_limits(config: Any, family: str) -> list[str]:
     beyond what the README says)."""
     if family != "flux2_klein":
         return []
-    return klein_host_limits(adapter_kind(config.network_type, config.use_dora), list(config.unet_lora_targets))
+    return klein_host_limits(adapter_kind(config.network_type, config.use_dora))

@@ -127,3 +127,17 @@ def test_a_klein_lokr_on_top_level_modules_is_one_module_per_layer_for_inspect(p
     assert f": {len(read_keys(file))} tensors, 23 LoRA modules" in capsys.readouterr().out  # 20 + 3 top-level
     modules, _ = read_adapter(file)
     assert len(modules) == 23 and "transformer.x_embedder" in modules
+
+
+def test_the_ui_check_names_the_limit_for_a_detected_klein_before_start(paths, shapes_dataset, tmp_path):
+    """Check settings / Start in the UI: model_family auto on a Klein folder, LoHa: the note says where it does not
+    load (the UI reads it through the engine's config, extension/validation.py)."""
+    import sys
+
+    from extension.validation import validate
+
+    values = dict(pretrained_model_name_or_path=str(paths["folder"]), train_data_dir=str(shapes_dataset),
+                  output_dir=str(tmp_path / "run"), network_type="loha", resolution=64)
+    problems, notes = validate(values, sys.executable)
+    assert any(n.startswith("This LoHa file does not load in diffusers") for n in notes), (problems, notes)
+    assert any("2026-01" in n for n in notes)

@@ -175,23 +175,28 @@ def _word_lines(config: TrainConfig, lora: Path) -> list[str]:
         return []
     from .config.tokens import parse_tokens
     from .lora.pivotal import FORGE_FILE_SUFFIX, word_loading_lines
-    from .models.loading import family_name
 
     tokens = [t.token for t in parse_tokens(config.pivotal_tokens)]
     forge_file = lora.with_name(f"{lora.stem}{FORGE_FILE_SUFFIX}.safetensors").is_file()
-    return word_loading_lines(tokens, family_name(config) == "sdxl", lora.stem, forge_file=forge_file)
+    return word_loading_lines(tokens, _run_family(config) == "sdxl", lora.stem, forge_file=forge_file)
+
+
+def _run_family(config: TrainConfig) -> str | None:
+    """The family a finished run trained (None when its model cannot be read any more)."""
+    from .models.loading import family_name
+
+    try:
+        return family_name(config)
+    except Exception:  # noqa: BLE001  (a model that moved since the run started: the lines below are a courtesy)
+        return None
 
 
 def _host_limits(config: TrainConfig) -> list[str]:
     """config/hosts.py's limits of the run's adapter kind in the programs that load its family."""
     from .config.hosts import run_host_limits
-    from .models.loading import family_name
 
-    try:
-        family = family_name(config)
-    except Exception:  # noqa: BLE001  (a model that moved since the run started: the limits are a courtesy)
-        return []
-    return run_host_limits(config, family)
+    family = _run_family(config)
+    return run_host_limits(config, family) if family else []
 
 
 def _quit_now(config: TrainConfig, signum: int) -> None:

@@ -50,6 +50,7 @@ def validate(values: dict[str, Any], engine_python: str) -> tuple[list[str], lis
         except ConfigError as exc:
             return exc.problems + world_problems(values, exc.problems, build_config, check_inputs, ConfigError), []
         problems, notes = check_inputs(config) + detected_family_problems(values, config), config.notes()
+        notes += detected_host_limits(values, config)
     if not problems:
         problems = dataset_problems(values, engine_python)
     return problems, warnings(values) + notes
@@ -119,6 +120,16 @@ def memory_estimate(values: dict[str, Any], engine_python: str) -> str:
         return ""
     answer = ask_engine(["memory"], engine_python, stdin=values, timeout=120)
     return str(answer.get("memory") or "")
+
+
+def detected_host_limits(values: dict[str, Any], config: Any) -> list[str]:
+    """With model_family auto and a Klein folder, where the run's adapter file will not load (config/hosts.py), as
+    config.notes() says for a Klein that is named."""
+    if (values.get("model_family") or "auto") != "auto" or not names_klein(values):
+        return []
+    from stabletune_core.config.hosts import run_host_limits
+
+    return run_host_limits(config, "flux2_klein")
 
 
 def detected_family_problems(values: dict[str, Any], config: Any) -> list[str]:

@@ -72,6 +72,18 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+_TEMP_NAME_BYTES = 200  # of the target's name in a temporary's: with the dot, random part and .tmp under 255
+
+
+def _short_name(name: str) -> str:
+    """`name` cut to _TEMP_NAME_BYTES of UTF-8 on a character boundary, so that the temporary of a target named
+    near the file system's 255-byte limit (83 Japanese characters) can still be made."""
+    encoded = os.fsencode(name)
+    if len(encoded) <= _TEMP_NAME_BYTES:
+        return name
+    return encoded[:_TEMP_NAME_BYTES].decode("utf-8", errors="ignore")
+
+
 @contextmanager
 def atomic_path(path: Path | str, *, folder: bool = False, durable: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside `path` to write to (a file, or with `folder=True` an empty folder); when
@@ -83,7 +95,7 @@ def atomic_path(path: Path | str, *, folder: bool = False, durable: bool = True)
     half-written one, but a power cut may lose the new content. For a heartbeat rewritten every step (status.json
     while training), where an fsync costs more than the rest of the step's bookkeeping together."""
     path = Path(path)
-    prefix, suffix = f".{path.name}.", ".tmp"
+    prefix, suffix = f".{_short_name(path.name)}.", ".tmp"
     if folder:
         tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=path.parent))
     else:

@@ -162,7 +162,41 @@ def run_train(config: TrainConfig) -> int:
         lock.release(config.output_dir)
     if path:
         print(f"LoRA written to {path}")
+        for limit in _host_limits(config):  # the run's last lines: where this file does not load
+            print(f"host: {limit}")
+        for line in _word_lines(config, Path(path)):  # and how each host loads pivotal tuning's words
+            print(f"words: {line}")
     return stop.exit_code
+
+
+def _word_lines(config: TrainConfig, lora: Path) -> list[str]:
+    """lora/pivotal.py's word_loading_lines for a run with pivotal tokens (none without)."""
+    if not config.pivotal_tokens:
+        return []
+    from .config.tokens import parse_tokens
+    from .lora.pivotal import FORGE_FILE_SUFFIX, word_loading_lines
+
+    tokens = [t.token for t in parse_tokens(config.pivotal_tokens)]
+    forge_file = lora.with_name(f"{lora.stem}{FORGE_FILE_SUFFIX}.safetensors").is_file()
+    return word_loading_lines(tokens, _run_family(config) == "sdxl", lora.stem, forge_file=forge_file)
+
+
+def _run_family(config: TrainConfig) -> str | None:
+    """The family a finished run trained (None when its model cannot be read any more)."""
+    from .models.loading import family_name
+
+    try:
+        return family_name(config)
+    except Exception:  # noqa: BLE001  (a model that moved since the run started: the lines below are a courtesy)
+        return None
+
+
+def _host_limits(config: TrainConfig) -> list[str]:
+    """config/hosts.py's limits of the run's adapter kind in the programs that load its family."""
+    from .config.hosts import run_host_limits
+
+    family = _run_family(config)
+    return run_host_limits(config, family) if family else []
 
 
 def _quit_now(config: TrainConfig, signum: int) -> None:
@@ -257,7 +291,9 @@ def run_export(checkpoint: Path, name: str | None) -> int:
     except CheckpointError as exc:
         raise ConfigError([f"Cannot export {checkpoint.name}: {str(exc).rstrip('.')}. Export another checkpoint "
                            f"of the run ({checkpoint.parent})."]) from None
+    from .atomic import atomic_path
     from .train.loop import export, resume  # the engine (diffusers, peft) loads only when the input is good
+    from .train.outcome import RunFailed, is_disk_full
     from .train.setup import setup
 
     values = read_toml(paths.config)
@@ -271,7 +307,15 @@ def run_export(checkpoint: Path, name: str | None) -> int:
         if target.exists():
             raise ConfigError([f"{target} already exists; pass --name to write the LoRA under another name."])
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(export(session, name)), target)
+        try:
+            written = export(session, name)
+            with atomic_path(target) as tmp:  # whole or not at all: a full disk leaves no truncated LoRA to refuse
+                shutil.copyfile(written, tmp)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            raise RunFailed(f"The disk is full: the LoRA could not be written to {target.parent} (nothing was left "
+                            "there); free some space and run the same export again.") from None
     print(f"LoRA written to {target}")
     return 0
 
@@ -303,6 +347,7 @@ def run_inspect(path: Path) -> int:
         return 0
     from safetensors import safe_open
 
+    from .lora.names import module_and_part
     from .lora.resize import lora_file_problem
 
     if not path.exists():
@@ -319,7 +364,7 @@ def run_inspect(path: Path) -> int:
         raise ConfigError([f"{path.name} is {what} ({len(keys)} tensors), not a LoRA; inspect describes LoRA files "
                            "and run folders."])
     words = sorted({k.split(".", 2)[1] for k in keys if k.startswith("bundle_emb.")})  # pivotal tuning's words
-    modules = {k.rsplit(".", 2)[0] for k in keys if not k.startswith("bundle_emb.")}
+    modules = {module_and_part(k)[0] for k in keys if not k.startswith("bundle_emb.")}
     bundled = f", the words {', '.join(words)} (bundle_emb)" if words else ""
     print(f"{path.name}: {len(keys)} tensors, {len(modules)} LoRA modules{bundled}")
     for key in sorted(metadata):

@@ -209,7 +209,7 @@ def test_scan_errors_are_clear_sentences(tmp_path: Path) -> None:
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "x.png").write_bytes(b"junk")
-    with pytest.raises(DatasetError, match="all 1 image files were skipped") as info:
+    with pytest.raises(DatasetError, match="all 1 were skipped") as info:
         scan_dataset(bad)
     assert "x.png" in str(info.value)
 

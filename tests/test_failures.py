@@ -164,7 +164,7 @@ def _bad_dataset(kind: str, folder: Path, good: Path) -> Path:
 @pytest.mark.parametrize("kind, expected", [
     ("empty", "holds no images"),
     ("captions only", "it has 3 .txt files"),
-    ("unreadable", "holds no usable images: all 3 image files were skipped"),
+    ("unreadable", "holds no usable images: all 3 were skipped"),
     ("gif only", "GIF files are not trained on"),
     ("symlink loop", "symbolic link that loops back on itself"),
 ])

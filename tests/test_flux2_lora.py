@@ -135,7 +135,7 @@ def test_lokr_loads_in_diffusers(paths, tmp_path, one_thread):
     bundle = adapted(paths, LORA_PRESETS["attention_mlp"], network="lokr", rank=4, alpha=2.0)
     file = export_kohya_lora(tmp_path / "lokr.safetensors", bundle.unet, None, bundle.family, rank=4, alpha=2.0,
                              dtype=torch.float32)
-    assert any(k.startswith("lycoris_transformer_blocks_0_attn_to_q.lokr_") for k in read_keys(file))
+    assert any(k.startswith("transformer.transformer_blocks.0.attn.to_q.lokr_") for k in read_keys(file))
     pipe = fresh_pipeline(paths)
     pipe.load_lora_weights(str(file))
     assert (output(bundle.unet) - output(pipe.transformer)).abs().max() <= TOLERANCE
@@ -244,7 +244,8 @@ def test_comfyui_applies_our_file_as_trained(paths, network, tmp_path, one_threa
                              alpha=2.0, dtype=torch.float32)
     tensors = read_keys(file)
     prefixes = {k.split("_", 1)[0] for k in tensors}
-    assert prefixes == ({"lora"} if network == "lora" else {"lycoris"})  # fused BFL names / diffusers paths
+    expected = {"lora": {"lora"}, "lokr": {"transformer.transformer", "transformer.single"}}.get(network, {"lycoris"})
+    assert prefixes == expected  # fused BFL names / diffusers paths (LyCORIS names; LoKr: transformer.<path>)
     if network == "lora":
         assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in tensors  # q, k, v fused, rank 12
         assert tensors["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"].shape[0] == 12

@@ -147,8 +147,7 @@ def test_bad_reg_folders_are_one_sentence(tmp_path, folders, tiny_config):
         assert any("is inside the training folder" in p for p in problems), problems
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("no images here")
-    with pytest.raises(DatasetError, match=r"^The regularisation folder \(reg_data_dir\) cannot be used: "
-                                           r"Dataset folder .*empty holds no images"):
+    with pytest.raises(DatasetError, match=r"^Class-image folder \(reg_data_dir\) .*empty holds no images"):
         scan_reg_images(tmp_path / "empty", 7)
 
 

@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..train.observers.judges import SAMPLE_JUDGES
+from .hosts import run_host_limits
 from .families import FAMILY_CHOICES, SD_LORA_TARGETS, WEIGHTING_SCHEMES, family_problems
 from .tokens import multi_vector_clash
 
@@ -516,7 +517,7 @@ class TrainConfigSchema(BaseModel):
         if self.use_dora and self.network_type == "lora" and (self.diagnostics_every or self.activation_stats_every):
             notes.append("use_dora: the rank spectra and collapse check describe the LoRA direction (up@down) only, "
                          "not the learned magnitudes.")
-        return notes
+        return notes + run_host_limits(self, self.model_family)  # a Klein named here; with auto the UI asks too
 
 
 #: The knobs whose values name files or folders of the user's machine (marked `path=True` above).

@@ -10,7 +10,8 @@ from .files import TrainConfig
 
 
 def _reg_dir_problems(config: TrainConfig, data: Path | None) -> list[str]:
-    """reg_data_dir must be a folder of its own: inside the training folder its images would be trained twice."""
+    """reg_data_dir must be a folder of its own: one folder inside the other would train its images twice (as
+    instance and as class images)."""
     if not config.reg_data_dir:
         return []
     reg = Path(config.reg_data_dir).expanduser()
@@ -20,8 +21,11 @@ def _reg_dir_problems(config: TrainConfig, data: Path | None) -> list[str]:
     if not reg.is_dir():
         return [f"Regularisation path {reg} is a file, not a folder; choose the folder of class images."]
     if data is not None and data.is_dir() and reg.resolve().is_relative_to(data.resolve()):
-        return [f"Regularisation folder {reg} is inside the training folder {data} (or is it), so its images "
-                "would also train as instance images; move the class images to a folder of their own."]
+        return [f"Regularisation folder {reg} is inside the training folder (or is it), so its images would also "
+                "train as instance images; move the class images to a folder of their own."]
+    if data is not None and data.is_dir() and data.resolve().is_relative_to(reg.resolve()):
+        return [f"Training folder {data} is inside the regularisation folder (reg_data_dir), so its images would "
+                "also train as class images; move the training images to a folder of their own."]
     return []
 
 

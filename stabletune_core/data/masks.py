@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from .filenames import is_file, name_too_long
+
 MASK_SUFFIX = ".mask.png"
 MASK_FOLDER = "masks"
 
@@ -31,10 +33,20 @@ def is_mask_file(path: Path) -> bool:
 def mask_path(image: Path) -> Path | None:
     """The mask of an image, looked up once per process (a file system lookup per example costs more than
     the rest of the example on a slow disk); like the scan, masks added during a run count from the next."""
-    for candidate in (image.with_name(image.stem + MASK_SUFFIX), image.parent / MASK_FOLDER / f"{image.stem}.png"):
-        if candidate.is_file():
+    for candidate in (mask_beside(image), image.parent / MASK_FOLDER / f"{image.stem}.png"):
+        if is_file(candidate):  # NAME.mask.png of an image named near the limit is too long to exist
             return candidate
     return None
+
+
+def mask_beside(image: Path) -> Path:
+    """Where the mask of `image` lives beside it (NAME.mask.png)."""
+    return image.with_name(image.stem + MASK_SUFFIX)
+
+
+def mask_name_too_long(image: Path) -> bool:
+    """Whether `image`'s name is so long that NAME.mask.png cannot exist beside it (its mask must go in masks/)."""
+    return name_too_long(mask_beside(image))
 
 
 def mask_problem(image: Path) -> str | None:
@@ -86,6 +98,25 @@ def batch_loss_mask(batch: dict[str, Any], latent_size: tuple[int, int]) -> torc
     height, width = batch["target_size"][0]
     full = torch.stack([m if m is not None else torch.ones(1, height, width) for m in masks])
     return torch.nn.functional.interpolate(full, size=tuple(latent_size), mode="area")
+
+
+#: A crop whose mask is nowhere above this trains (almost) nothing: bilinear resizing leaks a few levels of a white
+#: area just outside the crop into its edge, which must not count as "trained".
+KEEPS_NOTHING = 1 / 255
+
+
+def masks_outside_crop(view: Any) -> list[Any]:
+    """The items of a `DatasetView` whose mask is white only outside the part of the image that trains, so that the
+    image trains nothing: with a fixed (centre) crop, the crop of every epoch; with a random crop the crop can land
+    anywhere, so none is listed (an all-black mask is the scan's job, mask_problem)."""
+    if not view.masked_loss or view.random_crop:
+        return []
+    outside = []
+    for index, item in enumerate(view.items):
+        mask = load_loss_mask(item, view.item_buckets[index], view.placement(index, 0))
+        if mask is not None and float(mask.max()) <= KEEPS_NOTHING:
+            outside.append(item)
+    return outside
 
 
 def masks_note(items: list[Any]) -> str | None:

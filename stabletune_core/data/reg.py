@@ -10,16 +10,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .scan import DataItem, DatasetError, DatasetScan, scan_dataset
+from .scan import DataItem, DatasetScan, scan_dataset
 
 
 def scan_reg_images(reg_dir: Path, instance_total: int, default_caption: str = "",
                     caption_extension: str = ".txt", *, masked_loss: bool = False) -> DatasetScan:
     """Scan `reg_dir` and set each reg item's repeats so one epoch holds `instance_total` of them."""
-    try:
-        scan = scan_dataset(Path(reg_dir), default_caption, caption_extension, masked_loss=masked_loss)
-    except DatasetError as exc:
-        raise DatasetError(f"The regularisation folder (reg_data_dir) cannot be used: {exc}") from exc
+    scan = scan_dataset(Path(reg_dir), default_caption, caption_extension, masked_loss=masked_loss,
+                        folder_words="Class-image folder (reg_data_dir)")  # its sentences name it as what it is
     scan.reg_dirs = folder_counts(scan.items, Path(reg_dir).expanduser())
     scan.items = balance_reg_items(scan.items, instance_total)
     return scan

@@ -21,7 +21,8 @@ from ..atomic import write_text_atomic
 from ..config import ConfigError
 from .buckets import assign_bucket
 from .images import IMAGE_EXTENSIONS, UnreadableImageError, load_image
-from .masks import MASK_FOLDER, is_mask_file, mask_problem
+from .filenames import is_file
+from .masks import MASK_FOLDER, is_mask_file, mask_beside, mask_problem
 
 # Kohya's convention: a folder named "10_mychar" repeats its images 10 times
 # per epoch, so small concepts can be balanced against large ones.
@@ -115,7 +116,7 @@ class DatasetScan:
 
 
 def scan_dataset(root: Path, default_caption: str = "", caption_extension: str = ".txt", *,
-                 masked_loss: bool = False) -> DatasetScan:
+                 masked_loss: bool = False, folder_words: str = "Dataset folder") -> DatasetScan:
     """Find every usable image under `root`, in sorted, deterministic order.
 
     Images directly in `root` get repeats 1. A subfolder named `N_name` (1 <= N <= 1000)
@@ -123,7 +124,8 @@ def scan_dataset(root: Path, default_caption: str = "", caption_extension: str =
     subfolders are scanned recursively with repeats 1. A `0_name` folder is left
     out (kohya does the same) and `notes` says so; N above 1000 is refused.
     Non-image files are ignored silently; images that fail to decode go to `skipped`, and with `masked_loss`
-    so do images whose mask cannot be read or keeps nothing (masks.mask_problem).
+    so do images whose mask cannot be read or keeps nothing (masks.mask_problem). `folder_words` names the folder
+    in the sentences of a DatasetError ("Class-image folder (reg_data_dir)" for the class images).
     """
     root = Path(root).expanduser()
     if not root.exists():
@@ -144,11 +146,11 @@ def scan_dataset(root: Path, default_caption: str = "", caption_extension: str =
 
     if not scan.items and scan.notes and not scan.skipped:
         zero = sorted(p.name for p in root.iterdir() if p.is_dir() and folder_repeats(p.name) == 0)
-        raise RepeatFolderError(f"Dataset folder {root} has nothing to train: its images are in 0_ folders "
+        raise RepeatFolderError(f"{folder_words} {root} has nothing to train: its images are in 0_ folders "
                                 f"({', '.join(zero)}), which 0 repeats leave out as in kohya's trainer; rename "
                                 f"{zero[0]} to 1_{zero[0][2:]}.")
     if not scan.items:
-        raise DatasetError(_no_images_sentence(root, scan.skipped))
+        raise DatasetError(_no_images_sentence(root, scan.skipped, folder_words))
     return scan
 
 
@@ -255,7 +257,7 @@ def _check(path: Path, repeats: int, default_caption: str, caption_extension: st
 
 
 def _read_caption(caption_path: Path, default_caption: str) -> str:
-    if not caption_path.is_file():
+    if not is_file(caption_path):  # a caption name past the length limit cannot exist
         return default_caption
     # utf-8-sig: Windows Notepad writes a byte-order mark that would otherwise
     # become part of the first tag.
@@ -263,7 +265,7 @@ def _read_caption(caption_path: Path, default_caption: str) -> str:
     return text or default_caption
 
 
-def _no_images_sentence(root: Path, skipped: list[SkippedFile]) -> str:
+def _no_images_sentence(root: Path, skipped: list[SkippedFile], folder_words: str) -> str:
     extensions = " ".join(sorted(IMAGE_EXTENSIONS))
     if not skipped:
         others: dict[str, int] = {}
@@ -276,14 +278,22 @@ def _no_images_sentence(root: Path, skipped: list[SkippedFile]) -> str:
         else:
             hint = "put your training images in it or choose another folder."
         has = f"; it has {found} files" if found else ""
-        return f"Dataset folder {root} holds no images ({extensions}){has}: {hint}"
-    examples = "; ".join(entry.reason.rstrip(".") for entry in skipped[:3])
-    more = f" (and {len(skipped) - 3} more)" if len(skipped) > 3 else ""
+        return f"{folder_words} {root} holds no images ({extensions}){has}: {hint}"
+    first = skipped[0]  # one example, named by its file name: the folder is the sentence's one path
     if all(entry.reason.startswith("its mask ") for entry in skipped):
-        return (f"Dataset folder {root} has nothing to train with masked_loss: the masks of all {len(skipped)} "
-                f"images are all black or cannot be read, for example: {examples}{more}; paint the parts to train "
-                "white, or turn masked_loss off to train the whole images.")
-    return (
-        f"Dataset folder {root} holds no usable images: all {len(skipped)} image files were skipped, "
-        f"for example: {examples}{more}; replace them with readable PNG or JPEG files."
-    )
+        return (f"{folder_words} {root} has nothing to train with masked_loss: the masks of all {len(skipped)} "
+                f"images are all black or cannot be read (e.g. {mask_beside(first.path).name}); paint the parts to "
+                "train white, or turn masked_loss off.")
+    return (f"{folder_words} {root} holds no usable images: all {len(skipped)} were skipped (e.g. {first.path.name}: "
+            f"{brief_reason(first)}); replace them with readable PNG or JPEG files.")
+
+
+def brief_reason(entry: SkippedFile) -> str:
+    """Why a file was skipped in a few words, without its path (the sentence names the folder once): the reason's
+    first clause, less the decoder's own details in brackets (they repeat the path)."""
+    reason = entry.reason
+    if reason.startswith("Cannot read image ") and ": " in reason:
+        reason = reason.split(": ", 1)[1]
+    reason = re.sub(r"\s*\(.*\)", "", reason.split(";")[0]).rstrip(". ")
+    reason = reason.replace(str(entry.path), entry.path.name)
+    return reason if len(reason) <= 80 else reason[:77] + "..."

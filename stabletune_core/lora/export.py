@@ -216,7 +216,16 @@ def kohya_state_dict(
     LoKr adapters the LyCORIS tensors (``hada_*`` / ``lokr_*`` and alpha) under the same module names."""
     from .lycoris import iter_lycoris_modules, lycoris_tensors, network_of
 
-    if any(network_of(unwrap(m)) for m in [unet, *(text_encoders or [])] if m is not None):
+    if unet is not None and network_of(unwrap(unet)) == "lokr" and \
+            getattr(family, "kohya_unet_naming", "diffusers") == "bfl":  # FLUX.2 LoKr: lora/flux2.py's naming
+        from .flux2 import bake_lokr_alpha, diffusers_lokr_name
+
+        try:
+            tensors = bake_lokr_alpha(lycoris_tensors(((diffusers_lokr_name(path), parts) for path, parts in
+                                                       iter_lycoris_modules(unwrap(unet), adapter_name)), dtype))
+        except ValueError as exc:
+            raise LoraExportError(str(exc)) from None
+    elif any(network_of(unwrap(m)) for m in [unet, *(text_encoders or [])] if m is not None):
         try:
             tensors = lycoris_tensors(((name, parts) for name, (parts,) in kohya_named_layers(
                 unet, text_encoders, family, lambda m: iter_lycoris_modules(m, adapter_name))), dtype)
@@ -279,7 +288,8 @@ def export_kohya_lora(
     tensors = kohya_state_dict(unet, text_encoders, family, dtype=dtype, adapter_name=adapter_name)
     tensors.update(embeddings or {})
     meta = build_kohya_metadata(path, family, rank=rank, alpha=alpha, metadata=metadata)
-    algo = next((key.split(".")[1].split("_")[0] for key in tensors if ".hada_" in key or ".lokr_" in key), None)
+    algo = next((key.rsplit(".", 1)[1].split("_")[0] for key in tensors if ".hada_" in key or ".lokr_" in key),
+                None)  # the part's name, after the last dot (a FLUX.2 LoKr's module name has dots)
     if algo:  # how kohya's sd-scripts record a LyCORIS network, so A1111's and ComfyUI's info panels say it
         meta["ss_network_module"] = "lycoris.kohya"
         meta["ss_network_args"] = json.dumps({"algo": {"hada": "loha", "lokr": "lokr"}[algo]})

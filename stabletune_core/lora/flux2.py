@@ -10,10 +10,11 @@ We train on diffusers' Flux2Transformer2DModel, whose double blocks keep q, k an
   and splits it back; a part that was not trained simply has zero rows). The kohya alpha is set so that
   alpha / rank reproduces the trained scale; a part trained at another scale has it folded into its up rows.
 * DoRA, LoHa, LoKr: a magnitude or a Hadamard/Kronecker product cannot be fused exactly, so these keep diffusers'
-  module paths in SimpleTuner's LyCORIS naming, ``lycoris_transformer_blocks_0_attn_to_q``; ComfyUI maps each onto
-  its slice of the fused weight (and normalises a DoRA layer over that slice only), diffusers reads the LoKr form
-  (``_convert_lycoris_flux2_lokr_to_diffusers``). diffusers reads neither DoRA (it drops ``dora_scale``) nor LoHa
-  for FLUX.2.
+  module paths: DoRA and LoHa in SimpleTuner's LyCORIS naming, ``lycoris_transformer_blocks_0_attn_to_q``, LoKr as
+  ``transformer.transformer_blocks.0.attn.to_q`` with alpha / rank folded into its left factor (diffusers' LyCORIS
+  converter refuses a LoKr on x_embedder, context_embedder or proj_out; this form it loads whole). ComfyUI maps
+  both onto each module's slice of the fused weight (and normalises a DoRA layer over that slice only). diffusers
+  reads neither DoRA (it drops ``dora_scale``) nor LoHa for FLUX.2 (config/hosts.py says where each kind loads).
 
 The layer walk is lora/layers.py's; only the names and the fusing live here.
 """
@@ -53,6 +54,31 @@ def lycoris_name(module_path: str) -> str:
         raise Flux2ExportError(f"'{module_path}' has no LyCORIS name that ComfyUI reads for FLUX.2; leave it out of "
                                "the targets of a DoRA, LoHa or LoKr.")
     return LYCORIS_PREFIX + module_path.replace(".", "_")
+
+
+def diffusers_lokr_name(module_path: str) -> str:
+    """A LoKr module's name: ``transformer.`` + its diffusers path, the form diffusers' FLUX.2 loader takes for every
+    module (its LyCORIS converter knows the blocks' layers only, and refuses a file with x_embedder, context_embedder
+    or proj_out) and ComfyUI maps as it maps the LyCORIS name; the same modules as `lycoris_name` allows."""
+    lycoris_name(module_path)  # refuses what ComfyUI would not map
+    return "transformer." + module_path
+
+
+def bake_lokr_alpha(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The LoKr tensors with each module's alpha / rank folded into its left factor and the alpha keys dropped, so
+    a loader that reads no alpha (diffusers' peft LoKr; ComfyUI then scales by 1) applies the trained update. The
+    scale applies only where a factor is rank-decomposed (lokr_w1_b or lokr_w2_b), as in LyCORIS, diffusers and
+    ComfyUI; with both factors full, alpha is unused and simply dropped."""
+    out = dict(tensors)
+    for alpha_key in [k for k in out if k.endswith(".alpha")]:
+        alpha = float(out.pop(alpha_key))
+        module = alpha_key[:-len(".alpha")]
+        low = out.get(f"{module}.lokr_w2_b", out.get(f"{module}.lokr_w1_b"))
+        if low is None:
+            continue
+        w1 = f"{module}.lokr_w1" if f"{module}.lokr_w1" in out else f"{module}.lokr_w1_a"
+        out[w1] = (out[w1].float() * (alpha / low.shape[0])).to(out[w1].dtype).contiguous()
+    return out
 
 
 def _bfl_target(layer: LoraLayerView):

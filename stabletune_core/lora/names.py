@@ -49,6 +49,14 @@ def kohya_te_name(module_path: str, prefix: str = "lora_te") -> str:
     return f"{prefix}_{_flat(text_model_path(module_path))}"
 
 
+def module_and_part(key: str) -> tuple[str, str]:
+    """(module name, part) of a LoRA file's key: a part is one name (alpha, dora_scale, hada_w1_a, lokr_w1) or two
+    ending in .weight (lora_down.weight, lora_A.weight); the module name before it may hold dots (a FLUX.2 LoKr's
+    transformer.<path>, a diffusers-format file's path)."""
+    module, *part = key.rsplit(".", 2 if key.endswith(".weight") else 1)
+    return module, ".".join(part)
+
+
 def kohya_keys(name: str) -> tuple[str, str, str]:
     """(down, up, alpha) tensor keys of one kohya LoRA module."""
     return f"{name}.{DOWN}", f"{name}.{UP}", f"{name}.{ALPHA}"

@@ -240,3 +240,44 @@ def embedding_file_name(token: str) -> str:
     characters Windows refuses ('<p1>' -> 'p1'). A1111 and ComfyUI name an embedding after its file."""
     stem = "".join(c for c in token if c not in UNSAFE_FILE_CHARACTERS)
     return stem or "embedding"
+
+
+# ---- how each host loads the words ----------------------------------------------------------------------------------
+#: Forge (extensions-builtin/sd_forge_lora/networks.py, load_lora_for_models) refuses a whole LoRA file when more than
+#: this many of its keys match no layer ("LoRA version mismatch"); `bundle_emb.*` keys match none, and Forge never
+#: reads them as words (its loaded_bundle_embeddings stays empty).
+FORGE_UNMATCHED_LIMIT = 12
+FORGE_FILE_SUFFIX = "_forge"
+
+
+def forge_refuses_bundle(bundle: dict[str, torch.Tensor]) -> bool:
+    """Whether Forge would refuse a LoRA that carries these `bundle_emb.*` tensors (one per word and text encoder:
+    SD 1.x/2.x 13 words, SDXL 7)."""
+    return len(bundle) > FORGE_UNMATCHED_LIMIT
+
+
+def word_loading_lines(tokens: list[str], sdxl: bool, lora_name: str, *, forge_file: bool) -> list[str]:
+    """How each host loads the run's new words, one console line each (the run's last lines; the README says the
+    same). `forge_file`: a NAME_forge.safetensors without the words was written for Forge."""
+    words = ", ".join(tokens)
+    files = ", ".join(f"{embedding_file_name(t)}.safetensors" for t in tokens)
+    stems = ", ".join(embedding_file_name(t) for t in tokens)
+    folder = f"{lora_name}_embeddings"
+    forge_lora = f"{lora_name}{FORGE_FILE_SUFFIX}.safetensors" if forge_file else f"{lora_name}.safetensors"
+    lines = [
+        f"A1111: loading {lora_name}.safetensors brings {words} (bundled); write them in the prompt as trained.",
+        f"Forge: it never reads bundled words: copy {folder}/{files} into its embeddings folder and write {stems} in "
+        f"the prompt; load {forge_lora} as the LoRA" + (" (the bundled file has more than "
+                                                         f"{FORGE_UNMATCHED_LIMIT} word tensors, which Forge refuses)."
+                                                         if forge_file else "."),
+        f"ComfyUI: copy {folder}/{files} into models/embeddings and write embedding:{stems.split(', ')[0]} "
+        "(one per word) in the prompt.",
+    ]
+    if sdxl:
+        lines.append(f"diffusers (SDXL): per word, state = safetensors.torch.load_file('{folder}/FILE'), then "
+                     "pipe.load_textual_inversion(state['clip_l'], token=WORD, text_encoder=pipe.text_encoder, "
+                     "tokenizer=pipe.tokenizer) and the same with state['clip_g'], pipe.text_encoder_2, pipe.tokenizer_2.")
+    else:
+        lines.append(f"diffusers: pipe.load_textual_inversion('{folder}/FILE', token=WORD) per word, and the LoRA "
+                     "without its bundle_emb keys (or NAME_diffusers/).")
+    return lines

@@ -208,6 +208,7 @@ class Report:
     exact_duplicates: list[list[str]] = field(default_factory=list)
     near_duplicates: list[dict[str, Any]] = field(default_factory=list)
     small: list[dict[str, Any]] = field(default_factory=list)
+    long_names: list[str] = field(default_factory=list)  # images too long-named for a NAME.mask.png beside them
     buckets: list[dict[str, Any]] = field(default_factory=list)
     items: list[dict[str, Any]] = field(default_factory=list)
     captions: dict[str, Any] = field(default_factory=dict)
@@ -265,6 +266,8 @@ def examine(settings: Settings, *, previews: Path | None = None, near_distance: 
     """The whole check; reads the dataset, writes only previews (when asked)."""
     from ..data import DatasetError, assign_bucket, load_image, make_buckets, resize_and_crop, scan_dataset
     from ..data.images import UnreadableImageError
+    from ..data.filenames import is_file
+    from ..data.masks import mask_name_too_long
     from .captions import caption_path
 
     try:
@@ -303,7 +306,9 @@ def examine(settings: Settings, *, previews: Path | None = None, near_distance: 
             report.unreadable.append({"path": path, "reason": exc.reason})
             continue
         text_file = caption_path(item.path, settings.caption_extension)
-        text = text_file.read_text(encoding="utf-8-sig").strip() if text_file.is_file() else None
+        text = text_file.read_text(encoding="utf-8-sig").strip() if is_file(text_file) else None
+        if mask_name_too_long(item.path):
+            report.long_names.append(path)
         if text is None:
             entry["caption"] = "missing"
             missing.append(path)
@@ -373,6 +378,10 @@ def problems(report: Report) -> list[str]:
     if report.small:
         out.append(f"{len(report.small)} image(s) are much smaller than the {report.settings['resolution']} px "
                    f"training resolution (enlarged more than {MAX_UPSCALE}x): expect blur.")
+    if report.long_names:
+        out.append(f"{len(report.long_names)} image name(s) are too long for a mask file beside them (NAME.mask.png "
+                   "would pass the file system's limit of 255 bytes a name); such an image's mask goes in "
+                   "masks/NAME.png, or shorten its name.")
     captions = report.captions
     if captions.get("missing"):
         fallback = (f"they train with the default caption '{captions['default_caption']}'"
@@ -411,6 +420,7 @@ def console(report: Report, top: int) -> str:
     section("Much smaller than the resolution", [f"{s['path']}: {s['width']}x{s['height']} -> bucket "
                                                  f"{s['bucket'][0]}x{s['bucket'][1]} ({s['upscale']:.1f}x)"
                                                  for s in report.small])
+    section("Names too long for a mask beside them", report.long_names)
     section("Captions too long", [f"{c['path']}: {c['tokens']} tokens (limit {report.captions['limit']})"
                                   for c in report.captions["too_long"]])
     section("No caption file", report.captions["missing"])

@@ -19,7 +19,8 @@ from typing import Iterable, Iterator
 import torch
 
 from ..lora.lycoris import LOHA_PARTS, LOKR_PARTS
-from ..lora.names import ALPHA, DORA_SCALE, DOWN, UP, kohya_sgm_unet_name, kohya_te_name, kohya_unet_name
+from ..lora.names import (ALPHA, DORA_SCALE, DOWN, UP, kohya_sgm_unet_name, kohya_te_name, kohya_unet_name,
+                          module_and_part)
 from ..lora.resize import is_bundled
 from .common import refuse
 
@@ -114,7 +115,7 @@ def read_adapter(path: Path) -> tuple[dict[str, AdapterModule], dict[str, str]]:
     for key, value in tensors.items():
         if is_bundled(key):  # pivotal tuning's words: not a module (bundled_words reads them)
             continue
-        name, _, part = key.partition(".")
+        name, part = module_and_part(key)  # a FLUX.2 LoKr's module name is a dotted path (transformer.<path>)
         if part not in KNOWN_PARTS:
             what = "a Tucker (CP) LyCORIS layer" if "_t1" in part or "_t2" in part or "lora_mid" in part else \
                 f"'{key}'"

@@ -12,7 +12,8 @@ import torch
 from ..config import PATH_KNOBS, TrainConfig
 from ..data.examples import DatasetView
 from ..lora.export import export_kohya_lora, write_embedding_files
-from ..lora.pivotal import PivotalTokens, bundle_tensors
+from ..lora.pivotal import (FORGE_FILE_SUFFIX, FORGE_UNMATCHED_LIMIT, PivotalTokens, bundle_tensors,
+                             forge_refuses_bundle)
 from ..models.base import ModelBundle
 from ..runs import events
 from ..runs.writer import RunWriter
@@ -39,17 +40,25 @@ def write_lora(name: str, *, step: int, epoch: int, max_steps: int, config: Trai
                                     max_steps=max_steps)}
     dtype = precision_dtype(config.save_precision)
     vectors = pivotal.vectors_by_token() if pivotal else {}
+    words = bundle_tensors(vectors, bundle.family, dtype) if vectors else {}
     path = export_kohya_lora(path, unet, encoders, bundle.family, rank=config.lora_rank,
                              alpha=config.effective_lora_alpha, metadata=metadata, dtype=dtype,
-                             embeddings=bundle_tensors(vectors, bundle.family, dtype) if vectors else None,
+                             embeddings=words or None,
                              overwrite=True)  # RUN/output is this run's own: prepare_run_dir moved any other aside
     run.event(events.EXPORTED, f"Wrote LoRA {path.name} at step {step}.", step=step, path=str(path))
+    if forge_refuses_bundle(words):  # Forge refuses a file with so many unmatched keys: give it one without them
+        forge = export_kohya_lora(run.paths.output / f"{name}{FORGE_FILE_SUFFIX}.safetensors", unet, encoders,
+                                  bundle.family, rank=config.lora_rank, alpha=config.effective_lora_alpha,
+                                  metadata=metadata, dtype=dtype, overwrite=True)
+        run.event(events.EXPORTED, f"Wrote {forge.name}, the LoRA without its {len(words)} bundled word tensors, "
+                  f"for Forge (which refuses a LoRA with more than {FORGE_UNMATCHED_LIMIT} keys it cannot match).",
+                  step=step, path=str(forge))
     if vectors:
         folder = run.paths.output / f"{name}_embeddings"
         files = write_embedding_files(folder, vectors, bundle.family, dtype)
-        run.event(events.EXPORTED, f"Wrote the new tokens' embeddings into {path.name} (bundle_emb, for A1111 and "
-                  f"Forge) and as {', '.join(f'{folder.name}/{p.name}' for p in files)} (A1111, ComfyUI, diffusers' "
-                  "load_textual_inversion).", step=step, paths=[str(p) for p in files])
+        run.event(events.EXPORTED, f"Wrote the new tokens' embeddings into {path.name} (bundle_emb, which A1111 "
+                  f"reads) and as {', '.join(f'{folder.name}/{p.name}' for p in files)} (A1111, Forge and ComfyUI's "
+                  "embeddings folders, diffusers' load_textual_inversion).", step=step, paths=[str(p) for p in files])
     if config.export_diffusers_format:
         from ..lora.export import export_diffusers_lora
 

@@ -20,9 +20,9 @@ from ..config.families import family_defaults, family_problems, text_options
 from ..data.caches import EmbeddingCache, LatentCache, module_fingerprint
 from ..data.examples import DatasetView
 from ..data.loader import BatchFeed
-from ..data.masks import masks_note
+from ..data.masks import masks_note, masks_outside_crop
 from ..data.reg import merge_reg, scan_reg_images
-from ..data.scan import SkippedFile, scan_dataset
+from ..data.scan import DatasetError, SkippedFile, scan_dataset
 from ..data.seeds import derive_seed
 from ..lora.inject import adapter_mismatch, adapter_settings, add_lora, lora_parameters
 from ..lora.layers import run_lora_layers
@@ -234,6 +234,8 @@ def setup(config: TrainConfig) -> Session:
         run.event(events.DATA, note)
     if config.masked_loss and (note := masks_note(data.items)):
         run.event(events.DATA, note)
+    if outside := masks_outside_crop(data):
+        refuse_or_note_masks_outside_crop(run, data, outside)
     sampler = data.sampler(config.train_batch_size)
     steps_per_epoch = math.ceil(len(sampler) / (config.gradient_accumulation_steps * ranks.count))
     config = resolve(config, seed=random_seed, steps_per_epoch=steps_per_epoch)
@@ -346,6 +348,18 @@ def run_observers(config: TrainConfig, run: RunWriter, ranks: Ranks) -> list[Obs
     if judge is not None:
         observers.append(judge)
     return observers
+
+
+def refuse_or_note_masks_outside_crop(run: RunWriter, data: DatasetView, outside: list[Any]) -> None:
+    """Images whose masks are white only outside their centre crop train nothing: all of them is a run whose LoRA
+    stays zero (refused before the model loads); some of them, a console line."""
+    if len(outside) == len(data.items):
+        raise DatasetError(f"Nothing would train with masked_loss: the masks of all {len(outside)} images are white "
+                           f"only outside the centre crop that trains (e.g. {outside[0].path.name}); paint white "
+                           "inside the crop, turn center_crop off, or turn masked_loss off.")
+    run.event(events.DATA, f"{len(outside)} image(s) train nothing: their masks are white only outside the centre "
+              f"crop that trains (e.g. {outside[0].path.name}); paint white inside the crop or turn center_crop off.",
+              console=True, paths=[str(item.path) for item in outside])
 
 
 def report_skipped(run: RunWriter, skipped: list[SkippedFile], kind: str) -> None:

@@ -1,0 +1,61 @@
+"""Which host programs load which kind of FLUX.2 Klein adapter file, declared once.
+
+The README's host table is checked against this (tests/test_flux2_hosts.py reads both), and the same tests load every
+kind with diffusers' real loader and with ComfyUI's rules (re-stated in tests/test_flux2_lora.py) and assert that each
+"loads" here computes what was trained and each limit here is real. The UI (before Start), the console (a note before
+training and at the end of the run) say the limits of the run's kind from `klein_host_limits`.
+
+The file is the kohya-style one StableTune writes (lora/flux2.py): LoRA under BFL module names, DoRA / LoHa under
+diffusers module paths in LyCORIS naming, LoKr as transformer.<diffusers path> with alpha folded in (a magnitude or a
+Hadamard / Kronecker product cannot be fused onto BFL's q/k/v weight exactly). A LoKr used to be LyCORIS-named too,
+which diffusers 0.42.1 refuses whole when it adapts x_embedder, context_embedder or proj_out.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+HOSTS = ("ComfyUI", "diffusers 0.42")
+#: The Klein modules outside the blocks that a DoRA / LoHa / LoKr file can adapt (lora/flux2.py LYCORIS_TOP_LEVEL).
+TOP_LEVEL = ("x_embedder", "context_embedder", "proj_out")
+
+#: {kind: {host: None (loads) or what stops it, ending in the host version that first loads it}}.
+KLEIN_SUPPORT: dict[str, dict[str, str | None]] = {
+    "lora": {"ComfyUI": None, "diffusers 0.42": None},
+    "dora": {"ComfyUI": None,
+             "diffusers 0.42": "diffusers 0.42.1 drops dora_scale and loads no layer of a FLUX.2 DoRA (no diffusers "
+                               "release loads one yet)"},
+    "loha": {"ComfyUI": None,
+             "diffusers 0.42": "diffusers 0.42.1 refuses a FLUX.2 LoHa file (no diffusers release loads one yet)"},
+    "lokr": {"ComfyUI": None, "diffusers 0.42": None},
+}
+#: ComfyUI builds before its FLUX.2 LyCORIS key table grew (2026-01) map only the double blocks' attention layers of
+#: a DoRA / LoHa / LoKr file: the single blocks' and the MLP layers are skipped with a warning.
+COMFYUI_LYCORIS_SINCE = "ComfyUI builds from 2026-01 load every layer of it (older ones skip the single blocks' and MLP layers)"
+
+
+def adapter_kind(network_type: str, use_dora: bool) -> str:
+    """'lora', 'dora', 'loha' or 'lokr': the kind of adapter file a run writes."""
+    return "dora" if use_dora and network_type == "lora" else network_type
+
+
+def klein_host_limits(kind: str) -> list[str]:
+    """Where a FLUX.2 Klein file of `kind` does not load (or loads only from some version), one sentence each."""
+    limits = []
+    for host, reason in KLEIN_SUPPORT[kind].items():
+        if reason is not None:
+            limits.append(f"This {kind_words(kind)} file does not load in {host.split()[0]}: {reason}.")
+    if kind != "lora":
+        limits.append(f"This {kind_words(kind)} file loads in ComfyUI: {COMFYUI_LYCORIS_SINCE}.")
+    return limits
+
+
+def kind_words(kind: str) -> str:
+    return {"lora": "LoRA", "dora": "DoRA", "loha": "LoHa", "lokr": "LoKr"}[kind]
+
+
+def run_host_limits(config: Any, family: str) -> list[str]:
+    """`klein_host_limits` of a run's config (nothing for the SD families: their table row has no limits by kind
+    beyond what the README says)."""
+    if family != "flux2_klein":
+        return []
+    return klein_host_limits(adapter_kind(config.network_type, config.use_dora))

@@ -221,8 +221,6 @@ def use_cpu_threads(bundle: Any, device: Any, say: Any) -> None:
     say("grid: " + sentence.replace("Training with", "Rendering with", 1))
 
 
-
-
 def render_grid(run: Path, *, checkpoints: list[str] | None = None, strengths: list[float] = DEFAULT_STRENGTHS,
                 seeds: list[int] | None = None, prompts: list[str] | None = None, name: str | None = None,
                 steps: int | None = None, device: str = "auto", say: Any = print) -> Path:
@@ -263,11 +261,13 @@ def render_grid(run: Path, *, checkpoints: list[str] | None = None, strengths: l
         use_cpu_threads(bundle, where, say)
         layers = adapter_layers(adapted)
         cells: dict[tuple, Any] = {}
+        loaded = None
         for folder, value in [(None, None), *((f, v) for f in folders for v in strengths)]:
             what = "the base model (no LoRA)" if folder is None else f"{folder.name} at strength {value:g}"
             progress.doing(f"rendering {what}: {len(prompts)} prompt(s) x {len(seeds)} seed(s)")
-            if folder is not None and value == strengths[0]:
+            if folder is not None and folder != loaded:  # one checkpoint's weights for all its strengths
                 load_adapter(adapted, weights[folder.name], pivotal)
+                loaded = folder
             with strength(layers, value):
                 made = render(config, bundle, autocast, where, prompts, seeds, steps, should_stop=cancel.exists)
             for (p, seed), image in made.items():

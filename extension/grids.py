@@ -7,12 +7,14 @@ reads RUN/grids/*.json and starts the command with an argv list.
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+from stabletune_core.atomic import write_text_atomic
 from stabletune_core.launch import engine_env
 from stabletune_core.runs.layout import RunPaths
 from stabletune_core.runs.reader import RunReader, pid_alive
@@ -51,6 +53,10 @@ def numbers(text: str, kind: type, what: str) -> tuple[str | None, str | None]:
                      f"{'7, 8' if kind is int else DEFAULT_STRENGTHS}; got '{text}'."
     if not values:
         return None, f"{what} is empty; give at least one, e.g. {'7' if kind is int else DEFAULT_STRENGTHS}."
+    odd = next((v for v in values if not math.isfinite(v) or (kind is int and v < 0)), None)
+    if odd is not None:  # the grid command refuses them too (a NaN strength draws black cells)
+        return None, f"{what} holds {odd}; give {'whole numbers from 0 up' if kind is int else 'finite numbers'}, " \
+                     f"e.g. {'7, 8' if kind is int else DEFAULT_STRENGTHS}."
     return ",".join(f"{v:g}" for v in values), None
 
 
@@ -83,6 +89,17 @@ def start(engine_python: str, run: Path, checkpoints: list[str], strengths: str,
             "appears below when done. A training that runs now is not touched (on a GPU the grid shares its memory).")
 
 
+def cancel(run: Path) -> str:
+    """Ask every grid of `run` still rendering to stop at its next image; the sentence for the user."""
+    rendering = [g["name"] for g in grids(run) if g["state"] in ("starting", "rendering")]
+    if not rendering:
+        return "No grid of this run is rendering."
+    for name in rendering:
+        write_text_atomic(RunPaths(run).grid_cancel(name), "cancel", durable=False)
+    return (f"Cancelling **{', '.join(rendering)}**: it stops at its next image and writes no grid (the run is "
+            "untouched).")
+
+
 def grids(run: Path) -> list[dict[str, Any]]:
     """Every grid of `run`, newest first: its name, state, progress, PNG and error (from RUN/grids/NAME.json; a
     grid refused before it started has only its log, whose `error:` line says why)."""
@@ -98,7 +115,8 @@ def grids(run: Path) -> list[dict[str, Any]]:
         if state in (None, "starting", "rendering") and not pid_alive(data.get("pid")):
             state, error = "failed", _log_error(log) or "the grid process ended before it finished; see its log"
         found.append({"name": log.stem, "state": state, "done": data.get("done", 0), "total": data.get("total", 0),
-                      "error": error, "png": str(png) if png.is_file() and state == "finished" else None})
+                      "error": error, "png": str(png) if png.is_file() and state == "finished" else None,
+                      "doing": data.get("doing") or "starting", "seconds_left": data.get("seconds_left")})
     return found
 
 
@@ -112,6 +130,10 @@ def _log_error(log: Path) -> str | None:
     return raised[-1] if raised else None
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): (.+)$")  # a traceback's last line
 
 
@@ -120,8 +142,12 @@ def progress_text(run: Path) -> str:
     lines = []
     for grid in grids(run):
         if grid["state"] in ("starting", "rendering"):
-            lines.append(f"⏳ **{grid['name']}**: {grid['done']} of {grid['total']} image rows rendered (the model "
-                         "loads first).")
+            doing = "starting (Python loads torch, then the model)" if grid["doing"] == "starting" else grid["doing"]
+            left = f", about {_duration(grid['seconds_left'])} left" if grid.get("seconds_left") is not None else ""
+            lines.append(f"⏳ **{grid['name']}**: {doing} · {grid['done']} of {grid['total']} image rows done{left}. "
+                         "**Cancel grid** stops it.")
+        elif grid["state"] == "cancelled":
+            lines.append(f"✖ **{grid['name']}** was cancelled; no grid was written.")
         elif grid["state"] == "failed":
             lines.append(f"⚠ **{grid['name']}** failed: {grid['error']}")
     return "\n\n".join(lines)

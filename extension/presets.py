@@ -12,8 +12,11 @@ try:  # Python 3.11+; A1111 hosts may run 3.10 with tomli
 except ModuleNotFoundError:  # pragma: no cover - depends on the host
     import tomli as tomllib  # type: ignore[no-redef]
 
-# The demo preset names no model or dataset: the engine builds them (tiny model, drawn shapes).
+# The demo presets name no model or dataset: the engine builds them (the family's toy base, drawn shapes and the
+# base's own images), as `python -m stabletune_core demo --family F --concept C` does (demo.demo_preset).
 DEMO_PRESET = "demo"
+DEMO_PRESETS = {DEMO_PRESET: ("sd1", "colour"), "demo-shape": ("sd1", "shape"),
+                "demo-flux2-klein": ("flux2_klein", "colour")}
 
 
 def list_presets(folder: Path) -> list[str]:

@@ -72,8 +72,10 @@ def grid_html(reader: RunReader, view: str, url: Callable[[Path], str]) -> str:
         by_key = {img.stem: img for img in images}
         cells = "".join(f"<td>{_image(url, by_key[k], f'step {step} · {keys[k]}') if k in by_key else ''}</td>"
                         for k in order)
-        measured = f'<br><small class="judge">{html.escape(measures[step])}</small>' if step in measures else ""
-        rows.append(f'<tr><th scope="row" class="step">step {step}{measured}</th>{cells}</tr>')
+        rows.append(f'<tr><th scope="row" class="step">step {step}</th>{cells}</tr>')
+        if step in measures:  # a line of its own under the step's images: in the 82 px step label it ran out of
+            rows.append(f'<tr class="judge"><td></td><td colspan="{len(order)}"><small class="judge">'  # its cell
+                        f'{html.escape(measures[step])}</small></td></tr>')  # under the images (issue 37.8)
     return _table(head + "".join(rows), len(order), header=True)
 
 

@@ -59,7 +59,7 @@ def make_tab(title: str) -> Any:
 def follow_queue(ctx: UIContext, state: dict[str, Any], run: Path | None) -> Path | None:
     """`run`, or the queue's next run: a page that followed a queue run while it trained follows the queue on to
     the run it starts next. A run chosen by hand afterwards is left alone."""
-    running = runqueue.read(ctx.settings.runs_dir).running()
+    running = runqueue.read_for_display(ctx.settings.runs_dir)[0].running()
     now = Path(running.run) if running is not None and running.run else None
     followed = Path(state["queue_run"]) if state.get("queue_run") else None
     if now is not None and followed is not None and run == followed and now != followed:

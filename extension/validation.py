@@ -51,6 +51,7 @@ def validate(values: dict[str, Any], engine_python: str) -> tuple[list[str], lis
             return exc.problems + world_problems(values, exc.problems, build_config, check_inputs, ConfigError), []
         problems, notes = check_inputs(config) + detected_family_problems(values, config), config.notes()
         notes += detected_host_limits(values, config)
+    problems += [p for p in family_mismatch(values) if p not in problems]
     if not problems:
         problems = dataset_problems(values, engine_python)
     return problems, warnings(values) + notes
@@ -79,6 +80,27 @@ def dataset_problems(values: dict[str, Any], engine_python: str) -> list[str]:
             "--default-caption", values.get("default_caption") or "", "--no-enable-bucket"]
     answer = ask_engine(argv, engine_python, timeout=900)
     return [answer["error"]] if "error" in answer else []
+
+
+def is_klein_model(path: str) -> bool:
+    """Is this model path a FLUX.2 Klein one: its folder or file says so, or (a hub name) its name does."""
+    return names_klein({"pretrained_model_name_or_path": path}) or (
+        not Path(path).expanduser().exists() and "klein" in path.lower())
+
+
+def family_mismatch(values: dict[str, Any]) -> list[str]:
+    """model_family names FLUX.2 Klein and the local model is a Stable Diffusion one, or the other way round: the
+    run would fail loading it (issue 37.7), so it is a problem before Start."""
+    family = values.get("model_family") or "auto"
+    path = str(values.get("pretrained_model_name_or_path") or "").strip()
+    if family == "auto" or not path or not Path(path).expanduser().exists():
+        return []
+    klein = names_klein({"pretrained_model_name_or_path": path})
+    if klein == (family == "flux2_klein"):
+        return []
+    what = "a FLUX.2 Klein model" if klein else "not a FLUX.2 Klein model"
+    return [f"pretrained_model_name_or_path: {Path(path).name} is {what} but model_family is {family}; choose a "
+            f"model of that family, or set model_family to auto."]
 
 
 def names_klein(values: dict[str, Any]) -> bool:

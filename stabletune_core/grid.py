@@ -34,6 +34,7 @@ from .runs.layout import RunPaths
 DEFAULT_STRENGTHS = (0.0, 0.5, 0.75, 1.0)
 MIN_CELL = 128  # px: smaller images (the toy model's 64 px) are enlarged, pixel for pixel, to be seen
 LABEL_W, HEAD_H, PAD = 170, 22, 4
+MAX_SEED = 2**32 - 1  # what a seeded torch generator takes on every platform
 
 
 class GridError(ConfigError):
@@ -79,6 +80,11 @@ def parse_numbers(text: str, kind: type, what: str) -> list[Any]:
         raise GridError([f"{what} must be numbers separated by commas, e.g. 0, 0.5, 1; got '{text}'."]) from None
     if not values:
         raise GridError([f"{what} is empty; give at least one, e.g. 0, 0.5, 1."])
+    odd = next((v for v in values if not math.isfinite(v)), None) if kind is float else \
+        next((v for v in values if not 0 <= v <= MAX_SEED), None)
+    if odd is not None:  # a NaN or infinite strength draws black cells; a seed out of range fails in torch
+        allowed = "finite numbers, e.g. 0, 0.5, 1" if kind is float else f"whole numbers from 0 to {MAX_SEED}"
+        raise GridError([f"{what} holds {odd}; give {allowed}."])
     return values
 
 
@@ -161,23 +167,58 @@ def strength(layers: list[Any], value: float | None) -> Iterator[None]:
 
 
 # ---- rendering -------------------------------------------------------------------------------------------------
-def render(config: TrainConfig, bundle: Any, autocast: Any, device: Any, prompts: list[str], seed: int,
-           steps: int | None) -> list[Any]:
-    """One image per prompt at `seed`, as the run's validation images are made (train/validation_images.py)."""
+class Cancelled(Exception):
+    """The user cancelled the grid (the UI's Cancel, Ctrl-C, SIGTERM)."""
+
+
+def seed_runs(seeds: list[int]) -> list[tuple[int, int]]:
+    """`seeds` as (first, count) runs of consecutive seeds, in order: the validation images of one call are the seeds
+    first, first+1, ... (train/validation_images.sample_seeds), so a run of them is one call."""
+    runs: list[tuple[int, int]] = []
+    for seed in seeds:
+        if runs and seed == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((seed, 1))
+    return runs
+
+
+def render(config: TrainConfig, bundle: Any, autocast: Any, device: Any, prompts: list[str], seeds: list[int],
+           steps: int | None, should_stop: Any = None) -> dict[tuple[int, int], Any]:
+    """{(prompt index, seed): image} for every prompt at every seed, made as the run's validation images are
+    (train/validation_images.py): one call for a run of consecutive seeds, as a sampling inside training renders
+    its prompts x seeds (a call builds a pipeline and frees memory after it). Raises Cancelled when `should_stop`
+    says so, at the next image."""
     from PIL import Image
 
     from .train.validation_images import make_validation_images
 
-    one = config.model_copy(update={"validation_prompt": " | ".join(prompts), "seed": seed,
-                                    "num_validation_images": 1,
-                                    "validation_inference_steps": steps or config.validation_inference_steps})
-    with tempfile.TemporaryDirectory(prefix="stabletune-grid-") as folder:
-        paths = make_validation_images(bundle, one, Path(folder), device, autocast=autocast)
-        images = []
-        for path in paths:
-            with Image.open(path) as image:
-                images.append(image.convert("RGB"))
+    images: dict[tuple[int, int], Any] = {}
+    for first, count in seed_runs(seeds):
+        batch = config.model_copy(update={"validation_prompt": " | ".join(prompts), "seed": first,
+                                          "num_validation_images": count,
+                                          "validation_inference_steps": steps or config.validation_inference_steps})
+        with tempfile.TemporaryDirectory(prefix="stabletune-grid-") as folder:
+            paths = make_validation_images(bundle, batch, Path(folder), device, autocast=autocast,
+                                           should_stop=should_stop)
+            if len(paths) < len(prompts) * count:
+                raise Cancelled()
+            for path in paths:  # p<prompt>_s<seed>.png
+                prompt, seed = path.stem[1:].split("_s")
+                with Image.open(path) as image:
+                    images[(int(prompt), int(seed))] = image.convert("RGB")
     return images
+
+
+def use_cpu_threads(bundle: Any, device: Any, say: Any) -> None:
+    """On a CPU, the threads a training of this model computes on (train/threads.py): torch's one thread per core
+    made the grid 10-30x slower per image than the run's own sampling on a small model or a busy machine."""
+    if device.type != "cpu":
+        return
+    from .train.threads import set_cpu_threads
+
+    _, sentence = set_cpu_threads(bundle.denoiser)
+    say("grid: " + sentence.replace("Training with", "Rendering with", 1))
 
 
 def render_grid(run: Path, *, checkpoints: list[str] | None = None, strengths: list[float] = DEFAULT_STRENGTHS,
@@ -210,30 +251,66 @@ def render_grid(run: Path, *, checkpoints: list[str] | None = None, strengths: l
               "seeds": list(seeds), "prompts": list(prompts), "device": str(where)}
     total = len(seeds) * (1 + len(folders) * len(strengths))
     progress = Progress(target.with_suffix(".json"), layout, total, say)
+    cancel = paths.grid_cancel(name)  # a Cancel clicked while this process started is kept: it cancels
+    previous = _sigterm_cancels()
     try:
+        if cancel.exists():
+            raise Cancelled()
+        progress.doing("loading the model")
         bundle, adapted, autocast, pivotal = load_with_adapters(config, where)
+        use_cpu_threads(bundle, where, say)
         layers = adapter_layers(adapted)
         cells: dict[tuple, Any] = {}
-        for seed in seeds:
-            with strength(layers, None):
-                for p, image in enumerate(render(config, bundle, autocast, where, prompts, seed, steps)):
-                    cells[("base", None, p, seed)] = image
-            progress.step(f"base model, seed {seed}")
-            for folder in folders:
+        loaded = None
+        for folder, value in [(None, None), *((f, v) for f in folders for v in strengths)]:
+            what = "the base model (no LoRA)" if folder is None else f"{folder.name} at strength {value:g}"
+            progress.doing(f"rendering {what}: {len(prompts)} prompt(s) x {len(seeds)} seed(s)")
+            if folder is not None and folder != loaded:  # one checkpoint's weights for all its strengths
                 load_adapter(adapted, weights[folder.name], pivotal)
-                for value in strengths:
-                    with strength(layers, value):
-                        for p, image in enumerate(render(config, bundle, autocast, where, prompts, seed, steps)):
-                            cells[(folder.name, value, p, seed)] = image
-                    progress.step(f"{folder.name} at strength {value:g}, seed {seed}")
+                loaded = folder
+            with strength(layers, value):
+                made = render(config, bundle, autocast, where, prompts, seeds, steps, should_stop=cancel.exists)
+            for (p, seed), image in made.items():
+                cells[("base" if folder is None else folder.name, value, p, seed)] = image
+            progress.step(what, len(seeds))
+            if cancel.exists():
+                raise Cancelled()
+        progress.doing("writing the PNG")
         sheet, boxes = compose(cells, folders, strengths, seeds, prompts)
         with atomic_path(target) as tmp:
             sheet.save(tmp, format="PNG")
+    except (Cancelled, KeyboardInterrupt):
+        progress.end("cancelled", error="cancelled; no grid was written")
+        raise Cancelled() from None
     except BaseException as exc:
         progress.end("failed", error=" ".join(getattr(exc, "problems", None) or [str(exc) or type(exc).__name__]))
         raise
+    finally:
+        cancel.unlink(missing_ok=True)
+        _restore_sigterm(previous)
     progress.end("finished", png=str(target), cells=boxes)
     return target
+
+
+def _sigterm_cancels() -> Any:
+    """SIGTERM (a host stopping the grid's process) cancels as Ctrl-C does: the progress file says `cancelled`."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def cancel(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, cancel)
+
+
+def _restore_sigterm(previous: Any) -> None:
+    import signal
+
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class Progress:
@@ -242,11 +319,22 @@ class Progress:
     def __init__(self, path: Path, layout: dict[str, Any], total: int, say: Any) -> None:
         self.path, self.say = path, say
         self.data = {**layout, "state": "rendering", "done": 0, "total": total, "started_at": time.time(),
-                     "pid": os.getpid()}
+                     "pid": os.getpid(), "doing": "starting"}
+        self.first_row_at: float | None = None
         self._write()
 
-    def step(self, what: str) -> None:
-        self.data["done"] += 1
+    def doing(self, what: str) -> None:
+        """What the grid does now, for the UI's progress line (loading the model takes a while)."""
+        self.data["doing"] = what
+        if what.startswith("rendering") and self.first_row_at is None:
+            self.first_row_at = self.data["rendering_since"] = time.time()  # the model loaded (bench/grid_speed.py)
+        self._write()
+
+    def step(self, what: str, rows: int = 1) -> None:
+        self.data["done"] += rows
+        if self.first_row_at is not None:  # the time per row, the model load left out: the time left
+            per_row = (time.time() - self.first_row_at) / self.data["done"]
+            self.data["seconds_left"] = round(per_row * (self.data["total"] - self.data["done"]), 1)
         self.say(f"grid: {self.data['done']}/{self.data['total']} {what}")
         self._write()
 
@@ -322,5 +410,8 @@ def run_cli(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
         return 2
+    except Cancelled:
+        print("error: grid cancelled; no grid was written (the run is untouched).", file=sys.stderr)
+        return 130
     print(f"Grid written to {path}")
     return 0

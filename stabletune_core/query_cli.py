@@ -76,9 +76,12 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     family = family_name(config) if config.pretrained_model_name_or_path or config.model_family != "auto" else "auto"
     if family != "flux2_klein":
         return {"memory": None, "gib": None}
-    from .models.flux2_memory import config_memory_sentence
+    from .models.flux2_memory import UnknownSize, config_memory_sentence
 
-    sentence, estimate = config_memory_sentence(config)
+    try:
+        sentence, estimate = config_memory_sentence(config)
+    except UnknownSize as exc:
+        return {"memory": str(exc), "gib": None}
     return {"memory": sentence, "gib": round(estimate.total_gib, 2)}
 
 
@@ -86,7 +89,7 @@ def demo_assets(args: argparse.Namespace) -> dict[str, Any]:
     """Paths of the demo's tiny model and drawn dataset (built into the cache the first time)."""
     from .demo import demo_assets as build
 
-    model, data = build()
+    model, data = build(args.concept, args.family)
     return {"pretrained_model_name_or_path": str(model), "train_data_dir": str(data)}
 
 
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     m.set_defaults(handler=memory)
 
     d = commands.add_parser("demo-assets", help="Build (once) and print the demo model and dataset paths.")
+    d.add_argument("--family", default="sd1", help="Whose toy base: sd1 or flux2_klein.")
+    d.add_argument("--concept", default="colour", help="What the demo learns: colour or shape.")
     d.set_defaults(handler=demo_assets)
 
     args = parser.parse_args(argv)

@@ -32,12 +32,13 @@ from .atomic import write_text_atomic
 from .launch import LaunchError, checked_config, engine_env, spawn, write_run_config
 from .runs.jsonfiles import read_json
 from .runs.layout import RunPaths
-from .runs.reader import FINAL_STATES, find_runs, pid_alive
+from .runs.reader import FINAL_STATES, RunReader, find_runs, pid_alive
 
 FOLDER = ".queue"
 WAITING, RUNNING = "waiting", "running"
 DEFAULT_OUTPUT_DIRS = ("", ".", "lora_output", "./lora_output")  # "no folder chosen": the runs folder decides
 POLL_SECONDS = 2.0
+HELD_NOTE = "The queue is held, so nothing starts now; Run the queue (or `queue run`) continues it."
 
 
 class QueueError(RuntimeError):
@@ -86,9 +87,48 @@ def entry_config(runs_dir: Path | str, entry_id: int) -> Path:
 
 
 def read(runs_dir: Path | str) -> Queue:
-    data = read_json(folder(runs_dir) / "queue.json") or {}
-    entries = [Entry(**{k: v for k, v in e.items() if k in Entry.__dataclass_fields__}) for e in data.get("entries", [])]
-    return Queue(entries, bool(data.get("hold")), int(data.get("next_id") or 1 + max((e.id for e in entries), default=0)))
+    """The queue as queue.json holds it (empty when there is no file). Raises QueueError when the file is there but
+    is not a queue (truncated, emptied, garbage): answering "empty" would let the next change overwrite every
+    queued run, so the damaged file is kept as it is and the user is told what to do."""
+    path = folder(runs_dir) / "queue.json"
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return Queue()
+    except OSError as exc:
+        raise QueueError(f"{path} cannot be read ({exc.strerror}); fix its permissions, then try again.") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+        entries = [_entry(e) for e in data["entries"]]
+        next_id = int(data.get("next_id") or 0)
+        hold = data.get("hold", False)
+        if not isinstance(hold, bool) or len({e.id for e in entries}) != len(entries):
+            raise ValueError("hold is not true/false, or two entries share an id")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise QueueError(f"The queue file {path} is damaged, so nothing was changed; rename it (e.g. to "
+                         "queue.json.damaged) to start an empty queue, or repair it by hand; the queued configs "
+                         "stay in entries/ beside it.") from None
+    return Queue(entries, hold, max(next_id, 1 + max((e.id for e in entries), default=0)))
+
+
+def read_for_display(runs_dir: Path | str) -> tuple[Queue, str | None]:
+    """(the queue, None), or (an empty queue, the sentence saying queue.json is damaged) for a page that shows the
+    queue on every tick: it shows the sentence instead of an error on each refresh. Changes still go through
+    changing(), which refuses a damaged file."""
+    try:
+        return read(runs_dir), None
+    except QueueError as exc:
+        return Queue(), str(exc)
+
+
+def _entry(data: Any) -> Entry:
+    """One entry of queue.json; ValueError/TypeError/AttributeError when it is not one (no id, a wrong type)."""
+    fields = {k: v for k, v in data.items() if k in Entry.__dataclass_fields__}
+    entry = Entry(**fields)
+    if isinstance(entry.id, bool) or not isinstance(entry.id, int) or not isinstance(entry.name, str) \
+            or entry.state not in (WAITING, RUNNING, *FINAL_STATES):
+        raise ValueError(f"not an entry: {str(data)[:60]}")
+    return entry
 
 
 def _write(runs_dir: Path | str, queue: Queue) -> None:
@@ -273,12 +313,15 @@ def worker_alive(runs_dir: Path | str) -> bool:
 
 
 def start_worker(runs_dir: Path | str, engine_python: str = sys.executable, num_processes: int = 1) -> str:
-    """Run the queue in a background process of `engine_python` unless one runs already; says which."""
+    """Run the queue in a background process of `engine_python` unless one runs already or the queue is held (a
+    held queue starts only when the user says so: **Run the queue**, `queue run`); says which."""
     if worker_alive(runs_dir):
         return "The queue is running."
+    if read(runs_dir).hold:
+        return HELD_NOTE
     log = folder(runs_dir) / "worker.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    argv = [engine_python, "-m", "stabletune_core", "queue", "run", "--runs-dir", str(runs_dir),
+    argv = [engine_python, "-m", "stabletune_core", "queue", "run", "--keep-hold", "--runs-dir", str(runs_dir),
             "--num-processes", str(num_processes)]
     with open(log, "ab") as out:
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -304,7 +347,58 @@ def run_worker(runs_dir: Path | str, engine_python: str = sys.executable, num_pr
                 time.sleep(poll)  # another trainer (the UI's Start, an orphan of a dead worker) trains: wait
                 continue
             entry_id, process = started
-            _finish(runs_dir, entry_id, process.wait())
+            exit_code = _wait_or_stop(runs_dir, entry_id, process, say)
+            _finish(runs_dir, entry_id, exit_code)
+            if exit_code is None:
+                return 130
+
+
+def _wait_or_stop(runs_dir: Path, entry_id: int, process: subprocess.Popen, say: Any) -> int | None:
+    """The trainer's exit code; None when the worker was interrupted (Ctrl-C, SIGTERM). The trainer lives in a
+    session of its own, so an interrupt of the worker never reaches it: it is asked to stop as the UI's Stop asks
+    (it saves a checkpoint), the worker waits for it to end and holds the queue, so nothing starts behind the
+    user's back. A second interrupt passes on to the trainer as its own (its second one quits at once)."""
+    import signal
+    import threading
+
+    in_main = threading.current_thread() is threading.main_thread()  # only there can a handler be installed
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main else None
+    try:
+        try:
+            return process.wait()
+        except KeyboardInterrupt:
+            pass
+        set_hold(runs_dir, True)
+        with changing(runs_dir) as queue:
+            run = queue.get(entry_id).run
+        RunReader(Path(run or "")).send("stop")
+        say(f"queue: interrupted; asked #{entry_id} to stop (it saves a checkpoint first, resume it in the Train "
+            "tab) and held the queue (`queue run` continues it).")
+        while True:
+            try:
+                process.wait()
+                return None
+            except KeyboardInterrupt:
+                say(f"queue: passing the interrupt on to #{entry_id}'s trainer (a second one quits it at once).")
+                _signal_group(process.pid, signal.SIGINT)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    """`signum` to the trainer's process group (an accelerate launcher and its ranks alike)."""
+    try:
+        os.killpg(pid, signum)
+    except (OSError, AttributeError):  # gone already; or Windows, which has no process groups
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
 
 
 def _settle_orphans(runs_dir: Path) -> None:
@@ -387,6 +481,8 @@ def add_parser(commands: Any) -> None:
             action.add_argument("id", type=int, help="The entry's number (queue list).")
         if name == "move":
             action.add_argument("--to", type=int, required=True, help="Its new place among the waiting (1 = next).")
+        if name == "run":  # how start_worker starts it: a held queue stays held
+            action.add_argument("--keep-hold", action="store_true", help=argparse.SUPPRESS)
     for action in actions.choices.values():
         action.add_argument("--runs-dir", default="runs", help="The runs folder the queue lives in (default ./runs).")
         # dest: the launcher's process count, not a rank's (tests/test_architecture.py reserves num_processes)
@@ -419,7 +515,8 @@ def run_cli(args: argparse.Namespace) -> int:
             print("The queue starts nothing more after the running entry (`queue run` continues it).")
             return 0
         if args.queue_command == "run":
-            set_hold(runs_dir, False)
+            if not args.keep_hold:  # the user's own `queue run` continues a held queue; a background start does not
+                set_hold(runs_dir, False)
             return run_worker(runs_dir, sys.executable, args.processes)
         print(describe(read(runs_dir), worker_alive(runs_dir)))
         return 0

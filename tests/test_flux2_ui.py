@@ -45,7 +45,7 @@ def test_engine_memory_answer_is_for_klein_only(tmp_path_factory):
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     klein = ask({"pretrained_model_name_or_path": str(paths["folder"])})  # auto: detected from the folder
-    assert klein["memory"].startswith("Estimated GPU memory for FLUX.2 Klein 4B (assumed") and klein["gib"] > 0
+    assert klein["memory"].startswith("No GPU-memory estimate: folder is not a released") and klein["gib"] is None
     assert ask({"model_family": "sd1"}) == {"memory": None, "gib": None}
 
 
@@ -61,7 +61,9 @@ def test_family_picker_offers_klein_and_check_settings_shows_the_estimate(ui, tm
     raw = raw_form(ui, model_family="flux2_klein", pretrained_model_name_or_path=str(paths["folder"]),
                    train_data_dir=str(shapes_dataset), output_dir=str(out))
     message = model_tab._check(ui, *raw)[0]
-    assert "Settings are valid" in message and "🧮 Estimated GPU memory for FLUX.2 Klein" in message, message
+    # The tiny Klein is not a released size: no 4B-guess number (issue 37.7), a sentence saying why.
+    assert "Settings are valid" in message and "🧮 No GPU-memory estimate: folder is not a released FLUX.2 Klein" \
+        in message, message
     sd = raw_form(ui, model_family="sd1", pretrained_model_name_or_path=str(paths["folder"]),
                   train_data_dir=str(shapes_dataset), output_dir=str(out), weighting_scheme="cosmap")
     assert "belongs to FLUX.2 Klein (its flow-matching objective)" in model_tab._check(ui, *sd)[0]

@@ -1,15 +1,16 @@
 """Model & hyperparameters tab: base model source, presets, and every config field grouped by topic."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
 
 from .. import models, presets
-from ..compat import listen, make, update
+from ..compat import listen, make, unchanged, update
 from ..context import UIContext
 from ..form import field_of
-from ..validation import memory_estimate, validate
+from ..validation import is_klein_model, memory_estimate, validate
 from stabletune_core.launch import ask_engine
 
 TITLE = "Model & hyperparameters"
@@ -136,16 +137,37 @@ def _load(ctx: UIContext, name: str | None, *raw: Any) -> list[Any]:
     values = {**ctx.form.defaults(), **{k: current[k] for k in MACHINE_FIELDS if k in current}}
     values.update(presets.load_preset(presets.folder_of(ctx.settings.preset_folders, name), name, ctx.aliases()))
     message = f"Loaded preset **{name}**."
-    if name == presets.DEMO_PRESET:
-        answer = ask_engine(["demo-assets"], ctx.settings.engine_python)
+    if name in presets.DEMO_PRESETS:
+        family, concept = presets.DEMO_PRESETS[name]
+        answer = ask_engine(["demo-assets", "--family", family, "--concept", concept], ctx.settings.engine_python,
+                            timeout=1800)
         if "error" in answer:
             return [f"⚠ The demo model could not be built: {answer['error']}", *ctx.form.updates({})]
-        values.update(answer, output_dir=str(ctx.settings.runs_dir / "demo"))
-        message += " The tiny demo model and the drawn-shapes dataset are filled in: click **Start** in Train."
+        values.update(answer, output_dir=str(ctx.settings.runs_dir / name))
+        message += " The toy model and its dataset are filled in: click **Start** in Train."
+    elif family_changed(values, current):
+        values["pretrained_model_name_or_path"] = ""
+        message += (f" The base model was cleared: {Path(str(current['pretrained_model_name_or_path'])).name} is not "
+                    f"a {FAMILY_WORDS.get(values['model_family'], values['model_family'])} model, which this preset "
+                    "trains; choose one under Base model.")
     unknown = sorted(set(values) - set(ctx.form.names))
     if unknown:
         message += f" Not in this version's form (ignored): {', '.join(unknown)}."
     return [message, *ctx.form.updates({k: v for k, v in values.items() if k in ctx.form.components})]
+
+
+FAMILY_WORDS = {"flux2_klein": "FLUX.2 Klein", "sd1": "Stable Diffusion 1.x", "sd2": "Stable Diffusion 2.x",
+                "sdxl": "SDXL"}
+
+
+def family_changed(preset_values: dict[str, Any], current: dict[str, Any]) -> bool:
+    """The preset trains another family than the form's model is (Klein vs. a Stable Diffusion one), and names no
+    model of its own: the form's model would make a run that fails."""
+    family = preset_values.get("model_family") or "auto"
+    path = str(current.get("pretrained_model_name_or_path") or "").strip()
+    if family == "auto" or not path or preset_values.get("pretrained_model_name_or_path") != path:
+        return False
+    return is_klein_model(path) != (family == "flux2_klein")
 
 
 def _save(ctx: UIContext, name: str, *raw: Any) -> list[Any]:
@@ -189,28 +211,41 @@ def wire(ctx: UIContext) -> None:
     listen(p["model.check"].click, lambda *raw: _check(ctx, *raw), form.inputs,
            [p["model.problems"], *form.inputs, *accordions(ctx)])
     # "Try the demo" at the top of the page: the demo preset into the form, then the Train tab opens.
-    demo = listen(p["demo.try"].click, lambda *raw: _try_demo(ctx, *raw), form.inputs,
-                  [p["demo.message"], p["model.preset"], *form.inputs])
+    def try_demo(*raw: Any) -> Any:  # a generator function itself: Gradio streams only those (not a lambda's)
+        yield from _try_demo(ctx, *raw)
+
+    demo = listen(p["demo.try"].click, try_demo, form.inputs, [p["demo.message"], p["model.preset"], *form.inputs])
     listen(demo.then, None, None, None, js=OPEN_TRAIN_JS, _js=OPEN_TRAIN_JS)
 
 
-# Clicks the Train tab (a server-side Tabs update snaps Gradio 6 back to the first tab; see persist.TAB_JS).
+# Clicks the Train tab (a server-side Tabs update snaps Gradio 6 back to the first tab; see persist.TAB_JS). Gradio 6
+# also renders a hidden copy of each tab button (its overflow menu), which comes first and does nothing when
+# clicked: the tab button that is laid out is the one to click (Gradio 3.41 has only that one).
 OPEN_TRAIN_JS = """() => {
   const app = document.querySelector('gradio-app');
   const root = app && app.shadowRoot ? app.shadowRoot : document;
   const tabs = root.querySelector('#stabletune-tabs');
-  const train = tabs && [...tabs.querySelectorAll('button')].find(b => b.innerText.trim() === 'Train');
+  const named = tabs ? [...tabs.querySelectorAll('button')].filter(b => b.textContent.trim() === 'Train') : [];
+  const train = named.find(b => b.getClientRects().length > 0 && b.getAttribute('role') === 'tab')
+             || named.find(b => b.getClientRects().length > 0) || named[0];
   if (train) train.click();
   return [];
 }"""
+DEMO_BUILDING = ("⏳ **Building the demo** (the first time only, about a minute on a CPU): the toy model is written "
+                 "out, then it draws its own images of the colours it knows beside 12 drawn purple shapes for the "
+                 "dataset. The form fills in and the Train tab opens when it is done.")
 
 
-def _try_demo(ctx: UIContext, *raw: Any) -> list[Any]:
+def _try_demo(ctx: UIContext, *raw: Any) -> Any:
+    """The demo preset into the form; first a line saying what is being built (the first click builds the toy
+    model and its dataset, about a minute behind a bare spinner otherwise)."""
+    yield [DEMO_BUILDING, update(), *(unchanged() for _ in ctx.form.inputs)]
     message, *fields = _load(ctx, presets.DEMO_PRESET, *raw)
     if message.startswith("⚠"):
-        return [message, update(), *fields]
-    return ["✅ The demo is filled in (the toy model and its drawn shapes). Click **Start training** below; the "
-            "Monitor and Samples tabs show it learn purple.", update(value=presets.DEMO_PRESET), *fields]
+        yield [message, update(), *fields]
+        return
+    yield ["✅ The demo is filled in (the toy model and its drawn shapes). Click **Start training** below; the "
+           "Monitor and Samples tabs show it learn purple.", update(value=presets.DEMO_PRESET), *fields]
 
 
 def accordions(ctx: UIContext) -> list[Any]:

@@ -12,7 +12,7 @@ from ..context import UIContext
 from ..status import run_status
 
 TITLE = "Monitor"
-PLOTS = ("loss", "lr", "grad", "memory")
+PLOTS = ("loss", "lr", "grad", "memory", "val_noise")
 
 
 def _plot(ctx: UIContext, name: str) -> None:
@@ -26,7 +26,7 @@ def _plot(ctx: UIContext, name: str) -> None:
 def build(ctx: UIContext) -> None:
     ctx.parts["monitor.summary"] = make(gr.Markdown, value=plots.summary(plots.metrics_frame([])),
                                         elem_id="monitor-summary")
-    for pair in (("loss", "lr"), ("grad", "memory")):
+    for pair in (("loss", "lr"), ("grad", "memory"), ("val_noise",)):
         with gr.Row():
             for name in pair:
                 with make(gr.Column, min_width=320):
@@ -43,8 +43,7 @@ def wire(ctx: UIContext) -> None:
 
 
 def live_outputs(ctx: UIContext) -> list[Any]:
-    return [ctx.parts[k] for k in ("monitor.summary", "monitor.loss", "monitor.lr", "monitor.grad", "monitor.memory",
-                                   "monitor.events")]
+    return [ctx.parts[k] for k in ("monitor.summary", *(f"monitor.{name}" for name in PLOTS), "monitor.events")]
 
 
 def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
@@ -56,7 +55,7 @@ def refresh(ctx: UIContext, seen: dict[str, Any]) -> list[Any]:
     waiting = waiting_note(run_status(ctx.hub, run)[0], trained=bool(metrics)) if reader else ""
     key = (str(run), len(metrics), len(events), len(val), waiting)
     if seen.get("monitor") == key:  # nothing new: send nothing, the browser keeps its plots
-        return [unchanged()] * 6
+        return [unchanged()] * (len(PLOTS) + 2)
     frame = plots.with_val_loss(plots.metrics_frame(metrics), val)
     drawn = seen.setdefault("monitor.series", {})
     values, cleared = [], False

@@ -45,14 +45,14 @@ def build(ctx: UIContext) -> None:
 # ---- what the tab shows ----------------------------------------------------------------------------------------
 def table(ctx: UIContext) -> pd.DataFrame:
     rows = []
-    for e in runqueue.read(ctx.settings.runs_dir).entries:
+    for e in runqueue.read_for_display(ctx.settings.runs_dir)[0].entries:
         added = datetime.datetime.fromtimestamp(e.added_at).strftime("%H:%M:%S") if e.added_at else ""
         rows.append([e.id, e.name, e.state, ctx.run_label(Path(e.run)) if e.run else "", added, e.error or ""])
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def entry_choices(ctx: UIContext) -> list[str]:
-    return [f"#{e.id} {e.name}" for e in runqueue.read(ctx.settings.runs_dir).waiting()]
+    return [f"#{e.id} {e.name}" for e in runqueue.read_for_display(ctx.settings.runs_dir)[0].waiting()]
 
 
 def entry_id(choice: str | None) -> int | None:
@@ -63,7 +63,9 @@ def entry_id(choice: str | None) -> int | None:
 
 
 def status_text(ctx: UIContext) -> str:
-    queue = runqueue.read(ctx.settings.runs_dir)
+    queue, damaged = runqueue.read_for_display(ctx.settings.runs_dir)
+    if damaged:
+        return f"**Queue:** ⚠ {damaged}"
     waiting, running = len(queue.waiting()), queue.running()
     if not queue.entries:
         return "**Queue:** empty. **Add to queue** (Train tab) puts the form's run here; they train one after another."
@@ -88,6 +90,8 @@ def _enqueue(ctx: UIContext, *raw: Any) -> list[Any]:
             entry = add_entry(ctx, values)
         except LaunchError as exc:
             problems = exc.problems
+        except runqueue.QueueError as exc:
+            return [f"**Not queued:** ⚠ {exc}", *ctx.form.problem_updates([], notes), *group_marks(ctx, [])]
     if problems:
         return ["**Not queued:**\n\n" + "\n".join(f"- ⚠ {ctx.form.labelled(p)}" for p in problems),
                 *ctx.form.problem_updates(problems, notes), *group_marks(ctx, problems)]
@@ -129,8 +133,8 @@ def _move(ctx: UIContext, choice: str | None, by: int) -> list[Any]:
     chosen = entry_id(choice)
     if chosen is None:
         return ["Choose a waiting entry first.", unchanged()]
-    order = [e.id for e in runqueue.read(ctx.settings.runs_dir).waiting()]
     try:
+        order = [e.id for e in runqueue.read(ctx.settings.runs_dir).waiting()]
         place = order.index(chosen) + 1 + by
         runqueue.move(ctx.settings.runs_dir, chosen, max(1, place))
     except (ValueError, runqueue.QueueError) as exc:
@@ -151,14 +155,20 @@ def _remove(ctx: UIContext, choice: str | None) -> list[Any]:
 
 
 def _run(ctx: UIContext) -> str:
-    runqueue.set_hold(ctx.settings.runs_dir, False)
+    try:
+        runqueue.set_hold(ctx.settings.runs_dir, False)
+    except runqueue.QueueError as exc:
+        return f"⚠ {exc}"
     if not runqueue.read(ctx.settings.runs_dir).waiting():
         return "Nothing is waiting in the queue."
     return runqueue.start_worker(ctx.settings.runs_dir, ctx.settings.engine_python, ctx.settings.num_processes)
 
 
 def _hold(ctx: UIContext) -> str:
-    runqueue.set_hold(ctx.settings.runs_dir, True)
+    try:
+        runqueue.set_hold(ctx.settings.runs_dir, True)
+    except runqueue.QueueError as exc:
+        return f"⚠ {exc}"
     return "The queue starts nothing after the run that trains now; **Run the queue** continues it."
 
 
@@ -202,7 +212,7 @@ def announce_started(ctx: UIContext) -> None:
     """The host's hook for a run the queue started (a WebUI unloads its checkpoint and copies the LoRA when it
     ends), once per run: the worker is another process and cannot call into the WebUI."""
     hook = ctx.settings.before_start
-    running = runqueue.read(ctx.settings.runs_dir).running()
+    running = runqueue.read_for_display(ctx.settings.runs_dir)[0].running()
     if hook is None or running is None or not running.run or running.run in ctx.hub.announced:
         return
     ctx.hub.announced.add(running.run)

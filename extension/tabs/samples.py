@@ -38,6 +38,8 @@ def build(ctx: UIContext) -> None:
                                       scale=2, elem_id="samples-seeds")
             p["samples.render"] = make(gr.Button, value="Render grid", variant="primary", scale=1,
                                        elem_id="samples-render")
+            p["samples.cancel_grid"] = make(gr.Button, value="Cancel grid", variant="stop", scale=1,
+                                            elem_id="samples-cancel-grid")
         p["samples.grid_message"] = make(gr.Markdown, value="", elem_id="samples-grid-message")
         p["samples.grid_progress"] = make(gr.Markdown, value="", elem_id="samples-grid-progress")
         p["samples.grid_choice"] = make(gr.Dropdown, label="Grid", choices=[], value=None, elem_id="samples-grid-choice",
@@ -61,6 +63,11 @@ def _render(ctx: UIContext, label: str | None, checkpoints: list[str] | None, st
     return grids.start(ctx.settings.engine_python, run, list(checkpoints or []), strengths, seeds)
 
 
+def _cancel(ctx: UIContext, label: str | None) -> str:
+    run = ctx.followed(label)
+    return grids.cancel(run) if run is not None else "⚠ Attach a run first (Train tab or Runs)."
+
+
 def _choose_grid(ctx: UIContext, label: str | None, name: str | None) -> Any:
     run = ctx.followed(label)
     found = {g["name"]: g["png"] for g in grids.grids(run)} if run else {}
@@ -73,6 +80,8 @@ def wire(ctx: UIContext) -> None:
            [p["samples.view"], p["train.run"]], [p["samples.gallery"]])
     listen(p["samples.render"].click, lambda *args: _render(ctx, *args),
            [p["train.run"], p["samples.checkpoints"], p["samples.strengths"], p["samples.seeds"]],
+           [p["samples.grid_message"]])
+    listen(p["samples.cancel_grid"].click, lambda label: _cancel(ctx, label), [p["train.run"]],
            [p["samples.grid_message"]])
     listen(user_change(p["samples.grid_choice"]), lambda label, name: _choose_grid(ctx, label, name),
            [p["train.run"], p["samples.grid_choice"]], [p["samples.grid"]])
@@ -109,7 +118,7 @@ def _refresh_grids(seen: dict[str, Any], run: Path | None, reader: Any, choice: 
     checkpoints = grids.checkpoint_choices(reader) if reader else []
     made = grids.grids(run) if run else []
     finished = [g["name"] for g in made if g["png"]]
-    key = (str(run), checkpoints, [(g["name"], g["state"], g["done"]) for g in made])
+    key = (str(run), checkpoints, [(g["name"], g["state"], g["done"], g["doing"]) for g in made])
     if seen.get("grids") == key:
         return [unchanged()] * len(GRID_OUTPUTS)
     new_run = seen.get("grids", (None,))[0] != str(run)

@@ -69,6 +69,10 @@ class RunPaths:
         """Checkpoint comparison grids (stabletune_core/grid.py): NAME.png, its progress NAME.json, its NAME.log."""
         return self.root / "grids"
 
+    def grid_cancel(self, name: str) -> Path:
+        """RUN/grids/NAME.cancel: the UI's Cancel of grid NAME (the grid looks for it before each image)."""
+        return self.grids / f"{name}.cancel"
+
     @property
     def log(self) -> Path:
         """The engine's console output, as the UI's launcher writes it (it holds the file open for the run)."""

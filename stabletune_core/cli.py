@@ -241,7 +241,7 @@ def run_export(checkpoint: Path, name: str | None) -> int:
     import shutil
     import tempfile
 
-    from .runs.layout import RunPaths
+    from .runs.layout import RunPaths, step_lora_name
     from .train.checkpoint import CheckpointError, verify_checkpoint
 
     if name is not None and (not name or any(c in name for c in '/\\:*?"<>|') or name.startswith(".")):
@@ -266,8 +266,8 @@ def run_export(checkpoint: Path, name: str | None) -> int:
                                "validation_prompt": "", "perceptual_lambda": 0.0, "early_stopping": False})
         session = setup(config)
         resume(session)
-        name = name or f"{config.output_name}_step{session.state.step:06d}"
-        target = paths.output / f"{name}.safetensors"
+        name = name or step_lora_name(config.output_name, session.state.step)
+        target = paths.lora(name)
         if target.exists():
             raise ConfigError([f"{target} already exists; pass --name to write the LoRA under another name."])
         target.parent.mkdir(parents=True, exist_ok=True)

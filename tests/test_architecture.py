@@ -115,7 +115,7 @@ GUARD_MODULES = sorted((TRAIN / "guards").glob("*.py"))
 def test_guards_never_save_export_or_move_the_step_counter(path: Path):
     tree = ast.parse(path.read_text(encoding="utf-8"))
     imported = imports_of(path)
-    for forbidden in ("loop", "state", "lora_file", "checkpoint", "step", "setup", "session"):
+    for forbidden in ("loop", "state", "lora_output", "run_files", "checkpoint", "step", "setup", "session"):
         assert f"stabletune_core.train.{forbidden}" not in imported, f"{path.name} imports train/{forbidden}.py"
     for node in ast.walk(tree):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
@@ -663,7 +663,7 @@ def test_module_names_say_what_they_hold():
                        "schedule.py", "early_stopping.py"):
         assert misleading not in names, misleading
     assert {"memory_stats.py", "guards/out_of_memory.py", "observers/validation_loss.py", "validation_images.py",
-            "lora_file.py", "guards/plateau.py", "lr_schedule.py", "guards/early_stopping.py"} <= names
+            "lora_output.py", "guards/plateau.py", "lr_schedule.py", "guards/early_stopping.py"} <= names
     assert {p.stem for p in (TRAIN / "observers").glob("*.py")} == {"__init__", "base", "validation_loss",
                                                                    "diagnostics", "tensorboard", "judges",
                                                                    "sample_judge"}

@@ -214,7 +214,7 @@ def test_shareable_config_strips_every_path_knob_the_schema_marks(tmp_path):
     """Issue 22.4: the schema marks the path knobs; none of them reaches a shared LoRA with the trainer's absolute
     path (reg_data_dir leaked before: every LoRA trained with class images carried the reg folder's path)."""
     from stabletune_core.config import PATH_KNOBS, TrainConfig
-    from stabletune_core.train.lora_file import shareable_config
+    from stabletune_core.train.lora_output import shareable_config
 
     assert {"pretrained_model_name_or_path", "train_data_dir", "reg_data_dir", "model_config_dir", "output_dir",
             "resume_from_checkpoint"} <= set(PATH_KNOBS)

@@ -167,10 +167,11 @@ def run_train(config: TrainConfig) -> int:
 
 def _quit_now(config: TrainConfig, signum: int) -> None:
     """The second Ctrl-C / SIGTERM: record where the run is, then the process exits at once."""
+    from .runs.states import STOPPED
     from .runs.writer import record_outcome
     from .train.signals import signal_name
 
-    record_outcome(config.output_dir, "stopped", f"Stopped at once by a second {signal_name(signum)} without "
+    record_outcome(config.output_dir, STOPPED, f"Stopped at once by a second {signal_name(signum)} without "
                    "saving; continue from the last checkpoint with --resume auto.")
     print(f"error: stopped at once by a second {signal_name(signum)}; nothing was saved after the last "
           "checkpoint.", file=sys.stderr, flush=True)

@@ -46,7 +46,7 @@ def bundle_with_lora(family_name: str, targets: list[str], train_text_encoder: b
                      network_type: str = "lora") -> ModelBundle:
     parts = FAMILIES[family_name][0](seed=0)
     encoders = [parts["text_encoder"]] + ([parts["text_encoder_2"]] if "text_encoder_2" in parts else [])
-    bundle = ModelBundle(family=get_family(family_name), unet=parts["unet"], vae=parts["vae"], text_encoders=encoders,
+    bundle = ModelBundle(family=get_family(family_name), denoiser=parts["unet"], vae=parts["vae"], text_encoders=encoders,
                          tokenizers=[], noise_scheduler=parts["scheduler"], source="tiny")
     dora = network_type == "dora"  # a LoRA with use_dora
     add_lora(bundle, build_config(dict(unet_lora_targets=targets, train_text_encoder=train_text_encoder,

@@ -283,9 +283,9 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
                             step=state.step, old_lr=old, new_lr=new)
             case SwitchPrecision():
                 s.amp.switch_to(verdict.precision)
-                s.amp.recast_frozen([s.bundle.unet, *s.bundle.text_encoders], s.params)
+                s.amp.recast_frozen([s.bundle.denoiser, *s.bundle.text_encoders], s.params)
                 if s.preview is not None:  # its denoiser samples under the same autocast as the trained one
-                    s.amp.recast_frozen([s.preview.unet], preview_adapters(s.preview))
+                    s.amp.recast_frozen([s.preview.denoiser], preview_adapters(s.preview))
                 write_event(s, verdict.event)
             case ScaleWeights():
                 layers, factors = [s.lora_layers[i] for i in verdict.layers], list(verdict.factors)

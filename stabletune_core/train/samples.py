@@ -52,7 +52,7 @@ class Sampler:
 
     def sampling_bundle(self) -> ModelBundle:
         """The trained model, or the preview model carrying the adapter weights the trained one holds now."""
-        return self.bundle if self.preview is None else with_trained_adapters(self.preview, self.bundle.unet)
+        return self.bundle if self.preview is None else with_trained_adapters(self.preview, self.bundle.denoiser)
 
     def stop_waiting(self) -> bool:
         """A stop asked for (Ctrl-C, SIGTERM, the UI) that the loop has not acted on yet. Main process only: asked
@@ -148,7 +148,7 @@ def make_deferred(sampler: Sampler, deferred: DeferredSampling, count: int | Non
     only = deferred.next_images(count)
     if deferred.weights is None:
         with adapters_off((sampler.trained[k] for k in sampler.trained)), \
-                adapters_off(() if sampler.preview is None else (sampler.preview.unet,)):
+                adapters_off(() if sampler.preview is None else (sampler.preview.denoiser,)):
             deferred.made += sampler.render(deferred.folder, only)
     else:
         current = adapter_state(sampler.trained, sampler.ranks, sampler.pivotal)

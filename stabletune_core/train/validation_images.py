@@ -49,15 +49,15 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
     pipe = bundle.family.make_pipeline(bundle, scheduler)
     pipe.set_progress_bar_config(disable=True)
     size = resolution or config.resolution
-    training = [m.training for m in (bundle.unet, *bundle.text_encoders)]
-    for module in (bundle.unet, *bundle.text_encoders):
+    training = [m.training for m in (bundle.denoiser, *bundle.text_encoders)]
+    for module in (bundle.denoiser, *bundle.text_encoders):
         module.eval()  # LoRA dropout off while sampling
     folder.mkdir(parents=True, exist_ok=True)
     try:
         with on_device((bundle.vae, *bundle.text_encoders), device):  # they may wait on the CPU (placement.py)
             paths = _render(pipe, bundle, prompts, config, folder, size, extra, autocast, only, should_stop)
     finally:
-        for module, was_training in zip((bundle.unet, *bundle.text_encoders), training):
+        for module, was_training in zip((bundle.denoiser, *bundle.text_encoders), training):
             module.train(was_training)
         del pipe
         gc.collect()

@@ -7,12 +7,12 @@ from pathlib import Path
 
 from ...runs import events
 from ..guards.verdicts import Event
-from .judges import SAMPLE_JUDGES
+from ...config.judges import SAMPLE_JUDGES
 from .base import NOTHING, Observation, Observer, ObserverView
 
 
 def make_judge(name: str) -> Observer | None:
-    """The observer registered as `name` in judges.SAMPLE_JUDGES, imported only when a run asks for it."""
+    """The observer registered as `name` in config/judges.py's SAMPLE_JUDGES, imported only when a run asks for it."""
     target = SAMPLE_JUDGES[name]
     if target is None:
         return None

@@ -43,7 +43,7 @@ def test_step0_images_a_stopped_run_owed_are_made_after_its_resume(tiny_config, 
                       **SAMPLING))
     said = [e["message"] for e in RunReader(stopped).events() if e["kind"] == "samples"]
     assert said[0] == "Made 0 of 2 validation images at step 0; a stop ended the sampling."
-    assert said[1].startswith("The step-0 validation images were not all made before the run stopped (0 of 2)")
+    assert said[1].startswith("The step-0 validation images are missing (0 of 2 made before the resume); making")
     assert said[2] == "Made 2 validation images at step 0."
 
     straight = tmp_path / "straight"

@@ -128,13 +128,13 @@ def owed_base_images(sampler: Sampler, step: int) -> DeferredSampling | None:
     if len(made) == len(expected) and sample_prompts(folder).is_file():
         return None
     if sampler.pivotal is not None:  # the new tokens' step-0 vectors are not kept: the base images cannot be made
-        sampler.run.event(events.SAMPLES, f"The step-0 validation images were not all made before the run stopped "
-                          f"({len(made)} of {len(expected)}); with pivotal tuning they cannot be made after a resume "
-                          "(the new tokens' first vectors are not kept).", step=step, console=True)
+        sampler.run.event(events.SAMPLES, f"The step-0 validation images are missing ({len(made)} of {len(expected)} "
+                          "made before the resume); with pivotal tuning they cannot be made after a resume (the new "
+                          "tokens' first vectors are not kept).", step=step, console=True)
         return None
-    sampler.run.event(events.SAMPLES, f"The step-0 validation images were not all made before the run stopped "
-                      f"({len(made)} of {len(expected)}); making the rest from the base model between the coming "
-                      "steps.", step=step, console=True)
+    sampler.run.event(events.SAMPLES, f"The step-0 validation images are missing ({len(made)} of {len(expected)} "
+                      "made before the resume); making the rest from the base model between the coming steps.",
+                      step=step, console=True)
     return DeferredSampling(0, folder, None, len(expected), every=spread(config, step, sampler.max_steps),
                             made=made)
 

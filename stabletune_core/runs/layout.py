@@ -56,6 +56,11 @@ def sample_image_place(stem: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
+def run_of_sampling(folder: Path) -> Path:
+    """The run folder a sampling folder (RUN/samples/step_NNNNNN) belongs to."""
+    return Path(folder).parent.parent
+
+
 def sample_prompts(folder: Path) -> Path:
     """A sampling folder's prompts.json."""
     return Path(folder) / SAMPLE_PROMPTS_FILE

@@ -40,7 +40,8 @@ from .preview import preview_adapters
 from .rollback import restore_snapshot, take_snapshot
 from .run_files import RunFiles, export as export_lora, export_best as export_best_checkpoint, last_good_sentence
 from .run_files import resume as run_files_resume, write_checkpoint
-from .samples import Sampler, Sampling, announce, defer, make_deferred, make_samples, owed_base_images
+from .samples import (Sampler, Sampling, announce, defer, make_deferred, make_samples, owed_base_images,
+                      sampling_due)
 from .session import Session, SessionView
 from .setup import setup
 from .state import restore_adapter, restore_rng, rng_state
@@ -154,12 +155,6 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     for observation in ended:
         record(s, observation)
     return path
-
-
-def sampling_due(step: int, every: int, max_steps: int) -> bool:
-    """Validation images every `every` steps, and at the end of a run shorter than one interval: its last step
-    is then the only image of the LoRA (issue 37.8)."""
-    return step % every == 0 or (step == max_steps and max_steps < every)
 
 
 # ---- one step -----------------------------------------------------------------------------------------

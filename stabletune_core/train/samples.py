@@ -78,6 +78,12 @@ class Sampling:
         return len(self.paths) >= self.due
 
 
+def sampling_due(step: int, every: int, max_steps: int) -> bool:
+    """Validation images every `every` steps, and at the end of a run shorter than one interval: its last step
+    is then the only image of the LoRA (issue 37.8)."""
+    return step % every == 0 or (step == max_steps and max_steps < every)
+
+
 def make_samples(sampler: Sampler, step: int, *, then: str) -> Sampling:
     """The validation images of `step` with the weights as they are now (EMA ones with validation_with_ema); a
     stop asked for meanwhile ends it at the next image. The status says `then` afterwards."""

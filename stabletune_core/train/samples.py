@@ -153,8 +153,8 @@ def make_deferred(sampler: Sampler, deferred: DeferredSampling, count: int | Non
     sampler.run.status(SAMPLING, step=step, max_steps=sampler.max_steps, sampling_step=deferred.step)
     only = deferred.next_images(count)
     if deferred.weights is None:
-        with adapters_off((sampler.trained[k] for k in sampler.trained)), \
-                adapters_off(() if sampler.preview is None else (sampler.preview.denoiser,)):
+        preview = () if sampler.preview is None else (sampler.preview.denoiser,)  # it carries the trained adapters
+        with adapters_off((*sampler.trained.values(), *preview)):
             deferred.made += sampler.render(deferred.folder, only)
     else:
         current = adapter_state(sampler.trained, sampler.ranks, sampler.pivotal)

@@ -3,20 +3,19 @@ from __future__ import annotations
 
 import html
 import json
-import re
 from pathlib import Path
 from typing import Callable
 
 from stabletune_core.runs import events as kinds
+from stabletune_core.runs.layout import sample_image_place, sample_prompts
 from stabletune_core.runs.reader import RunReader
 
 ALL = "All prompts, one row per step"
-_NAME = re.compile(r"^p(\d+)_s(-?\d+)$")
 
 
 def _prompts(step_folder: Path) -> list[str]:
     try:
-        return list(json.loads((step_folder / "prompts.json").read_text(encoding="utf-8")).get("prompts", []))
+        return list(json.loads(sample_prompts(step_folder).read_text(encoding="utf-8")).get("prompts", []))
     except (OSError, ValueError):
         return []
 
@@ -24,11 +23,11 @@ def _prompts(step_folder: Path) -> list[str]:
 def describe(image: Path) -> tuple[str, str]:
     """(key, label) of a sample image: key 'p00_s42' is the same prompt and seed at every step."""
     key = image.stem
-    match = _NAME.match(key)
-    if not match:
+    place = sample_image_place(key)
+    if place is None:
         return key, key
     prompts = _prompts(image.parent)
-    index, seed = int(match.group(1)), match.group(2)
+    index, seed = place
     prompt = prompts[index] if index < len(prompts) else f"prompt {index + 1}"
     return key, f"{prompt} · seed {seed}"
 

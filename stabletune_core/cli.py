@@ -201,10 +201,11 @@ def _host_limits(config: TrainConfig) -> list[str]:
 
 def _quit_now(config: TrainConfig, signum: int) -> None:
     """The second Ctrl-C / SIGTERM: record where the run is, then the process exits at once."""
+    from .runs.states import STOPPED
     from .runs.writer import record_outcome
     from .train.signals import signal_name
 
-    record_outcome(config.output_dir, "stopped", f"Stopped at once by a second {signal_name(signum)} without "
+    record_outcome(config.output_dir, STOPPED, f"Stopped at once by a second {signal_name(signum)} without "
                    "saving; continue from the last checkpoint with --resume auto.")
     print(f"error: stopped at once by a second {signal_name(signum)}; nothing was saved after the last "
           "checkpoint.", file=sys.stderr, flush=True)
@@ -275,7 +276,7 @@ def run_export(checkpoint: Path, name: str | None) -> int:
     import shutil
     import tempfile
 
-    from .runs.layout import RunPaths
+    from .runs.layout import RunPaths, step_lora_name
     from .train.checkpoint import CheckpointError, verify_checkpoint
 
     if name is not None and (not name or any(c in name for c in '/\\:*?"<>|') or name.startswith(".")):
@@ -302,8 +303,8 @@ def run_export(checkpoint: Path, name: str | None) -> int:
                                "validation_prompt": "", "perceptual_lambda": 0.0, "early_stopping": False})
         session = setup(config)
         resume(session)
-        name = name or f"{config.output_name}_step{session.state.step:06d}"
-        target = paths.output / f"{name}.safetensors"
+        name = name or step_lora_name(config.output_name, session.state.step)
+        target = paths.lora(name)
         if target.exists():
             raise ConfigError([f"{target} already exists; pass --name to write the LoRA under another name."])
         target.parent.mkdir(parents=True, exist_ok=True)

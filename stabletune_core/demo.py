@@ -18,6 +18,7 @@ from PIL import Image, ImageDraw
 from .atomic import atomic_path
 from .cache import cache_root
 from .config import TOY_DEMO_RATES, ConfigError, TrainConfig, build_config, read_toml
+from .runs.layout import RunPaths, sample_image_name, sample_prompts, step_of
 
 PRESETS = Path(__file__).resolve().parent.parent / "presets"
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 40)}
@@ -202,12 +203,12 @@ def make_gallery(run_dir: Path, target: Path | None = None, *, scale: int = 2) -
 
     from PIL import ImageFont
 
-    steps = sorted(p for p in (Path(run_dir) / "samples").glob("step_*") if (p / "prompts.json").is_file())
+    steps = RunPaths(run_dir).sample_folders()
     if not steps:
         return None
-    meta = json.loads((steps[0] / "prompts.json").read_text())
+    meta = json.loads(sample_prompts(steps[0]).read_text())
     rows = [(p, prompt, seed) for p, prompt in enumerate(meta["prompts"]) for seed in meta["seeds"]]
-    with Image.open(steps[0] / f"p00_s{meta['seeds'][0]}.png") as first:
+    with Image.open(steps[0] / sample_image_name(0, meta["seeds"][0])) as first:
         cell = first.width * scale
     label_w, head_h, pad = 150, 18, 4
     from .toy.judge import learning_summary
@@ -219,20 +220,20 @@ def make_gallery(run_dir: Path, target: Path | None = None, *, scale: int = 2) -
     draw = ImageDraw.Draw(sheet)
     font = ImageFont.load_default()
     for c, folder in enumerate(steps):
-        draw.text((label_w + c * (cell + pad) + 4, 3), f"step {int(folder.name[5:])}", fill="black", font=font)
+        draw.text((label_w + c * (cell + pad) + 4, 3), f"step {step_of(folder)}", fill="black", font=font)
     for r, (p, prompt, seed) in enumerate(rows):
         y = head_h + r * (cell + pad)
         draw.text((4, y + cell // 2 - 12), prompt, fill="black", font=font)
         draw.text((4, y + cell // 2 + 2), f"seed {seed}", fill="gray", font=font)
         for c, folder in enumerate(steps):
-            path = folder / f"p{p:02d}_s{seed}.png"
+            path = folder / sample_image_name(p, seed)
             if path.is_file():
                 with Image.open(path) as image:
                     sheet.paste(image.convert("RGB").resize((cell, cell), Image.NEAREST),
                                 (label_w + c * (cell + pad), y))
     for i, text in enumerate(summary):  # the judge's measures, in degrees, under the images they measure
         draw.text((4, head_h + len(rows) * (cell + pad) + 2 + 12 * i), text, fill="black", font=font)
-    target = target or Path(run_dir) / "gallery.png"
+    target = target or RunPaths(run_dir).gallery
     sheet.save(target)
     return target
 

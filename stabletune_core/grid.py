@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 from .atomic import atomic_path, write_text_atomic
 from .config import ConfigError, TrainConfig
-from .runs.layout import RunPaths
+from .runs.layout import RunPaths, checkpoint_adapter, step_of
 
 DEFAULT_STRENGTHS = (0.0, 0.5, 0.75, 1.0)
 MIN_CELL = 128  # px: smaller images (the toy model's 64 px) are enlarged, pixel for pixel, to be seen
@@ -50,7 +50,7 @@ def checkpoint_folders(run: Path, chosen: list[str] | None) -> list[Path]:
     if not folders:
         raise GridError([f"{run} has no checkpoint yet; a grid compares checkpoints (they are saved every save_steps "
                          "and when a run stops)."])
-    by_step = {int(f.name.split("_")[1]): f for f in folders}
+    by_step = {step_of(f): f for f in folders}
     picked: list[Path] = []
     for name in chosen or ["last"]:
         name = str(name).strip()
@@ -59,12 +59,12 @@ def checkpoint_folders(run: Path, chosen: list[str] | None) -> list[Path]:
         elif name == "last":
             picked.append(folders[-1])
         else:
-            step = int(name.removeprefix("step_")) if name.removeprefix("step_").isdigit() else None
+            step = int(name) if name.isdigit() else step_of(name)
             if step not in by_step:
                 raise GridError([f"{run.name} has no checkpoint {name}; it has "
                                  f"{', '.join(f.name for f in folders)}."])
             picked.append(by_step[step])
-    picked = sorted(set(picked), key=lambda f: int(f.name.split("_")[1]))
+    picked = sorted(set(picked), key=step_of)
     for folder in picked:
         try:
             verify_checkpoint(folder)
@@ -122,10 +122,8 @@ def read_adapter(checkpoint: Path) -> dict[str, dict[str, Any]]:
     once: a running training may prune an old checkpoint while the grid renders."""
     from safetensors.torch import load_file
 
-    from .train.checkpoint import ADAPTER
-
     by_prefix: dict[str, dict[str, Any]] = {}
-    for key, value in load_file(checkpoint / ADAPTER).items():
+    for key, value in load_file(checkpoint_adapter(checkpoint)).items():
         prefix, name = key.split(".", 1)
         by_prefix.setdefault(prefix, {})[name] = value
     return by_prefix

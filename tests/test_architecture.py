@@ -115,7 +115,7 @@ GUARD_MODULES = sorted((TRAIN / "guards").glob("*.py"))
 def test_guards_never_save_export_or_move_the_step_counter(path: Path):
     tree = ast.parse(path.read_text(encoding="utf-8"))
     imported = imports_of(path)
-    for forbidden in ("loop", "state", "lora_file", "checkpoint", "step", "setup", "session"):
+    for forbidden in ("loop", "state", "lora_output", "run_files", "checkpoint", "step", "setup", "session"):
         assert f"stabletune_core.train.{forbidden}" not in imported, f"{path.name} imports train/{forbidden}.py"
     for node in ast.walk(tree):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
@@ -583,7 +583,7 @@ def test_config_is_cut_by_job_and_imports_no_torch():
     folder = CORE / "config"
     assert not (CORE / "config.py").exists()
     assert {p.stem for p in folder.glob("*.py")} == {"__init__", "schema", "files", "world", "flags", "resolve",
-                                                     "families", "tokens"}
+                                                     "families", "tokens", "judges", "network_rates", "hosts"}
     code = ("import sys; from stabletune_core.config import TrainConfig, build_config, ConfigError, check_inputs, "
             "add_config_arguments, resolve, PATH_KNOBS; from stabletune_core.config.families import "
             "family_problems; assert 'torch' not in sys.modules")
@@ -693,7 +693,132 @@ def test_module_names_say_what_they_hold():
                        "schedule.py", "early_stopping.py"):
         assert misleading not in names, misleading
     assert {"memory_stats.py", "guards/out_of_memory.py", "observers/validation_loss.py", "validation_images.py",
-            "lora_file.py", "guards/plateau.py", "lr_schedule.py", "guards/early_stopping.py"} <= names
+            "lora_output.py", "guards/plateau.py", "lr_schedule.py", "guards/early_stopping.py"} <= names
     assert {p.stem for p in (TRAIN / "observers").glob("*.py")} == {"__init__", "base", "validation_loss",
-                                                                   "diagnostics", "tensorboard", "judges",
+                                                                   "diagnostics", "tensorboard", "perceptual_report",
                                                                    "sample_judge"}
+
+
+# ---- issue 38.3: the run folder in one place ----------------------------------------------------------------------
+#: Names under RUN/ beyond RUN_FILE_NAMES: sampling folders and their files, checkpoint files, the demo's gallery.
+RUN_FOLDER_NAMES = ("prompts.json", "manifest.json", "adapter.safetensors", "state.pt", "gallery.png",
+                    "image_losses.jsonl", "step_*", "step_")
+#: f-strings that build a run-folder name: step_NNNNNN, p00_s42.png, the LoRA variants, checkpoint temporaries.
+RUN_FOLDER_PATTERNS = (r"step_\{", r"_s\{[^}]*\}\.png", r"\}(-ema|_best|_diffusers|_embeddings)\b", r"\}_step\{",
+                       r"\.(tmp|old)_\{")
+RUN_FOLDERS = ("samples", "checkpoints", "output", "diagnostics", "grids", "tensorboard", "cache")
+#: Same words, other folders: the shipped toy bases' own manifest.json, torch hub's checkpoints/.
+NOT_THE_RUN = {("stabletune_core/toy/__init__.py", "manifest.json"), ("stabletune_core/toy/klein.py", "manifest.json"),
+               ("stabletune_core/toy/build.py", "manifest.json"), ("stabletune_core/train/perceptual.py", "checkpoints")}
+
+
+def test_every_run_folder_name_comes_from_runs_layout():
+    import re
+
+    spelled = []
+    for path in [*CORE.rglob("*.py"), *(CORE.parent / "extension").rglob("*.py")]:
+        if path == CORE / "runs" / "layout.py":
+            continue
+        where = str(path.relative_to(CORE.parent))
+        for line, text in string_constants(path):
+            if any(text == name for name in RUN_FOLDER_NAMES) and (where, text) not in NOT_THE_RUN:
+                spelled.append(f"{where}:{line} {text!r}")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.JoinedStr) and any(re.search(p, ast.unparse(node)) for p in RUN_FOLDER_PATTERNS):
+                spelled.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Constant) \
+                    and node.right.value in RUN_FOLDERS and (where, node.right.value) not in NOT_THE_RUN:
+                spelled.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    assert not spelled, spelled
+
+
+def test_run_folder_names_round_trip_through_run_paths(tmp_path):
+    from stabletune_core.runs.layout import RunPaths, sample_image_place, step_of
+
+    paths = RunPaths(tmp_path)
+    for step in (0, 7, 123456):
+        assert step_of(paths.checkpoint(step)) == step and step_of(paths.sample_dir(step)) == step
+    assert sample_image_place(paths.sample_image(3, 1, 42).stem) == (1, 42)
+    for step in (10, 2, 300):
+        paths.checkpoint(step).mkdir(parents=True)
+    (paths.checkpoints / "step_notanumber").mkdir()
+    assert [step_of(p) for p in paths.checkpoint_folders()] == [2, 10, 300]  # by step, other names left out
+
+
+def test_status_states_and_control_commands_come_from_one_registry(tmp_path, capsys):
+    """The writer refuses a state and the reader a command outside runs/states.py; a command the UI never sends is
+    ignored with a console line (it used to be dropped without a word); FINAL_STATES is defined once."""
+    from stabletune_core.runs.reader import RunReader
+    from stabletune_core.runs.states import CONTROL_COMMANDS, FINAL_STATES, STATES
+    from stabletune_core.runs.writer import RunWriter, record_outcome
+
+    writer = RunWriter(tmp_path / "run")
+    with pytest.raises(ValueError, match="not a run state"):
+        writer.status("traning")
+    with pytest.raises(ValueError, match="not a run state"):
+        record_outcome(tmp_path / "run", "crashed", "no")
+    with pytest.raises(ValueError, match="not a control command"):
+        RunReader(tmp_path / "run").send("halt")
+    writer.paths.control.write_text('{"command": "halt"}')
+    assert writer.take_control() is None and "Ignored control.json" in capsys.readouterr().err
+    for command in CONTROL_COMMANDS:
+        RunReader(tmp_path / "run").send(command)
+        assert writer.take_control()["command"] == command
+    assert set(FINAL_STATES) <= set(STATES)
+    assigned = [f"{path.relative_to(CORE)}" for path in CORE.rglob("*.py")
+                for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                if isinstance(node, ast.Assign) and any(ast.unparse(t) == "FINAL_STATES" for t in node.targets)]
+    assert assigned == ["runs/states.py"]
+
+
+def test_the_per_image_loss_record_belongs_to_the_run_folder_not_a_tool():
+    assert defined("loss_record") == ["runs/image_losses.py"]
+    assert not any(m.startswith("stabletune_core.tools") for m in imports_of(TRAIN / "loop.py"))
+
+
+# ---- issue 38.4: layers point down ------------------------------------------------------------------------------
+LOWER_LAYERS = ("config", "runs", "data", "models", "lora")
+HIGHER_LAYERS = ("train", "tools", "toy", "grid", "cli")
+
+
+def test_lower_layers_import_nothing_from_the_higher_ones():
+    """config, runs, data, models and lora never import train, tools, toy, grid or cli: not at the top, not inside
+    a function, not for annotations only."""
+    upward = []
+    for layer in LOWER_LAYERS:
+        for path in sorted((CORE / layer).rglob("*.py")):
+            for name in imports_of(path, type_only=True):
+                if name.split(".")[1] in HIGHER_LAYERS:
+                    upward.append(f"{path.relative_to(CORE)} -> {name}")
+    assert not upward, upward
+
+
+def test_leftovers_merged_and_names_say_what_a_thing_is():
+    import dataclasses
+
+    from stabletune_core.models.base import ModelBundle
+
+    assert defined("sha256") == []  # toy/build.py's second file hash: digest.sha256_file is the one
+    assert not (TRAIN / "lora_file.py").exists() and (TRAIN / "lora_output.py").exists()  # tools/lora_file.py reads
+    assert "denoiser" in {f.name for f in dataclasses.fields(ModelBundle)}
+    assert not any("PerceptualReport" in n for n in dir(__import__("stabletune_core.train.perceptual",
+                                                                   fromlist=["*"])))
+
+
+def test_the_thread_line_calls_kleins_transformer_a_transformer(monkeypatch):
+    """37.8: a FLUX.2 Klein run's console line said "a UNet of 0.1 M parameters"."""
+    from diffusers import Flux2Transformer2DModel
+
+    from stabletune_core.models.tiny import build_tiny_components
+    from stabletune_core.models.tiny_flux2 import TRANSFORMER_CONFIG
+    from stabletune_core.train.threads import set_cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        _, klein = set_cpu_threads(Flux2Transformer2DModel(**TRANSFORMER_CONFIG))
+        _, sd = set_cpu_threads(build_tiny_components()["unet"])
+    finally:
+        torch.set_num_threads(before)
+    assert "a transformer of" in klein and "UNet" not in klein
+    assert "a UNet of" in sd

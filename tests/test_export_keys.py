@@ -46,7 +46,7 @@ def bundle_with_lora(family_name: str, targets: list[str], train_text_encoder: b
                      network_type: str = "lora") -> ModelBundle:
     parts = FAMILIES[family_name][0](seed=0)
     encoders = [parts["text_encoder"]] + ([parts["text_encoder_2"]] if "text_encoder_2" in parts else [])
-    bundle = ModelBundle(family=get_family(family_name), unet=parts["unet"], vae=parts["vae"], text_encoders=encoders,
+    bundle = ModelBundle(family=get_family(family_name), denoiser=parts["unet"], vae=parts["vae"], text_encoders=encoders,
                          tokenizers=[], noise_scheduler=parts["scheduler"], source="tiny")
     dora = network_type == "dora"  # a LoRA with use_dora
     add_lora(bundle, build_config(dict(unet_lora_targets=targets, train_text_encoder=train_text_encoder,
@@ -214,7 +214,7 @@ def test_shareable_config_strips_every_path_knob_the_schema_marks(tmp_path):
     """Issue 22.4: the schema marks the path knobs; none of them reaches a shared LoRA with the trainer's absolute
     path (reg_data_dir leaked before: every LoRA trained with class images carried the reg folder's path)."""
     from stabletune_core.config import PATH_KNOBS, TrainConfig
-    from stabletune_core.train.lora_file import shareable_config
+    from stabletune_core.train.lora_output import shareable_config
 
     assert {"pretrained_model_name_or_path", "train_data_dir", "reg_data_dir", "model_config_dir", "output_dir",
             "resume_from_checkpoint"} <= set(PATH_KNOBS)

@@ -144,7 +144,7 @@ def test_training_changes_the_model_and_exports_kohya_names(trained, bundle):
 def _outputs(pipe_or_bundle_unet, encoders, tokenizers, family, bundle):
     from stabletune_core.models.base import ModelBundle
 
-    view = ModelBundle(family=family, unet=pipe_or_bundle_unet, vae=bundle.vae, text_encoders=encoders,
+    view = ModelBundle(family=family, denoiser=pipe_or_bundle_unet, vae=bundle.vae, text_encoders=encoders,
                        tokenizers=tokenizers, noise_scheduler=bundle.noise_scheduler, source="")
     with torch.no_grad():
         text = family.encode_text(view, PROMPTS)

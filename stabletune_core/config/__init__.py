@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from .files import TrainConfig, alias_table, build_config, read_toml, resolve_aliases
 from .flags import add_config_arguments, config_from_args
+from .network_rates import TOY_DEMO_RATES
 from .resolve import resolve
-from .schema import (AUTO_SPLIT_MIN_IMAGES, AUTO_VALIDATION_SPLIT, GROUPS, PATH_KNOBS, SCHEDULERS, TOY_DEMO_RATES,
-                     ConfigError, TrainConfigSchema, knob)
+from .schema import (AUTO_SPLIT_MIN_IMAGES, AUTO_VALIDATION_SPLIT, GROUPS, PATH_KNOBS, SCHEDULERS, ConfigError,
+                     TrainConfigSchema, knob)
 from .world import (PICKLE_SUFFIXES, check_inputs, output_inside_dataset, output_inside_reg_dir,
                     safetensors_problem)
 

@@ -14,9 +14,10 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..train.observers.judges import SAMPLE_JUDGES
 from .hosts import run_host_limits
 from .families import FAMILY_CHOICES, SD_LORA_TARGETS, WEIGHTING_SCHEMES, family_problems
+from .judges import SAMPLE_JUDGES
+from .network_rates import TOY_DEMO_RATES
 from .tokens import multi_vector_clash
 
 # Where a field lands in the UI and how its flags look.
@@ -41,14 +42,6 @@ def knob(default: Any, doc: str, group: str, *, aliases: tuple[str, ...] = (), u
 #: The held-out split used when validation_split is left empty (overfitting needs unseen images to show).
 AUTO_VALIDATION_SPLIT = 0.1
 AUTO_SPLIT_MIN_IMAGES = 8
-#: (learning_rate, text_encoder_lr) per adapter kind with which the toy demo (demo.py) learns its concept in 400
-#: steps. LoHa and LoKr move the weights less per step at the same rate (a Hadamard or Kronecker product of small
-#: factors). Measured, purple 0 % -> at the end, base colours kept in every run: LoRA 1e-3: 100 %; LoHa 1e-3:
-#: 33 %, 4e-3: 100 %; LoKr 1e-3: 0 %, 4e-3: 50 %, 1e-2: 100 % (nearest-colour judge). LoRA's text-encoder rate is
-#: 3e-3 since issue 21.4: at 5e-4 the kept colours next to purple drifted twice as far, and on the v3 base
-#: with snr_gamma 5 green drifts 2.2 deg at 3e-3 vs 3.4 at 2e-3 (presets/demo.toml).
-TOY_DEMO_RATES = {"lora": (1e-3, 3e-3), "loha": (4e-3, 2e-3), "lokr": (1e-2, 5e-3)}
-
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial", "plateau")
 
 
@@ -350,7 +343,7 @@ class TrainConfigSchema(BaseModel):
         path=True)
     validation_with_ema: bool = knob(True, "With ema_decay above 0: validation images show the EMA weights "
                                      "(off: the weights as trained).", "validation")
-    sample_judge: Literal[tuple(SAMPLE_JUDGES)] = knob(  # type: ignore[valid-type]  (train/observers/judges.py)
+    sample_judge: Literal[tuple(SAMPLE_JUDGES)] = knob(  # type: ignore[valid-type]  (config/judges.py)
         "none", "Measure every set of validation images with a built-in judge. 'toy_colors' (toy-world prompts such "
         "as 'a purple circle'): the concept colour's hue error in degrees against the run's training images, each "
         "known colour's drift in degrees against the base model's step-0 image, shapes right in percent; the run "

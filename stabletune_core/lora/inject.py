@@ -21,10 +21,10 @@ def add_lora(bundle: ModelBundle, config: TrainConfig) -> None:
     """
     targets = list(config.unet_lora_targets)
     resolve = getattr(bundle.family, "lora_target_modules", None)  # a family whose suffixes also name containers
-    problems = unmatched_targets(bundle.unet, [t for t in targets if resolve is None or not resolve(bundle.unet, [t])],
+    problems = unmatched_targets(bundle.denoiser, [t for t in targets if resolve is None or not resolve(bundle.denoiser, [t])],
                                  "unet_lora_targets", getattr(bundle.family, "denoiser_name", "UNet"))
     if resolve is not None:
-        targets = resolve(bundle.unet, targets)
+        targets = resolve(bundle.denoiser, targets)
     if config.train_text_encoder and not bundle.family.text_encoder_lora_targets:
         problems.append(f"train_text_encoder: the {bundle.family.display_name} text encoder stays frozen (LoRAs "
                         "adapt its transformer only); turn train_text_encoder off.")
@@ -34,12 +34,12 @@ def add_lora(bundle: ModelBundle, config: TrainConfig) -> None:
                                           "text_encoder_lora_targets", f"text encoder {i + 1}")
     if problems:
         raise ConfigError(problems)
-    bundle.unet.requires_grad_(False)
+    bundle.denoiser.requires_grad_(False)
     bundle.vae.requires_grad_(False)
     for encoder in bundle.text_encoders:
         encoder.requires_grad_(False)
-    bundle.unet.add_adapter(adapter_config(config, targets))
-    adapted = [bundle.unet]
+    bundle.denoiser.add_adapter(adapter_config(config, targets))
+    adapted = [bundle.denoiser]
     if config.train_text_encoder:
         # peft's own injection makes the same modules as PreTrainedModel.add_adapter and does not depend on
         # transformers' peft version gate (5.24+ refuses peft < 0.22 there; requirements.txt pins 5.23).

@@ -7,8 +7,9 @@ weight becomes ``magnitude x (W + delta W) / ||W + delta W||`` (lora/dora.py say
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -91,3 +92,21 @@ def run_lora_layers(trained: dict[str, torch.nn.Module], unwrap_model=lambda m: 
     for prefix, model in trained.items():
         for layer in iter_lora_layers(unwrap_model(model)):
             yield f"{prefix}.{layer.path}", layer
+
+
+@contextmanager
+def adapters_off(models: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Inside, every peft adapter layer of `models` passes its base layer's output through unchanged (peft's own
+    disable flag): the base model's images. No weight and no requires_grad is touched, so afterwards the adapters are
+    bitwise and exactly as trainable as before."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for model in models for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, disabled in zip(layers, before):
+            layer._disable_adapters = disabled

@@ -45,7 +45,7 @@ class ModelBundle:
     """Everything a family loads. Modules are on CPU in fp32 until the loop places them."""
 
     family: "ModelFamily"
-    unet: Any  # diffusers.UNet2DConditionModel
+    denoiser: Any  # what predicts from noisy latents: SD's UNet2DConditionModel, FLUX.2 Klein's transformer
     vae: Any  # diffusers.AutoencoderKL
     text_encoders: list[Any]  # transformers CLIPTextModel / CLIPTextModelWithProjection
     tokenizers: list[Any]  # transformers CLIPTokenizer
@@ -63,9 +63,10 @@ class ModelBundle:
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
     @property
-    def denoiser(self) -> Any:
-        """The network that predicts from noisy latents (the UNet of SD 1.x/2.x/XL)."""
-        return self.unet
+    def unet(self) -> Any:
+        """The denoiser under SD's name for it, for the modules not moved to `denoiser` yet (tools/, grid.py, setup.py,
+        tests): on FLUX.2 Klein this is a transformer, not a UNet."""
+        return self.denoiser
 
 
 class Objective(Protocol):

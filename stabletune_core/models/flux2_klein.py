@@ -2,7 +2,7 @@
 
 What differs from the SD families, all of it behind the family face:
 
-* denoiser: ``Flux2Transformer2DModel`` (kept in ``bundle.unet``, the bundle's denoiser slot) over packed latent
+* denoiser: ``Flux2Transformer2DModel`` (``bundle.denoiser``) over packed latent
   tokens, with 4-D position ids for text and image tokens; Klein has no guidance embedding.
 * objective: rectified flow (models/flow_matching.py): x_t = (1 - sigma) x0 + sigma eps, target eps - x0.
 * text: Qwen3 (4B for Klein 4B, 8B for 9B). A prompt is wrapped in Qwen3's chat template (user turn, assistant turn
@@ -351,7 +351,7 @@ class Flux2Klein:
         for m in (parts["transformer"], parts["vae"], parts["text_encoder"]):
             m.requires_grad_(False)
             m.eval()
-        bundle = ModelBundle(family=self, unet=parts["transformer"], vae=parts["vae"],
+        bundle = ModelBundle(family=self, denoiser=parts["transformer"], vae=parts["vae"],
                              text_encoders=[parts["text_encoder"]], tokenizers=[parts["tokenizer"]],
                              noise_scheduler=parts["scheduler"], source=str(source),
                              extra={"source_kind": kind, "distillation": parts["distillation"],
@@ -541,7 +541,7 @@ class Flux2Klein:
 
     def describe(self, bundle: ModelBundle) -> None:
         """Set the variant and the version strings from the loaded transformer's width."""
-        config = bundle.unet.config
+        config = bundle.denoiser.config
         width = config["num_attention_heads"] * config["attention_head_dim"]
         self.variant = "9b" if width == 4096 else "4b"
         self.base_model_version = f"flux2_klein_{self.variant}"
@@ -574,7 +574,7 @@ class Flux2Klein:
 
         embeds = text["prompt_embeds"]
         extra = {"txt_ids": Flux2KleinPipeline._prepare_text_ids(embeds).to(embeds.device)}
-        if bundle.unet.config["guidance_embeds"]:
+        if bundle.denoiser.config["guidance_embeds"]:
             extra["guidance"] = torch.full((embeds.shape[0],), TRAINING_GUIDANCE, device=embeds.device)
         return Conditioning(encoder_hidden_states=embeds, added_cond_kwargs=extra)
 
@@ -633,7 +633,7 @@ class Flux2Klein:
 
         return Flux2KleinPipeline(scheduler=scheduler if scheduler is not None else bundle.noise_scheduler,
                                   vae=bundle.vae, text_encoder=bundle.text_encoders[0],
-                                  tokenizer=bundle.tokenizers[0], transformer=bundle.unet,
+                                  tokenizer=bundle.tokenizers[0], transformer=bundle.denoiser,
                                   is_distilled=bundle.extra["distillation"].verdict == "distilled")
 
     def validation_sampler(self, bundle: ModelBundle, options: Any) -> tuple[Any, dict[str, Any]]:
@@ -677,7 +677,7 @@ class Flux2Klein:
         kind = {"distilled": "the step-distilled model", "base": "the base model"}.get(
             distillation.verdict, "base or distilled: not known")
         name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)
-        config = bundle.unet.config
+        config = bundle.denoiser.config
         width = config["num_attention_heads"] * config["attention_head_dim"]
         what = VARIANT_NAMES[self.variant] if width in RELEASED_WIDTHS else \
             f"a FLUX.2 Klein-layout transformer of width {width}, not a released size,"

@@ -110,7 +110,7 @@ class SD1:
             m.eval()
         return ModelBundle(
             family=self,
-            unet=parts["unet"],
+            denoiser=parts["unet"],
             vae=parts["vae"],
             text_encoders=text_encoders,
             tokenizers=[parts[name] for name in self.tokenizer_parts],
@@ -211,7 +211,7 @@ class SD1:
             vae=bundle.vae,
             text_encoder=bundle.text_encoders[0],
             tokenizer=bundle.tokenizers[0],
-            unet=bundle.unet,
+            unet=bundle.denoiser,
             scheduler=scheduler if scheduler is not None else bundle.noise_scheduler,
             safety_checker=None,
             feature_extractor=None,

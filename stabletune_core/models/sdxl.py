@@ -87,7 +87,7 @@ class SDXL(SD1):
         return {"prompt_embeds": torch.cat(hidden, dim=-1), "pooled_prompt_embeds": pooled}
 
     def default_size(self, bundle: ModelBundle) -> tuple[int, int]:
-        side = int(bundle.unet.config.sample_size) * bundle.vae_scale_factor
+        side = int(bundle.denoiser.config.sample_size) * bundle.vae_scale_factor
         return side, side
 
     def time_ids(self, bundle: ModelBundle, sizes: Sizes | None, n: int) -> torch.Tensor:
@@ -114,7 +114,7 @@ class SDXL(SD1):
         te1, te2 = bundle.text_encoders
         tok1, tok2 = bundle.tokenizers
         return StableDiffusionXLPipeline(
-            vae=bundle.vae, text_encoder=te1, text_encoder_2=te2, tokenizer=tok1, tokenizer_2=tok2, unet=bundle.unet,
+            vae=bundle.vae, text_encoder=te1, text_encoder_2=te2, tokenizer=tok1, tokenizer_2=tok2, unet=bundle.denoiser,
             scheduler=scheduler if scheduler is not None else bundle.noise_scheduler,
             force_zeros_for_empty_prompt=True, add_watermarker=False)
 

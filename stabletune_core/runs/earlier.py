@@ -7,7 +7,7 @@ from .layout import RunPaths
 
 def earlier_run(paths: RunPaths, config: TrainConfig) -> str:
     """What in the run folder shows that an earlier run trained there ("" when nothing does)."""
-    if paths.checkpoints.is_dir() and any(paths.checkpoints.glob("step_*")):
+    if paths.checkpoint_folders():
         return "checkpoints"
     if paths.output.is_dir() and any(paths.output.iterdir()):
         return f"{paths.output.name}/{sorted(p.name for p in paths.output.iterdir())[0]}"

@@ -2,6 +2,7 @@
 are in events.py), never spell paths themselves."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,7 +10,111 @@ SPECTRA_FILE = "spectra.jsonl"  # RUN/diagnostics/: LoRA singular-value spectra 
 ACTIVATIONS_FILE = "activations.jsonl"  # LoRA output statistics on a fixed probe
 VAL_LOSS_FILE = "val_loss.jsonl"  # validation loss and its noise bands
 WARNINGS_FILE = "warnings.jsonl"  # diagnostics warnings
-IMAGE_LOSSES_FILE = "image_losses.jsonl"  # per-image losses of each step (the doctor's ranking, tools/image_losses.py)
+IMAGE_LOSSES_FILE = "image_losses.jsonl"  # per-image losses of each step (the doctor's ranking, runs/image_losses.py)
+
+# RUN/samples/step_NNNNNN/ and RUN/checkpoints/step_NNNNNN/: one folder per step, named alike.
+STEP_FOLDER_PATTERN = "step_*"
+_STEP_FOLDER = re.compile(r"step_(\d+)")
+SAMPLE_PROMPTS_FILE = "prompts.json"  # in a sampling folder: {"prompts": [...], "seeds": [...]} of its images
+# In a checkpoint folder (train/checkpoint.py): the adapter weights, the rest of the state, the sha256 of each.
+CHECKPOINT_ADAPTER = "adapter.safetensors"
+CHECKPOINT_STATE = "state.pt"
+CHECKPOINT_MANIFEST = "manifest.json"
+LORA_SUFFIX = ".safetensors"
+_SAMPLE_IMAGE = re.compile(r"p(\d+)_s(-?\d+)")
+_TEMPORARY_KINDS = ("tmp", "old")
+_TEMPORARY = re.compile(r"\.(\w+?)_step_\d+_(\d+)")
+
+
+def step_folder_name(step: int) -> str:
+    """step_NNNNNN: a sampling's or a checkpoint's folder name."""
+    return f"step_{step:06d}"
+
+
+def step_of(folder: Path | str) -> int | None:
+    """The step a step_NNNNNN folder (or name) is of; None for any other name."""
+    match = _STEP_FOLDER.fullmatch(Path(folder).name)
+    return int(match.group(1)) if match else None
+
+
+def step_folders(parent: Path) -> list[Path]:
+    """The step_NNNNNN folders in `parent`, oldest step first (none when `parent` is missing)."""
+    if not Path(parent).is_dir():
+        return []
+    return sorted((p for p in Path(parent).glob(STEP_FOLDER_PATTERN) if p.is_dir() and step_of(p) is not None),
+                  key=lambda p: step_of(p))
+
+
+def sample_image_name(prompt_index: int, seed: int) -> str:
+    """A validation image's file name: the prompt's place in validation_prompt and the seed (p00_s42.png)."""
+    return f"p{prompt_index:02d}_s{seed}.png"
+
+
+def sample_image_place(stem: str) -> tuple[int, int] | None:
+    """(prompt index, seed) of a validation image's file stem (p00_s42), None for any other name."""
+    match = _SAMPLE_IMAGE.fullmatch(stem)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def run_of_sampling(folder: Path) -> Path:
+    """The run folder a sampling folder (RUN/samples/step_NNNNNN) belongs to."""
+    return Path(folder).parent.parent
+
+
+def sample_prompts(folder: Path) -> Path:
+    """A sampling folder's prompts.json."""
+    return Path(folder) / SAMPLE_PROMPTS_FILE
+
+
+def checkpoint_manifest(folder: Path) -> Path:
+    return Path(folder) / CHECKPOINT_MANIFEST
+
+
+def checkpoint_adapter(folder: Path) -> Path:
+    return Path(folder) / CHECKPOINT_ADAPTER
+
+
+def checkpoint_state(folder: Path) -> Path:
+    return Path(folder) / CHECKPOINT_STATE
+
+
+def checkpoint_temporary(folder: Path, kind: str, pid: int) -> Path:
+    """Where a checkpoint is written before its rename (kind "tmp") or an older one at the same step waits to be
+    deleted ("old"): .KIND_step_NNNNNN_PID beside it, so a dead process's leftovers can be told from a live one's."""
+    if kind not in _TEMPORARY_KINDS:
+        raise ValueError(f"{kind!r} is not a checkpoint temporary kind ({', '.join(_TEMPORARY_KINDS)}).")
+    return Path(folder).parent / f".{kind}_{Path(folder).name}_{pid}"
+
+
+def checkpoint_temporaries(parent: Path) -> list[tuple[Path, int]]:
+    """The checkpoint temporaries in `parent` with the process id that wrote each."""
+    found = []
+    for path in Path(parent).glob(".*_step_*") if Path(parent).is_dir() else []:
+        match = _TEMPORARY.fullmatch(path.name)
+        if match and match.group(1) in _TEMPORARY_KINDS:
+            found.append((path, int(match.group(2))))
+    return found
+
+
+def ema_name(name: str) -> str:
+    """The LoRA of the moving average beside NAME (ema_decay): NAME-ema."""
+    return f"{name}-ema"
+
+
+def best_name(name: str) -> str:
+    """The best checkpoint's LoRA (early stopping): NAME_best."""
+    return f"{name}_best"
+
+
+def step_lora_name(name: str, step: int) -> str:
+    """A LoRA of one step: NAME_stepNNNNNN (`export` of a checkpoint)."""
+    return f"{name}_step{step:06d}"
+
+
+def set_aside_name(name: str, step: int | None) -> str:
+    """A LoRA of an earlier part of the run, moved aside so it cannot pass for the current one: NAME_stepNNNNNN
+    (NAME_earlier when its step is unknown)."""
+    return step_lora_name(name, step) if step is not None else f"{name}_earlier"
 
 
 @dataclass(frozen=True)
@@ -74,6 +179,11 @@ class RunPaths:
         return self.grids / f"{name}.cancel"
 
     @property
+    def gallery(self) -> Path:
+        """The demo's one-picture summary of the validation images (demo.py make_gallery)."""
+        return self.root / "gallery.png"
+
+    @property
     def log(self) -> Path:
         """The engine's console output, as the UI's launcher writes it (it holds the file open for the run)."""
         return self.root / "train.log"
@@ -111,10 +221,39 @@ class RunPaths:
                 self.checkpoints, self.output, self.cache, self.tensorboard, self.grids, self.traceback)
 
     def checkpoint(self, step: int) -> Path:
-        return self.checkpoints / f"step_{step:06d}"
+        return self.checkpoints / step_folder_name(step)
 
     def sample_dir(self, step: int) -> Path:
-        return self.samples / f"step_{step:06d}"
+        return self.samples / step_folder_name(step)
+
+    def sample_image(self, step: int, prompt_index: int, seed: int) -> Path:
+        return self.sample_dir(step) / sample_image_name(prompt_index, seed)
+
+    def checkpoint_folders(self) -> list[Path]:
+        """RUN/checkpoints/step_NNNNNN folders, finished or not, oldest first."""
+        return step_folders(self.checkpoints)
+
+    def sample_folders(self) -> list[Path]:
+        """RUN/samples/step_NNNNNN folders whose sampling wrote its prompts.json, oldest first."""
+        return [p for p in step_folders(self.samples) if sample_prompts(p).is_file()]
+
+    def lora(self, name: str) -> Path:
+        """RUN/output/NAME.safetensors: a LoRA this run exports (NAME: output_name, or its ema_name / best_name)."""
+        return self.output / f"{name}{LORA_SUFFIX}"
+
+    def diffusers_lora(self, name: str) -> Path:
+        """RUN/output/NAME_diffusers/: the same LoRA in diffusers' layout (export_diffusers_format)."""
+        return self.output / f"{name}_diffusers"
+
+    def embeddings(self, name: str) -> Path:
+        """RUN/output/NAME_embeddings/: pivotal tuning's new tokens, one embedding file each."""
+        return self.output / f"{name}_embeddings"
+
+    def loras(self) -> list[Path]:
+        """Every LoRA file in RUN/output, oldest first."""
+        if not self.output.is_dir():
+            return []
+        return sorted(self.output.glob(f"*{LORA_SUFFIX}"), key=lambda p: p.stat().st_mtime)
 
     def aside(self, stamp: str) -> Path:
         """Where --overwrite_output_dir moves an earlier run: RUN/previous-<stamp>."""

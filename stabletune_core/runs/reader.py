@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from .jsonfiles import read_json, read_jsonl, write_json_atomic
-from .layout import RunPaths
+from .layout import RunPaths, checkpoint_manifest, step_folders, step_of
+from .states import FINAL_STATES, FINISHED, STOPPED, FAILED, UNKNOWN, check_command
 
-FINAL_STATES = ("finished", "stopped", "failed")
 ENDED_EARLY = "the trainer process ended before its first checkpoint"
 # The last line of a Python traceback: "package.module.SomeError: what went wrong".
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Stop|Interrupt)): (.+)$")
@@ -76,16 +76,16 @@ class RunReader:
         the engine's own last error, else why it cannot be trusted to be resumable. A finished or stopped
         run carries no error (an old one, e.g. a recovered disk-full, may linger in status.json).
         """
-        status = read_json(self.paths.status) or {"state": "unknown"}
+        status = read_json(self.paths.status) or {"state": UNKNOWN}
         state = status.get("state")
         alive = pid_alive(status.get("pid")) and status.get("host", os.uname().nodename) == os.uname().nodename
         status["alive"] = alive and state not in FINAL_STATES
-        status["stale"] = state not in FINAL_STATES + ("unknown",) and not alive
-        if state in ("finished", "stopped"):
+        status["stale"] = state not in FINAL_STATES + (UNKNOWN,) and not alive
+        if state in (FINISHED, STOPPED):
             status.pop("error", None)
         elif status["stale"]:
-            status.update(state="failed", reported_state=state, error=self.ended_reason(status.get("error")))
-        elif state == "failed" and not status.get("error"):
+            status.update(state=FAILED, reported_state=state, error=self.ended_reason(status.get("error")))
+        elif state == FAILED and not status.get("error"):
             status["error"] = self.ended_reason(None)
         return status
 
@@ -98,7 +98,7 @@ class RunReader:
         checkpoints = self.checkpoints()
         if checkpoints:
             return (f"the trainer process ended unexpectedly (killed or crashed); Resume continues from the "
-                    f"checkpoint at step {int(checkpoints[-1].name.split('_')[1])}")
+                    f"checkpoint at step {step_of(checkpoints[-1])}")
         return ENDED_EARLY
 
     def metrics(self) -> list[dict[str, Any]]:
@@ -114,35 +114,32 @@ class RunReader:
 
     def sample_steps(self) -> list[tuple[int, list[Path]]]:
         """Validation images per step, oldest first; file names keep prompt and seed order."""
-        if not self.paths.samples.is_dir():
-            return []
         steps = []
-        for folder in sorted(self.paths.samples.glob("step_*")):
+        for folder in step_folders(self.paths.samples):
             images = sorted(folder.glob("*.png"))
             if images:
-                steps.append((int(folder.name.split("_")[1]), images))
+                steps.append((step_of(folder), images))
         return steps
 
     def checkpoints(self) -> list[Path]:
-        if not self.paths.checkpoints.is_dir():
-            return []
-        return sorted(p for p in self.paths.checkpoints.glob("step_*") if (p / "manifest.json").exists())
+        """Finished checkpoint folders (their manifest written), oldest first."""
+        return [p for p in self.paths.checkpoint_folders() if checkpoint_manifest(p).exists()]
 
     def loras(self) -> list[Path]:
-        if not self.paths.output.is_dir():
-            return []
-        return sorted(self.paths.output.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+        return self.paths.loras()
 
     def diagnostics(self, name: str) -> list[dict[str, Any]]:
         return read_jsonl(self.paths.diagnostics / name)[0]
 
     def summary(self) -> RunSummary:
         status = self.status()
-        return RunSummary(self.paths.root, status.get("state", "unknown"), int(status.get("step") or 0),
+        return RunSummary(self.paths.root, status.get("state", UNKNOWN), int(status.get("step") or 0),
                           status.get("max_steps"), bool(status.get("alive")), status.get("updated_at"))
 
     def send(self, command: str, **args: Any) -> None:
-        """Ask the engine to stop, save, sample, pause or resume; it picks this up between steps."""
+        """Ask the engine to stop, save, sample, pause or resume (runs/states.py's CONTROL_COMMANDS); it picks this
+        up between steps."""
+        check_command(command)
         write_json_atomic(self.paths.control, {"command": command, "time": time.time(), **args})
 
 
@@ -166,7 +163,7 @@ def find_runs(parent: Path | str) -> list[RunSummary]:
         if paths.status.exists():
             runs.append(RunReader(folder).summary())
         elif paths.config.exists():
-            runs.append(RunSummary(folder, "unknown", 0, None, False, paths.config.stat().st_mtime))
+            runs.append(RunSummary(folder, UNKNOWN, 0, None, False, paths.config.stat().st_mtime))
     return sorted(runs, key=lambda r: r.updated_at or 0, reverse=True)
 
 

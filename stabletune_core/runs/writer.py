@@ -11,13 +11,11 @@ from typing import Any
 from .events import CONTROL_IGNORED, EVENT_KINDS
 from .jsonfiles import append_jsonl, read_json, write_json_atomic
 from .layout import RunPaths
+from .states import CONTROL_COMMANDS, FAILED, FINAL_STATES, STOP, check_state
 
 
 #: What status.json says about a failure; it belongs to the state it was written with.
 FAILURE_FIELDS = ("error", "reported_state")
-#: States a run ends in: written durably (fsync). The heartbeat of a live run is rewritten every step and only
-#: needs to be atomic; a reader already treats a stale or unreadable one as a run that died.
-FINAL_STATES = ("finished", "stopped", "failed")
 
 
 def next_status(previous: dict[str, Any], state: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -25,7 +23,7 @@ def next_status(previous: dict[str, Any], state: str, fields: dict[str, Any]) ->
     failure fields first, so an error the run got past (a full disk that freed up) does not stay in a
     finished run's status; fields given with the new state are kept."""
     status = dict(previous)
-    if state != "failed" and state != previous.get("state"):
+    if state != FAILED and state != previous.get("state"):
         for key in FAILURE_FIELDS:
             status.pop(key, None)
     status.update(fields)
@@ -47,8 +45,10 @@ class RunWriter:
                 folder.mkdir(parents=True, exist_ok=True)
 
     def status(self, state: str, **fields: Any) -> None:
-        """The heartbeat: state is one of starting, loading, caching, training, paused, sampling, saving,
-        finished, stopped, failed."""
+        """The heartbeat: `state` is one of runs/states.py's STATES. A run's final state (FINAL_STATES) is written
+        durably (fsync); the heartbeat of a live run is rewritten every step and only needs to be atomic: a reader
+        already treats a stale or unreadable one as a run that died."""
+        check_state(state)
         if not self.enabled:
             return
         self._status = next_status(self._status, state, fields)
@@ -89,10 +89,11 @@ class RunWriter:
             command = read_json(self.paths.control)
         except ValueError:
             return False
-        return isinstance(command, dict) and command.get("command") == "stop"
+        return isinstance(command, dict) and command.get("command") == STOP
 
     def take_control(self) -> dict[str, Any] | None:
-        """Commands the UI left in control.json (stop, save, sample, pause, resume); each is consumed once."""
+        """The command the UI left in control.json (one of runs/states.py's CONTROL_COMMANDS), consumed once;
+        anything else is ignored with a console line."""
         if not self.enabled or not self.paths.control.exists():
             return None
         try:
@@ -103,9 +104,9 @@ class RunWriter:
             self.paths.control.unlink()
         except FileNotFoundError:
             pass
-        if command is not None and not (isinstance(command, dict) and isinstance(command.get("command"), str)):
+        if command is not None and not (isinstance(command, dict) and command.get("command") in CONTROL_COMMANDS):
             self.event(CONTROL_IGNORED, f"Ignored control.json: {str(command)[:60]!r} is not a command (the UI writes "
-                       "{\"command\": \"stop\"} and the like).", console=True)  # it was an internal error mid-run
+                       f"{{\"command\": \"stop\"}} and the like: {', '.join(CONTROL_COMMANDS)}).", console=True)
             return None
         return command
 
@@ -115,6 +116,7 @@ def record_outcome(root: Path | str, state: str, sentence: str | None = None, **
     there before (step, max_steps). Used where no RunWriter exists or the failure may have come from it, so
     it never raises: a full disk or a missing folder leaves status.json as it was and returns False."""
     paths = RunPaths(Path(root))
+    check_state(state)
     try:
         if not paths.root.is_dir():
             return False

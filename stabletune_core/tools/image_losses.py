@@ -1,7 +1,7 @@
 """Per-image losses of a run, and the ranking that points at the images the model cannot fit.
 
 The training loop appends one line per optimizer step to `RUN/diagnostics/image_losses.jsonl` (line-atomic,
-`runs.jsonfiles.append_jsonl`), built by `loss_record`:
+`runs.jsonfiles.append_jsonl`), built by `runs.image_losses.loss_record`:
 
     {"step": 120, "paths": ["/data/10_cat/a.png", ...], "losses": [0.081, ...], "timesteps": [523, ...],
      "reg": [false, ...]}
@@ -25,8 +25,9 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Iterable
 
+from ..runs.image_losses import loss_record  # noqa: F401  (the record's format lives with the run folder)
 from ..runs.layout import RunPaths
 
 FLAG_RATIO = 1.5
@@ -35,19 +36,6 @@ BINS = 10
 
 def image_losses_path(run_dir: Path | str) -> Path:
     return RunPaths(Path(run_dir)).image_losses
-
-
-def loss_record(step: int, paths: Sequence[Any], losses: Sequence[float], timesteps: Sequence[float],
-                reg: Sequence[bool] | None = None) -> dict[str, Any]:
-    """The line the loop appends for one optimizer step (all its micro-batches' samples, in order)."""
-    if not len(paths) == len(losses) == len(timesteps):
-        raise ValueError(f"{len(paths)} paths, {len(losses)} losses and {len(timesteps)} timesteps: one each per "
-                         "sample.")
-    record: dict[str, Any] = {"step": int(step), "paths": [str(p) for p in paths],
-                              "losses": [float(v) for v in losses], "timesteps": [float(t) for t in timesteps]}
-    if reg is not None:
-        record["reg"] = [bool(r) for r in reg]
-    return record
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ rebuild can be compared with what is in the repository.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -24,6 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..digest import sha256_file
 from . import weights_dir
 from .world import ALL_COLORS, ALL_SHAPES, BASE_COLORS, IMAGE_SIZE, SHAPES, Scene, base_scenes, draw_scene
 
@@ -196,10 +196,6 @@ def train_unet(unet, scheduler, latents: tuple[torch.Tensor, torch.Tensor], scal
     return ema, float(np.mean(losses[-200:]))
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_steps: int = 300,
           unet_steps: int = 3200, unet_batch: int = 64, scenes_per_combo: int = 256, log: Callable[[str], None] = print) -> dict:
     """Train the toy base and write its shipped files and manifest into `out`."""
@@ -270,7 +266,7 @@ def write_manifest(out: Path, recipe: dict, report: dict, shipped: tuple[str, ..
         **recipe, "scores": report, "torch": torch.__version__, "build_seconds": round(time.time() - started),
         # CPU seconds of the build process: what the build costs on an idle core, whatever else shared it
         "build_cpu_seconds": round(time.process_time() - cpu_started),
-        "files": {name: sha256(out / name) for name in (*shipped, "configs.json")},
+        "files": {name: sha256_file(out / name) for name in (*shipped, "configs.json")},
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     log(json.dumps(manifest, indent=1))

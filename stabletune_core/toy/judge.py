@@ -21,7 +21,7 @@ from typing import Any
 
 from PIL import Image
 
-from ..runs.layout import RunPaths
+from ..runs.layout import RunPaths, sample_image_name, sample_prompts
 from .score import SHAPE_PROTOTYPES, caption_parts, hue_distance, judge, reference_hue
 from .world import BASE_COLORS, SHAPES
 
@@ -33,15 +33,15 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 def sample_folders(run_dir: Path) -> list[Path]:
     """The run's sampling folders (RUN/samples/step_NNNNNN with a prompts.json), oldest first."""
-    return sorted(p for p in RunPaths(Path(run_dir)).samples.glob("step_*") if (p / "prompts.json").is_file())
+    return RunPaths(Path(run_dir)).sample_folders()
 
 
 def _sample_images(folder: Path) -> dict[tuple[str, int], Path]:
-    meta = json.loads((Path(folder) / "prompts.json").read_text(encoding="utf-8"))
+    meta = json.loads(sample_prompts(folder).read_text(encoding="utf-8"))
     images = {}
     for p, prompt in enumerate(meta["prompts"]):
         for seed in meta["seeds"]:
-            path = Path(folder) / f"p{p:02d}_s{seed}.png"
+            path = Path(folder) / sample_image_name(p, seed)
             if path.is_file():
                 images[(prompt, seed)] = path
     return images

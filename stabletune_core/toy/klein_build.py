@@ -75,7 +75,7 @@ def bundle_of(parts: dict):
     from ..models.flux2_klein import Distillation, Flux2Klein, use_klein_chat_template
 
     use_klein_chat_template(parts["tokenizer"])
-    return ModelBundle(family=Flux2Klein(), unet=parts["transformer"], vae=parts["vae"],
+    return ModelBundle(family=Flux2Klein(), denoiser=parts["transformer"], vae=parts["vae"],
                        text_encoders=[parts["text_encoder"]], tokenizers=[parts["tokenizer"]],
                        noise_scheduler=parts["scheduler"], source="toy-klein",
                        extra={"distillation": Distillation("base", "the toy build trains the base"),
@@ -121,7 +121,7 @@ def train_transformer(bundle, latents: torch.Tensor, cond: torch.Tensor, labels:
     """Flow-matching training of the transformer on normalised latents, with CFG_DROPOUT empty captions; returns
     the transformer's EMA copy and the final mean loss. `cond` holds one row per caption, the empty one last;
     `objective_options` are the TrainConfig knobs of the family's objective (weighting_scheme, ...)."""
-    transformer = bundle.unet
+    transformer = bundle.denoiser
     objective = bundle.family.objective(bundle, objective_options)
     generator = torch.Generator().manual_seed(BUILD_SEED + 21)
     ema = copy.deepcopy(transformer).requires_grad_(False)

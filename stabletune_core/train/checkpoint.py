@@ -20,11 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from ..atomic import fsync_dir, fsync_file, replace, user_permissions
 from ..digest import sha256_file
+from ..runs.layout import (checkpoint_adapter, checkpoint_manifest, checkpoint_state, checkpoint_temporaries,
+                           checkpoint_temporary, step_folders, step_of)
 from ..runs.reader import pid_alive
-
-MANIFEST = "manifest.json"
-ADAPTER = "adapter.safetensors"
-STATE = "state.pt"
 
 
 class CheckpointError(RuntimeError):
@@ -66,27 +64,27 @@ def save_checkpoint(folder: Path, step: int, adapter: dict[str, torch.Tensor], s
                                 "is kept.")
         error.reason = f"{free / 2**20:.1f} MB free, about {needed / 2**20:.0f} MB needed"
         raise error
-    tmp = parent / f".tmp_{folder.name}_{os.getpid()}"
+    tmp = checkpoint_temporary(folder, "tmp", os.getpid())
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
         tmp.mkdir()
-        save_file({k: v.detach().contiguous().cpu() for k, v in adapter.items()}, tmp / ADAPTER)
-        user_permissions(tmp / ADAPTER)
+        save_file({k: v.detach().contiguous().cpu() for k, v in adapter.items()}, checkpoint_adapter(tmp))
+        user_permissions(checkpoint_adapter(tmp))
         halfway(step)
-        torch.save(state, tmp / STATE)
+        torch.save(state, checkpoint_state(tmp))
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
         files = sorted(p.name for p in tmp.iterdir())
         for name in files:
             fsync_file(tmp / name)
         manifest = {"step": step, "created_at": time.time(), "files": {n: sha256_file(tmp / n) for n in files}}
-        with open(tmp / MANIFEST, "w") as f:
+        with open(checkpoint_manifest(tmp), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)
-        old = parent / f".old_{folder.name}_{os.getpid()}"
+        old = checkpoint_temporary(folder, "old", os.getpid())
         if folder.exists():  # a save at the same step again (e.g. "save now" then stop): swap, then delete
             replace(folder, old)
         replace(tmp, folder)
@@ -106,13 +104,13 @@ def save_checkpoint(folder: Path, step: int, adapter: dict[str, torch.Tensor], s
 
 def verify_checkpoint(folder: Path) -> dict[str, Any]:
     """The manifest, after checking every file's hash. Raises CheckpointError saying what is wrong."""
-    manifest_path = Path(folder) / MANIFEST
+    manifest_path = checkpoint_manifest(folder)
     if not manifest_path.exists():
-        raise CheckpointError(f"Checkpoint {folder} has no manifest.json: it was never finished.")
+        raise CheckpointError(f"Checkpoint {folder} has no {manifest_path.name}: it was never finished.")
     try:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"Checkpoint {folder} has an unreadable manifest.json ({exc}).") from exc
+        raise CheckpointError(f"Checkpoint {folder} has an unreadable {manifest_path.name} ({exc}).") from exc
     for name, expected in manifest.get("files", {}).items():
         path = Path(folder) / name
         if not path.exists():
@@ -124,8 +122,8 @@ def verify_checkpoint(folder: Path) -> dict[str, Any]:
 
 def load_checkpoint(folder: Path) -> Checkpoint:
     manifest = verify_checkpoint(folder)
-    adapter = load_file(Path(folder) / ADAPTER)
-    state = torch.load(Path(folder) / STATE, map_location="cpu", weights_only=True)
+    adapter = load_file(checkpoint_adapter(folder))
+    state = torch.load(checkpoint_state(folder), map_location="cpu", weights_only=True)
     return Checkpoint(Path(folder), int(manifest["step"]), adapter, state)
 
 
@@ -138,10 +136,8 @@ def _verifies(folder: Path) -> bool:
 
 
 def list_checkpoints(parent: Path) -> list[Path]:
-    """Finished checkpoint folders, oldest step first."""
-    if not Path(parent).is_dir():
-        return []
-    return sorted((p for p in Path(parent).glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
+    """Checkpoint folders, oldest step first (a folder's manifest says whether it is finished: verify_checkpoint)."""
+    return step_folders(parent)
 
 
 def latest_good_checkpoint(parent: Path, report=lambda message: None) -> Checkpoint | None:
@@ -157,9 +153,8 @@ def latest_good_checkpoint(parent: Path, report=lambda message: None) -> Checkpo
 def remove_stale_temporaries(parent: Path) -> list[Path]:
     """Delete half-written checkpoint folders (.tmp_* / .old_*) left by processes that are gone."""
     removed = []
-    for folder in Path(parent).glob(".*_step_*") if Path(parent).is_dir() else []:
-        pid = folder.name.rsplit("_", 1)[-1]
-        if folder.name.startswith((".tmp_", ".old_")) and pid.isdigit() and not pid_alive(int(pid)):
+    for folder, pid in checkpoint_temporaries(parent):
+        if not pid_alive(pid):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
@@ -177,7 +172,7 @@ def prune_checkpoints(parent: Path, keep_last: int | None, protect: set[Path] = 
     newest_good = next((f for f in reversed(folders) if _verifies(f)), None)
     removed = []
     for folder in folders[:-keep_last]:
-        if newest_good is None or int(folder.name.split("_")[1]) >= int(newest_good.name.split("_")[1]):
+        if newest_good is None or step_of(folder) >= step_of(newest_good):
             continue
         if folder.resolve() not in keep:
             shutil.rmtree(folder, ignore_errors=True)

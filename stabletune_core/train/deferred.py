@@ -7,7 +7,8 @@ as much as making them all first did.
 The images come from the adapter weights frozen when the sampling was taken (the loop swaps them in for each
 image and puts the training weights back, bit for bit: `copy_` into the same parameters), and sampling draws only
 from its own seeded generators, so a run that defers its images trains exactly as one that does not, and a resume
-is still bitwise.
+is still bitwise. The step-0 images a stopped run still owes after its resume are made with the adapters off
+(samples.py `owed_base_images`): at step 0 they change nothing.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 class DeferredSampling:
     step: int  # the step whose weights the images show
     folder: Path
-    weights: dict[str, torch.Tensor]  # the adapter tensors at `step`, as the validation images use them
+    weights: dict[str, torch.Tensor] | None  # the adapter tensors at `step` as the images use them; None: adapters off
     due: int  # images in all (prompts x seeds)
     every: int = 1  # steps between two images: spread over the steps before the next sampling or the end
     made: list[Path] = field(default_factory=list)

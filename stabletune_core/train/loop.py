@@ -5,9 +5,10 @@ One step is `training_step` below with two helpers from step.py, each taking wha
 micro-batches) and `clip_gradients`. Everything that makes a run survive (non-finite losses, out-of-memory,
 clipping, early stopping) lives in guard objects (guards/) called at fixed points of the step; a guard returns
 verdicts and `carry_out`, below, acts on them, in one place, because only the loop owns the weights, the
-optimizer, the step counter and the run folder. Observers (observers.py) measure and record; everything the
-world should know goes to the run directory through `RunWriter`. Nothing imports this module but the entry
-points (cli.py).
+optimizer, the step counter and the run folder. Observers (observers/) measure and record; everything the
+world should know goes to the run directory through `RunWriter`. The loop decides when; its hands are
+run_files.py (checkpoints, the LoRA, the resume), samples.py (validation images, deferred ones) and control.py
+(the UI's commands). Nothing imports this module but the entry points (cli.py).
 """
 from __future__ import annotations
 
@@ -20,34 +21,32 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import TrainConfig
-from ..lora.inject import adapter_settings
-from ..models.base import ModelBundle
-from ..runs import events
-from ..tools.image_losses import loss_record
+from ..runs import events, states
+from ..runs.image_losses import loss_record
 from . import signals, step
-from .checkpoint import (CheckpointError, latest_good_checkpoint, list_checkpoints, load_checkpoint,
-                         prune_checkpoints, save_checkpoint)
-from .deferred import DeferredSampling
-from .ema import optional_swap
+from .checkpoint import CheckpointError, latest_good_checkpoint
+from .control import obey_control as obey
 from .guards import Guard, OutOfMemoryStop
 from .guards.out_of_memory import free_memory
 from .guards.verdicts import (Event, ExportBest, LowerLearningRate, ProtectCheckpoint, Report, RollBack, SaveBest,
                               ScaleWeights, ShrinkMicroBatch, SkipStep, StopDiverged, StopEarly, StopOutOfMemory,
                               SwapMoreBlocks, SwitchPrecision, TakeSnapshot, Verdict)
-from .lora_file import write_lora
 from .memory_stats import memory_stats
 from .noise import NoiseOptions
 from .placement import swap_more_blocks
 from .observers.base import Observation
-from .optim import evaluation_weights
 from .outcome import RunFailed
 from .preflight import describe, preflight
+from .preview import preview_adapters
 from .rollback import restore_snapshot, take_snapshot
+from .run_files import RunFiles, export as export_lora, export_best as export_best_checkpoint, last_good_sentence
+from .run_files import resume as run_files_resume, write_checkpoint
+from .samples import (Sampler, Sampling, announce, defer, make_deferred, make_samples, owed_base_images,
+                      sampling_due)
 from .session import Session, SessionView
 from .setup import setup
-from .state import adapter_state, restore_adapter, restore_rng, restore_run_state, rng_state, run_state
-from .preview import preview_adapters, with_trained_adapters
-from .validation_images import image_count, make_validation_images
+from .state import restore_adapter, restore_rng, rng_state
+from .validation_images import make_validation_images
 
 #: status.json while training is rewritten at most this often: the UI polls it about once a second, and a
 #: fast step would otherwise spend more on the heartbeat than on all the guards together (bench/RESULTS.md).
@@ -67,13 +66,14 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     run, state, view = s.run, s.state, SessionView(s)
     if s.config.preflight:
         apply_preflight(s)
-    if s.config.validation_prompts and state.step == 0 and not stop_signal(s):
-        state.deferred = defer_sampling(s)  # made one image per step from step 1 on: training starts at once
-    run.status("training", step=state.step, max_steps=s.max_steps)
+    if s.config.validation_prompts and not stop_signal(s) and s.ranks.is_main:
+        # made a few images at a time from the next step on: training starts at once
+        state.deferred = defer(sampler(s), 0) if state.step == 0 else owed_base_images(sampler(s), state.step)
+    run.status(states.TRAINING, step=state.step, max_steps=s.max_steps)
     progress = tqdm(total=s.max_steps, initial=state.step, desc="training", unit="step", disable=not s.ranks.is_main)
     last_time, sec_per_step = time.perf_counter(), None
     last_heartbeat = -math.inf
-    stop_reason = "finished"
+    stop_reason = states.FINISHED
     first_step = state.step
     for module in s.trained.values():
         module.train()
@@ -87,7 +87,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                     signals.ACTIVE.honoured = True
                 run.event(events.STOP_REQUESTED, f"{signals.signal_name(signum)} at step {state.step}; saving a "
                           "checkpoint and the LoRA.", step=state.step, console=True)
-                stop_reason = "stopped"
+                stop_reason = states.STOPPED
                 break
             freeze_embeddings(s)
             batches = step.next_batches(s.feed, state, s.config.gradient_accumulation_steps)
@@ -114,32 +114,32 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                 for observer in s.observers:
                     record(s, observer.on_metrics(view, logged))
             if now - last_heartbeat >= HEARTBEAT_SECONDS or state.step == s.max_steps:
-                run.status("training", step=state.step, max_steps=s.max_steps, epoch=state.epoch,
+                run.status(states.TRAINING, step=state.step, max_steps=s.max_steps, epoch=state.epoch,
                            sec_per_step=sec_per_step, eta_seconds=sec_per_step * (s.max_steps - state.step),
                            loss=loss.mean)
                 last_heartbeat = now
             progress.update(1)
             progress.set_postfix(loss=f"{loss.mean:.4f}")
-            if s.config.validation_prompts and state.step % s.config.validation_steps == 0:
+            if s.config.validation_prompts and sampling_due(state.step, s.config.validation_steps, s.max_steps):
                 sample(s)
             if state.step % s.config.save_steps == 0 and state.step < s.max_steps:
                 save(s, "every save_steps")
             if state.deferred is not None and state.step % state.deferred.every == 0:
-                sample_deferred(s, state.deferred, 1)
-            if guard_stops or obey_control(s) == "stop":
-                stop_reason = "stopped"
+                sample_deferred(s, 1)
+            if guard_stops or obey_control(s):
+                stop_reason = states.STOPPED
                 break
     finally:
         progress.close()
     for guard in s.guards:
         carry_out(s, guard, guard.on_end(view))
-    if state.step == first_step and stop_reason == "stopped":  # stopped before any step: nothing new to keep
-        run.status("stopped", step=state.step, max_steps=s.max_steps, eta_seconds=0)
+    if state.step == first_step and stop_reason == states.STOPPED:  # stopped before any step: nothing new to keep
+        run.status(states.STOPPED, step=state.step, max_steps=s.max_steps, eta_seconds=0)
         run.event(events.STOPPED, f"Run stopped at step {state.step} before training a step; nothing new to save.",
                   step=state.step, console=True)
         return None
-    if state.deferred is not None and not end_deferred(s, state.deferred, make_the_rest=stop_reason == "finished"):
-        stop_reason = "stopped"  # main process only, which alone writes the outcome; every process saves alike
+    if state.deferred is not None and not end_deferred(s, make_the_rest=stop_reason == states.FINISHED):
+        stop_reason = states.STOPPED  # main process only, which alone writes the outcome; every process saves alike
     save(s, stop_reason)
     final_checkpoint_failed = state.checkpoint_failures > 0
     path = export(s)
@@ -147,12 +147,12 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     if final_checkpoint_failed:
         written = f"the LoRA was written to {path}" if path else "the LoRA was not written"
         raise RunFailed(f"The final checkpoint at step {state.step} could not be written ({written}); "
-                        f"{last_good_sentence(s)}")
+                        f"{last_good_sentence(s.run.paths.checkpoints)}")
     summary = next((o.summary for o in ended if o.summary), None)
     run.status(stop_reason, step=state.step, max_steps=s.max_steps, eta_seconds=0, lora=str(path) if path else None,
                summary=summary)
     run.event(stop_reason, f"Run {stop_reason} at step {state.step}.", step=state.step,
-              console=stop_reason == "stopped")
+              console=stop_reason == states.STOPPED)
     for observation in ended:
         record(s, observation)
     return path
@@ -277,7 +277,7 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
             case StopOutOfMemory():
                 s.run.event(events.OOM_STOP, verdict.message, step=verdict.step)
                 save(s, "out of memory")
-                s.run.status("failed", step=state.step, error=verdict.message)
+                s.run.status(states.FAILED, step=state.step, error=verdict.message)
                 raise OutOfMemoryStop(verdict.message)
             case LowerLearningRate():
                 old, new = s.lr_scheduler.lower(verdict.factor, verdict.floor)
@@ -286,9 +286,9 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
                             step=state.step, old_lr=old, new_lr=new)
             case SwitchPrecision():
                 s.amp.switch_to(verdict.precision)
-                s.amp.recast_frozen([s.bundle.unet, *s.bundle.text_encoders], s.params)
+                s.amp.recast_frozen([s.bundle.denoiser, *s.bundle.text_encoders], s.params)
                 if s.preview is not None:  # its denoiser samples under the same autocast as the trained one
-                    s.amp.recast_frozen([s.preview.unet], preview_adapters(s.preview))
+                    s.amp.recast_frozen([s.preview.denoiser], preview_adapters(s.preview))
                 write_event(s, verdict.event)
             case ScaleWeights():
                 layers, factors = [s.lora_layers[i] for i in verdict.layers], list(verdict.factors)
@@ -350,7 +350,12 @@ def roll_back(s: Session, verdict: RollBack) -> None:
                 new_lr=new, bad_steps=list(verdict.bad_steps), console=True)
 
 
-# ---- checkpoints and LoRA files -------------------------------------------------------------------------------
+# ---- checkpoints and LoRA files (run_files.py) ---------------------------------------------------------------
+def run_files(s: Session) -> RunFiles:
+    return RunFiles(s.config, s.run, s.ranks, s.trained, s.pivotal, s.optimizer, s.lr_scheduler, s.amp, s.ema,
+                    (*s.guards, *s.observers), s.bundle, s.data, s.max_steps, s.checkpoint_halfway)
+
+
 def save(s: Session, reason: str) -> Path | None:
     """Write a checkpoint. A failed one (a full disk) is one console line and the run goes on, keeping the last
     good checkpoint; CHECKPOINT_FAILURE_LIMIT failures in a row stop the run with a sentence."""
@@ -358,91 +363,41 @@ def save(s: Session, reason: str) -> Path | None:
     if not s.ranks.is_main:
         return None
     state = s.state
-    s.run.status("saving", step=state.step)
-    saved = run_state(state, s.optimizer, s.lr_scheduler, s.amp, s.ema, [*s.guards, *s.observers],
-                      adapter_settings(s.config))
+    s.run.status(states.SAVING, step=state.step)
     try:
-        folder = save_checkpoint(s.run.paths.checkpoint(state.step), state.step,
-                                 adapter_state(s.trained, s.ranks, s.pivotal), saved, halfway=s.checkpoint_halfway)
+        folder = write_checkpoint(run_files(s), state, reason)
     except CheckpointError as exc:
         state.checkpoint_failures += 1
         s.run.event(events.CHECKPOINT_FAILED, str(exc), step=state.step, console=True)
         if state.checkpoint_failures >= CHECKPOINT_FAILURE_LIMIT:
             raise RunFailed(f"Stopped at step {state.step} because {state.checkpoint_failures} checkpoints in a row "
-                            f"could not be written ({exc.reason or exc}); {last_good_sentence(s)}") from None
-        s.run.status("training", step=state.step, max_steps=s.max_steps, error=str(exc))
+                            f"could not be written ({exc.reason or exc}); "
+                            f"{last_good_sentence(s.run.paths.checkpoints)}") from None
+        s.run.status(states.TRAINING, step=state.step, max_steps=s.max_steps, error=str(exc))
         return None
     state.checkpoint_failures = 0
-    protect = {state.best_checkpoint} if state.best_checkpoint else set()
-    removed = prune_checkpoints(s.run.paths.checkpoints, s.config.checkpoints_total_limit, protect=protect)
-    s.run.event(events.CHECKPOINT, f"Saved checkpoint at step {state.step} ({reason}).", step=state.step,
-                path=str(folder), removed=[str(p) for p in removed])
     return folder
-
-
-def last_good_sentence(s: Session) -> str:
-    """What to do after checkpoints failed, naming the last good one (lower case: it ends a sentence)."""
-    folders = list_checkpoints(s.run.paths.checkpoints)
-    if not folders:
-        return "free some space and start the run again (it has no checkpoint yet)."
-    return f"free some space and continue with --resume auto from the last good checkpoint, {folders[-1].name}."
 
 
 def resume(s: Session) -> None:
     """Continue from the checkpoint setup found (setup read and verified it before loading the model)."""
-    checkpoint, state = s.state.resume_from, s.state
+    checkpoint = s.state.resume_from
     if checkpoint is None:
         return
-    state.resume_from = None  # its tensors are not needed once loaded
-    restore_adapter(s.trained, s.ranks, checkpoint.adapter, s.pivotal)
-    ema_kept = restore_run_state(checkpoint.state, state, s.optimizer, s.lr_scheduler, s.amp, s.ema,
-                                 [*s.guards, *s.observers])
-    if not ema_kept:
-        s.run.event(events.CONFIG, f"{checkpoint.path.name} holds no EMA weights (ema_decay was 0 then); the EMA "
-                    f"starts from the resumed weights at step {state.step}.", step=state.step, console=True)
-    s.run.event(events.RESUMED_FROM_CHECKPOINT, f"Resumed from {checkpoint.path} at step {state.step} "
-                f"({state.images_seen} images seen, micro-batch {state.micro_batch_size}).", step=state.step,
-                path=str(checkpoint.path), images_seen=state.images_seen)
+    s.state.resume_from = None  # its tensors are not needed once loaded
+    run_files_resume(run_files(s), checkpoint, s.state)
 
 
-def export(s: Session, name: str | None = None, *, step: int | None = None) -> Path | None:
-    """The LoRA as trained, and with ema_decay its moving average beside it as NAME-ema.safetensors. `step`: the
-    step the weights come from (the file's ss_steps), when not the current one."""
-    name = name or s.config.output_name
-    where = dict(step=s.state.step if step is None else step, epoch=s.state.epoch, max_steps=s.max_steps,
-                 config=s.config, ranks=s.ranks, run=s.run, bundle=s.bundle, trained=s.trained, data=s.data,
-                 pivotal=s.pivotal)
-    with evaluation_weights(s.optimizer):  # schedule-free: export the averaged weights, not the training point
-        path = write_lora(name, **where)
-    if s.ema:
-        with s.ema.swapped_in():
-            write_lora(f"{name}-ema", **where)
-    return path
+def export(s: Session, name: str | None = None) -> Path | None:
+    """The LoRA as trained now (and its EMA beside it): RUN/output/NAME.safetensors, NAME = output_name."""
+    return export_lora(run_files(s), name or s.config.output_name, step=s.state.step, epoch=s.state.epoch)
 
 
 def export_best(s: Session) -> Path | None:
-    """Export the best checkpoint as <output_name>_best, then put the current state back.
-
-    Everything the export reads comes from the best step: the adapter, the EMA beside it (`_best-ema` is the
-    average *at* the best step, not the one of the last step) and the optimizer state (a schedule-free
-    optimizer's evaluation weights are computed from it)."""
+    """The best checkpoint as <output_name>_best (early stopping); the current weights stay as they are."""
     if not s.state.best_checkpoint:
         return None
-    best = load_checkpoint(Path(s.state.best_checkpoint))
-    current = adapter_state(s.trained, s.ranks, s.pivotal)
-    current_optimizer = s.optimizer.state_dict()  # load_state_dict replaces these tensors, it does not write them
-    current_ema = s.ema.state_dict() if s.ema else None
-    try:
-        restore_adapter(s.trained, s.ranks, best.adapter, s.pivotal)
-        s.optimizer.load_state_dict(best.state["optimizer"])
-        if s.ema and best.state.get("ema"):
-            s.ema.load_state_dict(best.state["ema"])
-        return export(s, f"{s.config.output_name}_best", step=best.step)  # ss_steps: the step it comes from
-    finally:
-        restore_adapter(s.trained, s.ranks, current, s.pivotal)
-        s.optimizer.load_state_dict(current_optimizer)
-        if current_ema is not None:
-            s.ema.load_state_dict(current_ema)
+    return export_best_checkpoint(run_files(s), Path(s.state.best_checkpoint), epoch=s.state.epoch)
 
 
 # ---- before training: the preflight -----------------------------------------------------------------------------
@@ -476,52 +431,47 @@ def stop_signal(s: Session) -> int | None:
     return s.ranks.from_main(signals.requested())
 
 
-def sample(s: Session, *, then: str = "training") -> None:
+def sampler(s: Session) -> Sampler:
+    return Sampler(s.config, s.run, s.ranks, s.bundle, s.preview, s.trained, s.pivotal, s.optimizer, s.ema,
+                   s.device, s.amp.autocast, s.max_steps)
+
+
+def sample(s: Session, *, then: str = states.TRAINING) -> None:
     """The validation images of this step (after the rest of a deferred sampling: samplings stay in step order).
     A stop asked for meanwhile ends it at the next image."""
     if not s.ranks.is_main:
         return
-    if s.state.deferred is not None and not sample_deferred(s, s.state.deferred, None, then=then):
+    if s.state.deferred is not None and not sample_deferred(s, None, then=then):
         return  # a stop is waiting
-    step_now = s.state.step
-    s.run.status("sampling", step=step_now, max_steps=s.max_steps, sampling_step=step_now)
-    folder = s.run.paths.sample_dir(step_now)
-    with evaluation_weights(s.optimizer), optional_swap(s.ema, s.config.validation_with_ema):
-        paths = make_validation_images(sampling_bundle(s), s.config, folder, s.device, autocast=s.amp.autocast,
-                                       should_stop=lambda: stop_waiting(s))
-    samples_made(s, step_now, folder, paths, due=image_count(s.config))
-    s.run.status(then, step=step_now, max_steps=s.max_steps)
+    samples_made(s, make_samples(sampler(s), s.state.step, then=then))
 
 
-def sampling_bundle(s: Session) -> ModelBundle:
-    """What the validation images are made with: the trained model, or the preview model (preview_model)
-    carrying the adapter weights the trained one holds now."""
-    return s.bundle if s.preview is None else with_trained_adapters(s.preview, s.bundle.unet)
-
-
-def samples_made(s: Session, step_taken: int, folder: Path, paths: list[Path], *, due: int) -> None:
+def samples_made(s: Session, sampling: Sampling) -> None:
     """Say so; the observers (the sample judge) look at a complete sampling only."""
-    if len(paths) < due:
-        s.run.event(events.SAMPLES, f"Made {len(paths)} of {due} validation images at step {step_taken}; a stop "
-                    "ended the sampling.", step=step_taken)
-        return
-    s.run.event(events.SAMPLES, f"Made {len(paths)} validation images at step {step_taken}.", step=step_taken)
-    view = SessionView(s, step=step_taken)
-    for observer in s.observers:
-        record(s, observer.on_samples(view, folder, paths))
+    announce(s.run, sampling)
+    if sampling.complete:
+        view = SessionView(s, step=sampling.step)
+        for observer in s.observers:
+            record(s, observer.on_samples(view, sampling.folder, sampling.paths))
 
 
-def stop_waiting(s: Session) -> bool:
-    """A stop asked for (Ctrl-C, SIGTERM, the UI) that the loop has not acted on yet. Main process only: asked
-    while sampling, which only the main process does."""
-    return signals.requested() is not None or s.run.stop_waiting()
+def sample_deferred(s: Session, count: int | None, *, then: str = states.TRAINING) -> bool:
+    """Make `count` more of the deferred sampling's images (None: the rest). Returns True once all are made (the
+    deferral is then over), False when a stop is waiting."""
+    deferred = s.state.deferred
+    over = make_deferred(sampler(s), deferred, count, step=s.state.step, then=then)
+    if over is not None:
+        s.state.deferred = None
+        samples_made(s, over)
+    return deferred.done
 
 
-def end_deferred(s: Session, deferred: DeferredSampling, *, make_the_rest: bool) -> bool:
+def end_deferred(s: Session, *, make_the_rest: bool) -> bool:
     """At the end of training: make the images still due, or, when the run stops, say how many were made.
     Returns False when a stop asked for while making them ended them (the run then ends `stopped`)."""
+    deferred = s.state.deferred
     if make_the_rest:
-        if sample_deferred(s, deferred, None):
+        if sample_deferred(s, None):
             return True
         s.run.take_control()  # the stop is acted on here: a later resume must not find it
         if signals.ACTIVE is not None and signals.requested():
@@ -530,40 +480,8 @@ def end_deferred(s: Session, deferred: DeferredSampling, *, make_the_rest: bool)
                     f"{deferred.step} validation images; saving and exporting.", step=s.state.step)
         return False
     s.state.deferred = None
-    samples_made(s, deferred.step, deferred.folder, deferred.made, due=deferred.due)
+    samples_made(s, Sampling(deferred.step, deferred.folder, list(deferred.made), deferred.due))
     return True
-
-
-def defer_sampling(s: Session) -> DeferredSampling | None:
-    """Freeze this step's adapter weights as the validation images use them, to make the images later."""
-    if not s.ranks.is_main:
-        return None
-    with evaluation_weights(s.optimizer), optional_swap(s.ema, s.config.validation_with_ema):
-        weights = adapter_state(s.trained, s.ranks, s.pivotal)
-    due = image_count(s.config)
-    until_next = min(s.config.validation_steps, s.max_steps - s.state.step)  # the next sampling, or the end
-    return DeferredSampling(s.state.step, s.run.paths.sample_dir(s.state.step), weights, due,
-                            every=max(1, until_next // due))
-
-
-def sample_deferred(s: Session, deferred: DeferredSampling, count: int | None, *, then: str = "training") -> bool:
-    """Make `count` more of a deferred sampling's images (None: the rest) with the weights it froze, then put
-    the training weights back. Returns True once all are made (the deferral is then over), False when a stop
-    is waiting."""
-    s.run.status("sampling", step=s.state.step, max_steps=s.max_steps, sampling_step=deferred.step)
-    current = adapter_state(s.trained, s.ranks, s.pivotal)
-    restore_adapter(s.trained, s.ranks, deferred.weights, s.pivotal)
-    try:
-        deferred.made += make_validation_images(sampling_bundle(s), s.config, deferred.folder, s.device,
-                                                autocast=s.amp.autocast, only=deferred.next_images(count),
-                                                should_stop=lambda: stop_waiting(s))
-    finally:
-        restore_adapter(s.trained, s.ranks, current, s.pivotal)
-    s.run.status(then, step=s.state.step, max_steps=s.max_steps)
-    if deferred.done or (count is None and stop_waiting(s)):
-        s.state.deferred = None
-        samples_made(s, deferred.step, deferred.folder, deferred.made, due=deferred.due)
-    return deferred.done
 
 
 def sample_now(s: Session, state_after: str) -> None:
@@ -576,36 +494,7 @@ def sample_now(s: Session, state_after: str) -> None:
     sample(s, then=state_after)
 
 
-def obey_control(s: Session) -> str | None:
-    """Commands from the UI, between steps: save, sample, stop, pause (then wait for resume or stop)."""
-    command = take_control(s)
-    paused = False
-    while command or paused:
-        kind = (command or {}).get("command")
-        if kind == "save":
-            save(s, "asked from the UI")
-        elif kind == "sample":
-            sample_now(s, "paused" if paused else "training")
-        elif kind == "stop":
-            s.run.event(events.STOP_REQUESTED, f"Stop requested at step {s.state.step}; saving and exporting.",
-                        step=s.state.step)
-            return "stop"
-        elif kind == "pause" and not paused:
-            paused = True
-            s.run.status("paused", step=s.state.step, max_steps=s.max_steps)
-            s.run.event(events.PAUSED, f"Paused at step {s.state.step}.", step=s.state.step)
-        elif kind == "resume" and paused:
-            s.run.event(events.UNPAUSED, f"Continuing from step {s.state.step}.", step=s.state.step)
-            s.run.status("training", step=s.state.step, max_steps=s.max_steps)
-            return None
-        if paused:
-            time.sleep(0.5)
-            s.run.status("paused", step=s.state.step, max_steps=s.max_steps)  # keep the heartbeat fresh
-        command = take_control(s)
-    return None
-
-
-def take_control(s: Session) -> dict[str, Any] | None:
-    """The main process reads control.json; with several processes every rank must get the same command,
-    or the others would train on (or wait in a save) while the main one stops."""
-    return s.ranks.from_main(s.run.take_control())
+def obey_control(s: Session) -> bool:
+    """The UI's commands, between steps (control.py); True when the run is to stop."""
+    return obey(s.run, s.ranks, step=s.state.step, max_steps=s.max_steps,
+                save=lambda: save(s, "asked from the UI"), sample=lambda then: sample_now(s, then))

@@ -23,6 +23,7 @@ from typing import Any
 from ..config import ConfigError, TrainConfig
 from ..runs.jsonfiles import read_json
 from ..runs.layout import RunPaths
+from ..runs.states import FAILED
 from ..runs.writer import record_outcome
 
 EXIT_FAILED = 1
@@ -84,7 +85,7 @@ def report_failure(exc: BaseException, output_dir: str | None, *, may_write_stat
     for sentence in sentences:
         print(f"error: {sentence}", file=sys.stderr, flush=True)
     if output_dir and may_write_status:
-        record_outcome(output_dir, "failed", " ".join(sentences))
+        record_outcome(output_dir, FAILED, " ".join(sentences))
     return code
 
 
@@ -169,7 +170,7 @@ def owns_status(config: Any) -> bool:
             return False  # a folder holding files we cannot tell are ours
     if not previous:
         return True
-    return previous.get("state") == "failed" or bool(config.resume_from_checkpoint)
+    return previous.get("state") == FAILED or bool(config.resume_from_checkpoint)
 
 
 def prepare_status_dir(config: Any) -> bool:

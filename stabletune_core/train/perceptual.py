@@ -25,7 +25,6 @@ import torch
 from ..config import TrainConfig
 from ..data.examples import DatasetView
 from ..models.base import ModelBundle, Objective
-from .observers.base import NOTHING, Observation, Observer, ObserverView
 
 _WEIGHTS = {"alex": "AlexNet_Weights", "vgg": "VGG16_Weights", "squeeze": "SqueezeNet1_1_Weights"}
 
@@ -126,19 +125,3 @@ class Perceptual:
         mean = self.total / self.count
         self.total, self.count = 0.0, 0
         return mean
-
-
-class PerceptualReport(Observer):
-    """Puts the step's mean LPIPS into the metrics as `perceptual` (the loss itself stays the diffusion loss)."""
-
-    name = "perceptual"
-
-    def __init__(self, perceptual: Perceptual | None) -> None:
-        self.perceptual = perceptual
-
-    def observe(self, view: ObserverView) -> Observation:
-        if self.perceptual is not None:
-            value = self.perceptual.take_mean()
-            if value is not None:
-                return Observation({"perceptual": value})
-        return NOTHING

@@ -49,7 +49,7 @@ def place_models(bundle: ModelBundle, device: torch.device, weight_dtype: torch.
     """The bundle's models on `device` in the run's weight dtype; under fp16 the VAE stays fp32 (its fp16 decode
     overflows)."""
     cast_and_place(bundle.vae, device, torch.float32 if mixed_precision == "fp16" else weight_dtype)
-    cast_and_place(bundle.unet, device, weight_dtype)
+    cast_and_place(bundle.denoiser, device, weight_dtype)
     for encoder in bundle.text_encoders:
         cast_and_place(encoder, device, weight_dtype)
 

@@ -30,32 +30,32 @@ def load_preview(config: TrainConfig, bundle: ModelBundle, device: torch.device,
     if loaded.family.name != bundle.family.name:
         raise ConfigError([f"preview_model {source} is a {loaded.family.display_name} model but the run trains "
                            f"{bundle.family.display_name}; choose a model of the same family."])
-    preview = dataclasses.replace(bundle, unet=loaded.unet, source=source, extra={**bundle.extra, **loaded.extra})
+    preview = dataclasses.replace(bundle, denoiser=loaded.denoiser, source=source, extra={**bundle.extra, **loaded.extra})
     del loaded  # its own text encoders and VAE are not kept
     add_lora(preview, config)
-    ours = lora_state_dict(bundle.unet)
-    theirs = {name: p.shape for name, p in preview.unet.named_parameters()}
+    ours = lora_state_dict(bundle.denoiser)
+    theirs = {name: p.shape for name, p in preview.denoiser.named_parameters()}
     wrong = next((name for name, t in ours.items() if theirs.get(name) != t.shape), None)
     if wrong is not None:
         raise ConfigError([f"preview_model {source} is not the same architecture as the trained model (its "
                            f"{wrong.split('.lora')[0]} differs), so the LoRA cannot be applied to it; choose the "
                            "matching model (e.g. FLUX.2 Klein 4B distilled for a 4B base)."])
-    cast_and_place(preview.unet, device, dtype)
-    for name, p in preview.unet.named_parameters():  # adapters in fp32, as the trained ones (setup.py)
+    cast_and_place(preview.denoiser, device, dtype)
+    for name, p in preview.denoiser.named_parameters():  # adapters in fp32, as the trained ones (setup.py)
         if is_adapter_parameter(name):
             p.data = p.data.float()
-    preview.unet.requires_grad_(False)
-    preview.unet.eval()
+    preview.denoiser.requires_grad_(False)
+    preview.denoiser.eval()
     return preview
 
 
 def with_trained_adapters(preview: ModelBundle, trained: torch.nn.Module) -> ModelBundle:
     """`preview` with the adapter weights `trained` holds now (the EMA's while the caller swapped them in)."""
-    load_lora_state_dict(preview.unet, lora_state_dict(trained))
+    load_lora_state_dict(preview.denoiser, lora_state_dict(trained))
     return preview
 
 
 def preview_adapters(preview: ModelBundle) -> list[torch.nn.Parameter]:
     """The preview denoiser's adapter weights (fp32 copies of the trained ones): what a precision switch leaves
     alone when it recasts the preview's frozen weights."""
-    return [p for name, p in preview.unet.named_parameters() if is_adapter_parameter(name)]
+    return [p for name, p in preview.denoiser.named_parameters() if is_adapter_parameter(name)]

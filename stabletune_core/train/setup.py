@@ -31,7 +31,7 @@ from ..models.base import ModelBundle
 from ..models.loading import family_name, load_model
 from ..models.memory_plan import plan_memory
 from ..models.quantize import quantise_linear_layers, storage_problem, stored_bytes
-from ..runs import events
+from ..runs import events, states
 from ..runs.earlier import earlier_run
 from ..runs.layout import RunPaths
 from ..runs.reader import RunReader
@@ -182,7 +182,7 @@ def setup(config: TrainConfig) -> Session:
     amp = MixedPrecision(config.mixed_precision, ranks.device)  # refuses a dtype the device lacks, early
     previous = RunReader(config.output_dir).status()  # read before our own heartbeat replaces it
     run = RunWriter(config.output_dir, enabled=ranks.is_main)
-    run.status("starting", step=0)
+    run.status(states.STARTING, step=0)
     if previous.get("stale"):
         run.event(events.PREVIOUS_DIED, f"The previous process {previous.get('pid')} died at step "
                   f"{previous.get('step', 0)} (it was {previous.get('reported_state') or previous.get('state')}; status.json went stale).",
@@ -245,7 +245,7 @@ def setup(config: TrainConfig) -> Session:
     if ranks.is_main:
         config.save_toml(run.paths.config)
 
-    run.status("loading", step=0)
+    run.status(states.LOADING, step=0)
     bundle = load_model(config)
     for note in bundle.family.load_notes(bundle):  # which model this is, and a warning when it is a poor base
         run.event(events.MODEL, note, console=True, family=bundle.family.name)
@@ -433,7 +433,7 @@ def build_caches(config: TrainConfig, inputs: BatchInputs, data: DatasetView, ru
     folder = run.paths.cache if config.cache_latents_to_disk else None
     model_id = f"{Path(config.pretrained_model_name_or_path).resolve()}|{config.mixed_precision}"
     if config.cache_latents:
-        run.status("caching", step=0)
+        run.status(states.CACHING, step=0)
         shared = cache_root() / "latents" if config.cache_latents_to_disk else None
         vae_id = f"{module_fingerprint(bundle.vae)}|{bundle.vae.dtype}" if shared else "this-run"
         inputs.latent_cache = LatentCache(shared, model_id=vae_id)

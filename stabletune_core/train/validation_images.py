@@ -12,6 +12,7 @@ import torch
 
 from ..config import TrainConfig
 from ..models.base import ModelBundle
+from ..runs.layout import sample_image_name, sample_prompts
 from .placement import on_device
 
 def sample_seeds(config: TrainConfig) -> list[int]:
@@ -29,7 +30,7 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
                            autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
                            only: Sequence[int] | None = None, should_stop: Callable[[], bool] | None = None
                            ) -> list[Path]:
-    """Render every validation prompt with every fixed seed into `folder` as p<prompt>_s<seed>.png.
+    """Render every validation prompt with every fixed seed into `folder` (runs/layout.py sample_image_name).
 
     `only`: the images to make now, by their place in that prompt x seed order (the loop makes a deferred
     sampling a few images at a time between steps); `should_stop`: asked before each image after the first, so a
@@ -48,15 +49,15 @@ def make_validation_images(bundle: ModelBundle, config: TrainConfig, folder: Pat
     pipe = bundle.family.make_pipeline(bundle, scheduler)
     pipe.set_progress_bar_config(disable=True)
     size = resolution or config.resolution
-    training = [m.training for m in (bundle.unet, *bundle.text_encoders)]
-    for module in (bundle.unet, *bundle.text_encoders):
+    training = [m.training for m in (bundle.denoiser, *bundle.text_encoders)]
+    for module in (bundle.denoiser, *bundle.text_encoders):
         module.eval()  # LoRA dropout off while sampling
     folder.mkdir(parents=True, exist_ok=True)
     try:
         with on_device((bundle.vae, *bundle.text_encoders), device):  # they may wait on the CPU (placement.py)
             paths = _render(pipe, bundle, prompts, config, folder, size, extra, autocast, only, should_stop)
     finally:
-        for module, was_training in zip((bundle.unet, *bundle.text_encoders), training):
+        for module, was_training in zip((bundle.denoiser, *bundle.text_encoders), training):
             module.train(was_training)
         del pipe
         gc.collect()
@@ -81,8 +82,8 @@ def _render(pipe, bundle: ModelBundle, prompts: list[str], config: TrainConfig, 
                            output_type="latent", **extra).images
         pixels = bundle.family.decode_sampled(bundle, latents)
         image = pipe.image_processor.postprocess(pixels.float(), output_type="pil")[0]
-        path = folder / f"p{p:02d}_s{seed}.png"
+        path = folder / sample_image_name(p, seed)
         image.save(path)
         paths.append(path)
-    (folder / "prompts.json").write_text(json.dumps({"prompts": prompts, "seeds": sample_seeds(config)}))
+    sample_prompts(folder).write_text(json.dumps({"prompts": prompts, "seeds": sample_seeds(config)}))
     return paths

@@ -164,7 +164,7 @@ class ActivationMonitor(Observer):
 def make_observers(config: TrainConfig, evaluator: Evaluator | None = None, perceptual: Any = None
                    ) -> list[Observer]:
     """The observers a config asks for, in order: validation loss, LPIPS report, spectra, activations."""
-    from ..perceptual import PerceptualReport
+    from .perceptual_report import PerceptualReport
     from .validation_loss import ValidationLoss
 
     observers: list[Observer] = []

@@ -7,12 +7,13 @@ from pathlib import Path
 
 from ...runs import events
 from ..guards.verdicts import Event
-from .judges import SAMPLE_JUDGES
+from ...config.judges import SAMPLE_JUDGES
+from ...runs.layout import run_of_sampling
 from .base import NOTHING, Observation, Observer, ObserverView
 
 
 def make_judge(name: str) -> Observer | None:
-    """The observer registered as `name` in judges.SAMPLE_JUDGES, imported only when a run asks for it."""
+    """The observer registered as `name` in config/judges.py's SAMPLE_JUDGES, imported only when a run asks for it."""
     target = SAMPLE_JUDGES[name]
     if target is None:
         return None
@@ -35,7 +36,7 @@ class ToyColorJudge(Observer):
             return NOTHING
         from ...toy.judge import describe, judge_samples
 
-        self.run_dir = view.run_paths.root if view.run_paths else Path(folder).parent.parent  # RUN/samples/step_N
+        self.run_dir = view.run_paths.root if view.run_paths else run_of_sampling(folder)
         measures = judge_samples(folder, self.run_dir)
         line = describe(measures)
         return Observation(events=(Event(events.SAMPLE_SCORE, f"Validation images at step {view.step}: {line}.",

@@ -1,5 +1,6 @@
-"""A run's LoRA file as it goes to RUN/output: the trained adapters, kohya's metadata of the run, and the config
-without the trainer's local paths. The loop decides which files (the last adapter, its EMA, the best one)."""
+"""Writes a run's LoRA into RUN/output: the trained adapters, kohya's metadata of the run, and the config without
+the trainer's local paths. The loop decides which files (the last adapter, its EMA, the best one); reading and
+comparing LoRA files of any origin is tools/lora_file.py's job."""
 from __future__ import annotations
 
 import json
@@ -33,7 +34,7 @@ def write_lora(name: str, *, step: int, epoch: int, max_steps: int, config: Trai
         return None
     unet = ranks.unwrap(trained["unet"])
     encoders = [ranks.unwrap(trained[k]) for k in trained if k.startswith("te")]
-    path = run.paths.output / f"{name}.safetensors"
+    path = run.paths.lora(name)
     # The family knows its version strings (SD2's follow the prediction type); the run knows the rest.
     metadata = {**bundle.family.metadata(bundle),
                 **training_metadata(config, data, started_at=run.started_at, step=step, epoch=epoch,
@@ -54,7 +55,7 @@ def write_lora(name: str, *, step: int, epoch: int, max_steps: int, config: Trai
                   f"for Forge (which refuses a LoRA with more than {FORGE_UNMATCHED_LIMIT} keys it cannot match).",
                   step=step, path=str(forge))
     if vectors:
-        folder = run.paths.output / f"{name}_embeddings"
+        folder = run.paths.embeddings(name)
         files = write_embedding_files(folder, vectors, bundle.family, dtype)
         run.event(events.EXPORTED, f"Wrote the new tokens' embeddings into {path.name} (bundle_emb, which A1111 "
                   f"reads) and as {', '.join(f'{folder.name}/{p.name}' for p in files)} (A1111, Forge and ComfyUI's "
@@ -64,7 +65,7 @@ def write_lora(name: str, *, step: int, epoch: int, max_steps: int, config: Trai
 
         # The run's own output folder: a later export of this run (resume, early stopping's next best)
         # replaces its earlier one, file by file through a rename, never a file outside the run.
-        folder = run.paths.output / f"{name}_diffusers"
+        folder = run.paths.diffusers_lora(name)
         written = export_diffusers_lora(folder, unet, encoders, bundle.family, overwrite=True)
         run.event(events.EXPORTED, f"Wrote diffusers-format LoRA {folder.name}/{written.name} at step {step}.",
                   step=step, path=str(written))

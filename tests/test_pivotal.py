@@ -238,7 +238,8 @@ def test_the_new_token_learns_the_concept_on_the_toy_base(toy_base, tmp_path, on
 
 # ---- what the WebUIs read ---------------------------------------------------------------------------------------
 def webui_bundled_embeddings(lora: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """A1111's rule for embeddings bundled in a LoRA (extensions-builtin/Lora/networks.py, load_network), re-stated:
+    """A1111's rule for embeddings bundled in a LoRA (extensions-builtin/Lora/networks.py, load_network; read at
+    AUTOMATIC1111/stable-diffusion-webui 1.10, added in 1.7.0 by PR #13568), re-stated:
     a key is split at its first '.', the part before must be 'bundle_emb'; the rest splits at its first '.' into the
     embedding's name and its vector name; 'string_to_param.<k>' becomes {'string_to_param': {k: tensor}}."""
     found: dict[str, dict] = {}

@@ -290,8 +290,8 @@ def run_export(checkpoint: Path, name: str | None) -> int:
     try:  # checked before any model loads, in the export's own words
         verify_checkpoint(checkpoint)
     except CheckpointError as exc:
-        raise ConfigError([f"Cannot export {checkpoint.name}: {str(exc).rstrip('.')}. Export another checkpoint "
-                           f"of the run ({checkpoint.parent})."]) from None
+        raise ConfigError([f"Cannot export: {exc.clause()}; export another checkpoint of the "
+                           "run."]) from None  # the reason names the checkpoint folder
     from .train.loop import export, resume  # the engine (diffusers, peft) loads only when the input is good
     from .train.outcome import RunFailed, is_disk_full
     from .train.setup import setup

@@ -479,3 +479,32 @@ def test_the_export_command_writes_every_file_the_run_writes_for_a_step_and_no_u
         if path.suffix == ".safetensors":  # the same tensors (the metadata holds the time of writing)
             again, final = load_file(exported[part]), load_file(path)
             assert again.keys() == final.keys() and all(torch.equal(again[k], final[k]) for k in final), part
+
+
+def test_an_export_that_fails_halfway_leaves_nothing_of_its_own_and_can_be_run_again(tmp_path, monkeypatch):
+    """The export places its files one by one: a full disk at the words' folder removes the LoRA it had placed
+    already (so 'run the same export again' is not refused as 'already exists'), and never touches a user's file."""
+    import errno
+
+    from stabletune_core import cli
+
+    made, output = tmp_path / "scratch", tmp_path / "output"
+    (made / "at2_embeddings").mkdir(parents=True)
+    output.mkdir()
+    for path in (made / "at2.safetensors", made / "at2-ema.safetensors", made / "at2_embeddings" / "p1.safetensors"):
+        path.write_bytes(path.name.encode())
+    (output / "mine.safetensors").write_bytes(b"the user's")
+    written = [made / "at2.safetensors", made / "at2-ema.safetensors", made / "at2_embeddings"]
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copytree", full_disk)
+    with pytest.raises(OSError):
+        cli.place_exported(written, output)
+    assert sorted(p.name for p in output.iterdir()) == ["mine.safetensors"]  # no temporaries either
+    monkeypatch.undo()
+    cli.place_exported(written, output)
+    assert (output / "at2_embeddings" / "p1.safetensors").read_bytes() == b"p1.safetensors"
+    assert sorted(p.name for p in output.iterdir()) == ["at2-ema.safetensors", "at2.safetensors", "at2_embeddings",
+                                                        "mine.safetensors"]

@@ -272,8 +272,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def run_export(checkpoint: Path, name: str | None) -> int:
     """Rebuild the run's model in a scratch run directory (so the real run's status, config and events stay
-    as they are), load the checkpoint, and place the LoRA next to the run's other outputs."""
-    import shutil
+    as they are), load the checkpoint, and place the LoRA next to the run's other outputs, with every file the run
+    writes beside it for a step (its EMA, Forge file, words, diffusers folder); a name of the user's is never
+    replaced."""
     import tempfile
 
     from .runs.layout import RunPaths, step_lora_name
@@ -290,9 +291,8 @@ def run_export(checkpoint: Path, name: str | None) -> int:
     try:  # checked before any model loads, in the export's own words
         verify_checkpoint(checkpoint)
     except CheckpointError as exc:
-        raise ConfigError([f"Cannot export {checkpoint.name}: {str(exc).rstrip('.')}. Export another checkpoint "
-                           f"of the run ({checkpoint.parent})."]) from None
-    from .atomic import atomic_path
+        raise ConfigError([f"Cannot export: {exc.clause()}; export another checkpoint of the "
+                           "run."]) from None  # the reason names the checkpoint folder
     from .train.loop import export, resume  # the engine (diffusers, peft) loads only when the input is good
     from .train.outcome import RunFailed, is_disk_full
     from .train.setup import setup
@@ -305,20 +305,50 @@ def run_export(checkpoint: Path, name: str | None) -> int:
         resume(session)
         name = name or step_lora_name(config.output_name, session.state.step)
         target = paths.lora(name)
-        if target.exists():
+        if target.exists():  # refused before the export's minutes, when the main file's name is taken
             raise ConfigError([f"{target} already exists; pass --name to write the LoRA under another name."])
-        target.parent.mkdir(parents=True, exist_ok=True)
+        made = session.run.paths.output
+        before = set(made.iterdir())
         try:
-            written = export(session, name)
-            with atomic_path(target) as tmp:  # whole or not at all: a full disk leaves no truncated LoRA to refuse
-                shutil.copyfile(written, tmp)
+            export(session, name)
+            # Everything the run itself writes for a step: NAME-ema, NAME_forge, NAME_embeddings/, NAME_diffusers/.
+            written = sorted(set(made.iterdir()) - before, key=lambda p: p != made / target.name)  # the LoRA first
+            if taken := next((paths.output / p.name for p in written if (paths.output / p.name).exists()), None):
+                raise ConfigError([f"{taken} already exists; pass --name to write the LoRA under another name."])
+            others = [p.name + ("/" if p.is_dir() else "") for p in written[1:]]
+            paths.output.mkdir(parents=True, exist_ok=True)
+            place_exported(written, paths.output)
         except Exception as exc:
             if not is_disk_full(exc):
                 raise
             raise RunFailed(f"The disk is full: the LoRA could not be written to {target.parent} (nothing was left "
                             "there); free some space and run the same export again.") from None
     print(f"LoRA written to {target}")
+    if others:
+        print(f"Beside it: {', '.join(others)}")
     return 0
+
+
+def place_exported(written: list[Path], output: Path) -> None:
+    """Copy the export's files and folders into the run's `output`, each whole or not at all (atomic_path); when
+    one fails, the ones this export already placed are removed again, so that the same export can be retried."""
+    import shutil
+
+    from .atomic import atomic_path
+
+    placed: list[Path] = []
+    try:
+        for source in written:
+            with atomic_path(output / source.name, folder=source.is_dir()) as tmp:
+                if source.is_dir():
+                    shutil.copytree(source, tmp, dirs_exist_ok=True)
+                else:
+                    shutil.copyfile(source, tmp)
+            placed.append(output / source.name)
+    except BaseException:
+        for path in placed:  # only what this export made a moment ago: the names were free before it
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        raise
 
 
 def run_resize(path: Path, rank: int | None, energy: float | None) -> int:

@@ -248,7 +248,7 @@ def test_corrupt_resume_checkpoint_is_refused_before_the_model_loads(tiny_model,
     (unloadable / "model_index.json").write_text((tiny_model / "model_index.json").read_text())
     before = user_files()
     result = train(base_flags(unloadable, shapes_dataset, tmp_path / "run") + ["--resume", str(checkpoint)])
-    sentence = assert_failed(result, tmp_path / "run", "Cannot resume from", code=1, before=before,
+    sentence = assert_failed(result, tmp_path / "run", "Cannot resume: checkpoint", code=1, before=before,
                              after=user_files())
     assert "sha256" in sentence and "Could not load" not in result.stderr  # refused before the model load
     assert tree_hash(checkpoint) == mine

@@ -86,7 +86,7 @@ def test_the_readme_host_table_says_what_the_matrix_says():
             column = next(c for c in row if c.startswith(host.split()[0]))
             assert row[column].startswith("yes" if reason is None else "no"), (kind, host, row[column])
         if kind != "lora":  # the ComfyUI builds that first load every layer of a LyCORIS-named file
-            assert "2026-01" in row[next(c for c in row if c.startswith("ComfyUI"))], kind
+            assert "PR #11997" in row[next(c for c in row if c.startswith("ComfyUI"))], kind
     lokr_diffusers = rows["lokr"][next(c for c in rows["lokr"] if c.startswith("diffusers"))]
     assert all(name in lokr_diffusers for name in TOP_LEVEL)  # the top-level targets load too
     assert declared_loads("lokr", list(TOP_LEVEL), "diffusers")
@@ -112,7 +112,7 @@ def test_a_klein_loha_run_says_where_its_file_does_not_load_in_its_last_lines(pa
     assert last[0].startswith("LoRA written to"), done.stdout[-2000:]
     assert any(line.startswith("host: This LoHa file does not load in diffusers") and "0.42.1" in line
                for line in last), last
-    assert any(line.startswith("host: This LoHa file loads in ComfyUI") and "2026-01" in line for line in last), last
+    assert any(line.startswith("host: This LoHa file loads in ComfyUI") and "PR #11997" in line for line in last), last
 
 
 def test_a_klein_lokr_on_top_level_modules_is_one_module_per_layer_for_inspect(paths, tmp_path, capsys):
@@ -140,4 +140,26 @@ def test_the_ui_check_names_the_limit_for_a_detected_klein_before_start(paths, s
                   output_dir=str(tmp_path / "run"), network_type="loha", resolution=64)
     problems, notes = validate(values, sys.executable)
     assert any(n.startswith("This LoHa file does not load in diffusers") for n in notes), (problems, notes)
-    assert any("2026-01" in n for n in notes)
+    assert any("PR #11997" in n for n in notes)
+
+
+@pytest.mark.parametrize("kind", ["dora", "loha", "lokr"])
+def test_comfyui_builds_before_its_prs_skip_exactly_the_layers_hosts_py_names(kind, paths, tmp_path):
+    """The version claim of config/hosts.py against ComfyUI's key table (tests/test_flux2_lora.py comfy_key_map):
+    without PR #11997 only the MLP layers of an attention+MLP file go unmapped, without PR #11981 also the single
+    blocks'; a plain LoRA (BFL names) maps in full either way."""
+    from test_flux2_lora import comfy_base, comfy_key_map, comfy_module_names
+
+    from stabletune_core.config.hosts import COMFYUI_LYCORIS_SINCE
+
+    base, bfl = comfy_base(paths)
+    _, file = written_file(paths, kind, LORA_PRESETS["attention_mlp"], tmp_path)
+    names = comfy_module_names(read_keys(file))
+    skipped = {pr: names - comfy_key_map(bfl, base.inner_dim, before_pr=pr).keys() for pr in (11981, 11997)}
+    assert not names - comfy_key_map(bfl, base.inner_dim).keys()
+    assert skipped[11997] and all(re.search(r"ff(_context)?[._]linear_(in|out)$", n) for n in skipped[11997])
+    singles = skipped[11981] - skipped[11997]
+    assert singles and all("single_transformer_blocks" in n for n in singles)
+    assert "PR #11997" in COMFYUI_LYCORIS_SINCE and "PR #11981" in COMFYUI_LYCORIS_SINCE
+    _, lora = written_file(paths, "lora", LORA_PRESETS["attention_mlp"], tmp_path)
+    assert not comfy_module_names(read_keys(lora)) - comfy_key_map(bfl, base.inner_dim, before_pr=11981).keys()

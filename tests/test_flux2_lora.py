@@ -5,7 +5,8 @@ what the trained one did.
 diffusers is installed: its real loader reads our files. ComfyUI's rules are re-stated here independently (as
 tests/test_export_keys.py does for SD), from comfy/lora.py (model_lora_keys_unet: ``lora_unet_`` + the checkpoint
 key, and for Flux models ``lycoris_`` / ``transformer.`` + the diffusers path through utils.flux_to_diffusers,
-which maps q, k, v onto thirds of the fused qkv weight) and comfy/weight_adapter (lora: alpha / rank x up @ down,
+which maps q, k, v onto thirds of the fused qkv weight; read at Comfy-Org/ComfyUI ec93dcacb96b and b3be02d6e766,
+see comfy_key_map) and comfy/weight_adapter (lora: alpha / rank x up @ down,
 DoRA normalised per input channel of the patched slice; loha; lokr): the patched checkpoint must compute what our
 adapted model computes.
 """
@@ -159,37 +160,71 @@ def test_metadata_names_klein(paths, tmp_path):
 
 
 # ---- ComfyUI's rules, re-stated ----------------------------------------------------------------------------------
-def comfy_key_map(bfl_keys, hidden):
-    """{LoRA module name: (checkpoint key, (dim, start, length) or None)}: comfy/lora.py model_lora_keys_unet for a
-    Flux2 model (whose checkpoint keys are the BFL ones) and comfy/utils.py flux_to_diffusers."""
+def comfy_key_map(bfl_keys, hidden, before_pr: int | None = None):
+    """{LoRA module name: (checkpoint key, (dim, start, length) or None)}, as ComfyUI builds it for a Flux2 model
+    (whose checkpoint keys are the BFL ones). Read at Comfy-Org/ComfyUI ec93dcacb96b (comfy/lora.py,
+    model_lora_keys_unet: every checkpoint weight as ``lora_unet_`` + its key with '_' and as its bare key; for
+    ``model_base.Flux`` each utils.flux_to_diffusers entry as ``transformer.`` / ``lycoris_`` /
+    ``lora_transformer_`` / bare + the diffusers path, and ``.linear1_qkv``) and b3be02d6e766 (comfy/utils.py,
+    flux_to_diffusers: the single blocks' ``attn.to_qkv_mlp_proj`` / ``attn.to_out`` came with PR #11981, 2026-01-20,
+    the double blocks' ``ff.linear_in`` / ``ff.linear_out`` / ``ff_context.*`` with PR #11997, opened 2026-01-21).
+    Only .weight entries matter here; a target the checkpoint lacks is ComfyUI's "NOT LOADED" (see the caller).
+    `before_pr`: the table of a build before that pull request (11981 or 11997) was merged."""
+    diffusers = {}  # flux_to_diffusers' .weight entries, diffusers path -> (BFL key, slice or None)
+    blocks = {int(m[1]) for k in bfl_keys if (m := re.match(r"double_blocks\.(\d+)\.", k))}
+    singles = {int(m[1]) for k in bfl_keys if (m := re.match(r"single_blocks\.(\d+)\.", k))}
+    double_map = {"attn.to_out.0": "img_attn.proj", "norm1.linear": "img_mod.lin",
+                  "norm1_context.linear": "txt_mod.lin", "attn.to_add_out": "txt_attn.proj", "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
+                  "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
+                  "ff.linear_in": "img_mlp.0", "ff.linear_out": "img_mlp.2",  # PR #11997 ("LyCoris LoKr")
+                  "ff_context.linear_in": "txt_mlp.0", "ff_context.linear_out": "txt_mlp.2",
+                  "attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+                  "attn.norm_added_q": "txt_attn.norm.query_norm", "attn.norm_added_k": "txt_attn.norm.key_norm"}
+    if before_pr is not None and before_pr <= 11997:
+        double_map = {k: v for k, v in double_map.items() if ".linear_" not in k}
+    for i in blocks:
+        for j, p in enumerate("qkv"):
+            diffusers[f"transformer_blocks.{i}.attn.to_{p}"] = (f"double_blocks.{i}.img_attn.qkv.weight",
+                                                               (0, j * hidden, hidden))
+            diffusers[f"transformer_blocks.{i}.attn.add_{p}_proj"] = (f"double_blocks.{i}.txt_attn.qkv.weight",
+                                                                     (0, j * hidden, hidden))
+        for ours, theirs in double_map.items():
+            diffusers[f"transformer_blocks.{i}.{ours}"] = (f"double_blocks.{i}.{theirs}.weight", None)
+    single_map = {"norm.linear": "modulation.lin", "proj_out": "linear2", "attn.norm_q": "norm.query_norm",
+                  "attn.norm_k": "norm.key_norm",
+                  "attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2"}  # PR #11981 ("Flux 2")
+    if before_pr is not None and before_pr <= 11981:
+        del single_map["attn.to_qkv_mlp_proj"], single_map["attn.to_out"]
+    for i in singles:
+        for j, p in enumerate("qkv"):  # FLUX.1's unfused names, slices of linear1
+            diffusers[f"single_transformer_blocks.{i}.attn.to_{p}"] = (f"single_blocks.{i}.linear1.weight",
+                                                                      (0, j * hidden, hidden))
+        diffusers[f"single_transformer_blocks.{i}.proj_mlp"] = (f"single_blocks.{i}.linear1.weight",
+                                                               (0, 3 * hidden, 4 * hidden))
+        for ours, theirs in single_map.items():
+            diffusers[f"single_transformer_blocks.{i}.{ours}"] = (f"single_blocks.{i}.{theirs}.weight", None)
+    # MAP_BASIC (its swap_scale_shift entry norm_out.linear is left out: our files never adapt it)
+    for ours, theirs in {"proj_out": "final_layer.linear", "x_embedder": "img_in", "context_embedder": "txt_in",
+                         "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",  # FLUX.1's names only
+                         "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+                         "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+                         "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+                         "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+                         "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+                         "controlnet_x_embedder": "pos_embed_input"}.items():
+        diffusers[ours] = (f"{theirs}.weight", None)
     key_map = {}
     for key in bfl_keys:
         if key.endswith(".weight"):
             key_map["lora_unet_" + key[:-len(".weight")].replace(".", "_")] = (key, None)
-    thirds = {"to_q": 0, "to_k": 1, "to_v": 2, "add_q_proj": 0, "add_k_proj": 1, "add_v_proj": 2}
-    whole = {"attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj", "ff.linear_in": "img_mlp.0",
-             "ff.linear_out": "img_mlp.2", "ff_context.linear_in": "txt_mlp.0", "ff_context.linear_out": "txt_mlp.2"}
-    single = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2"}
-    diffusers = {}
-    for key in bfl_keys:
-        if m := re.fullmatch(r"double_blocks\.(\d+)\.(img|txt)_attn\.qkv\.weight", key):
-            for proj, i in thirds.items():
-                if (proj.startswith("add_")) == (m[2] == "txt"):
-                    diffusers[f"transformer_blocks.{m[1]}.attn.{proj}"] = (key, (0, i * hidden, hidden))
-        elif m := re.fullmatch(r"double_blocks\.(\d+)\.(.+)\.weight", key):
-            for ours, theirs in whole.items():
-                if theirs == m[2]:
-                    diffusers[f"transformer_blocks.{m[1]}.{ours}"] = (key, None)
-        elif m := re.fullmatch(r"single_blocks\.(\d+)\.(linear[12])\.weight", key):
-            for ours, theirs in single.items():
-                if theirs == m[2]:
-                    diffusers[f"single_transformer_blocks.{m[1]}.{ours}"] = (key, None)
-    # MAP_BASIC: the top-level modules under their diffusers names (FLUX.1's time_text_embed, which FLUX.2 lacks)
-    diffusers.update({"x_embedder": ("img_in.weight", None), "context_embedder": ("txt_in.weight", None),
-                      "proj_out": ("final_layer.linear.weight", None)})
+            key_map[key[:-len(".weight")]] = (key, None)  # "generic lora format"
     for path, target in diffusers.items():
-        key_map["lycoris_" + path.replace(".", "_")] = target
-        key_map["transformer." + path] = target
+        for name in ("transformer." + path, "lycoris_" + path.replace(".", "_"),
+                     "lora_transformer_" + path.replace(".", "_"), path):
+            key_map[name] = target
+    for key in bfl_keys:
+        if key.endswith(".weight") and ".linear1." in key:
+            key_map[key.replace(".linear1.weight", ".linear1_qkv")] = (key, (0, 0, hidden * 3))
     return key_map
 
 
@@ -216,17 +251,29 @@ def comfy_delta(tensors, name, weight):
     return patched
 
 
-def comfy_patched_transformer(paths, tensors):
-    """The tiny base checkpoint (BFL keys, as ComfyUI holds it) patched by the file's modules, back in diffusers."""
+def comfy_module_names(tensors) -> set[str]:
+    """The module names of a LoRA / LyCORIS file (its keys without the weight parts)."""
+    return {re.sub(r"\.(lora_[AB]\.weight|lora_(up|down)\.weight|alpha|dora_scale|hada_\w+|lokr_\w+)$", "", k)
+            for k in tensors}
+
+
+def comfy_base(paths):
+    """The tiny base transformer and its checkpoint under BFL keys, as ComfyUI holds it."""
     from diffusers import Flux2Transformer2DModel
 
     base = Flux2Transformer2DModel.from_pretrained(str(paths["folder"]), subfolder="transformer")
-    bfl = transformer_to_bfl(base.state_dict())
+    return base, transformer_to_bfl(base.state_dict())
+
+
+def comfy_patched_transformer(paths, tensors):
+    """The tiny base checkpoint (BFL keys, as ComfyUI holds it) patched by the file's modules, back in diffusers."""
+    base, bfl = comfy_base(paths)
     key_map = comfy_key_map(bfl, hidden=base.inner_dim)
-    names = {re.sub(r"\.(lora_[AB]\.weight|lora_(up|down)\.weight|alpha|dora_scale|hada_\w+|lokr_\w+)$", "", k)
-             for k in tensors}
+    names = comfy_module_names(tensors)
     unmapped = names - key_map.keys()
-    assert not unmapped, f"ComfyUI would not load {sorted(unmapped)[:3]}"
+    assert not unmapped, f"ComfyUI would not load {sorted(unmapped)[:3]}"  # its 'lora key not loaded'
+    absent = {name for name in names if key_map[name][0] not in bfl}
+    assert not absent, f"ComfyUI would not load {sorted(absent)[:3]}"  # its 'NOT LOADED': no such weight
     patched = {k: v.clone() for k, v in bfl.items()}
     for name in names:
         key, offset = key_map[name]

@@ -248,7 +248,8 @@ def test_the_new_token_learns_the_concept_on_the_toy_base(toy_base, tmp_path, on
 
 # ---- what the WebUIs read ---------------------------------------------------------------------------------------
 def webui_bundled_embeddings(lora: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """A1111's rule for embeddings bundled in a LoRA (extensions-builtin/Lora/networks.py, load_network), re-stated:
+    """A1111's rule for embeddings bundled in a LoRA (extensions-builtin/Lora/networks.py, load_network; read at
+    AUTOMATIC1111/stable-diffusion-webui 1.10, added in 1.7.0 by PR #13568), re-stated:
     a key is split at its first '.', the part before must be 'bundle_emb'; the rest splits at its first '.' into the
     embedding's name and its vector name; 'string_to_param.<k>' becomes {'string_to_param': {k: tensor}}."""
     found: dict[str, dict] = {}
@@ -451,3 +452,69 @@ def test_sdxl_pools_at_the_end_token_not_at_a_new_token(tmp_path):
     assert torch.equal(before, after)  # a prompt without the new word pools as before
     got, expected = pooled("a <p1> circle")
     assert torch.allclose(got, expected)
+
+
+def test_the_export_command_writes_every_file_the_run_writes_for_a_step_and_no_users_file(tiny_config,
+                                                                                           token_dataset, one_thread):
+    """Issue 37 left: the export copied only NAME.safetensors out of its scratch folder; the EMA's file, the words'
+    folder, Forge's file and the diffusers folder were lost. 13 SD words: past Forge's limit, so a _forge file."""
+    from stabletune_core import cli
+    from stabletune_core.train.loop import train
+
+    words = [f"<p{i}>={w}" for i, w in enumerate(["red", "dog", "blue", "cat", "green", "car", "tree", "house",
+                                                  "sky", "man", "woman", "water", "sun"], 1)]
+    run = Path(tiny_config(train_data_dir=str(token_dataset)).output_dir)
+    train(tiny_config(train_data_dir=str(token_dataset), max_train_steps=2, save_steps=2, pivotal_tokens=words,
+                      ema_decay=0.9, export_diffusers_format=True, **COMMON))
+    output = run / "output"
+
+    def files(stem: str) -> dict[str, Path]:  # the step's files by their name after the stem
+        return {str(p.relative_to(output))[len(stem):]: p for p in sorted(output.glob(f"{stem}*"))
+                for p in ([p] if p.is_file() else sorted(p.rglob("*")))}
+
+    by_run = files("lora")
+    assert {"-ema.safetensors", "_forge.safetensors", "-ema_forge.safetensors", "_embeddings/p1.safetensors",
+            "_diffusers/pytorch_lora_weights.safetensors"} <= by_run.keys()
+    user_file = output / "at2_embeddings"
+    user_file.mkdir()
+    (user_file / "mine.txt").write_text("the user's")
+    assert cli.main(["export", str(run / "checkpoints" / "step_000002"), "--name", "at2"]) == 2
+    assert sorted(p.name for p in output.iterdir() if p.name.startswith("at2")) == ["at2_embeddings"]
+    assert [p.name for p in user_file.iterdir()] == ["mine.txt"]
+    shutil.rmtree(user_file)
+    assert cli.main(["export", str(run / "checkpoints" / "step_000002"), "--name", "at2"]) == 0
+    exported = files("at2")
+    assert exported.keys() == by_run.keys()
+    for part, path in by_run.items():
+        if path.suffix == ".safetensors":  # the same tensors (the metadata holds the time of writing)
+            again, final = load_file(exported[part]), load_file(path)
+            assert again.keys() == final.keys() and all(torch.equal(again[k], final[k]) for k in final), part
+
+
+def test_an_export_that_fails_halfway_leaves_nothing_of_its_own_and_can_be_run_again(tmp_path, monkeypatch):
+    """The export places its files one by one: a full disk at the words' folder removes the LoRA it had placed
+    already (so 'run the same export again' is not refused as 'already exists'), and never touches a user's file."""
+    import errno
+
+    from stabletune_core import cli
+
+    made, output = tmp_path / "scratch", tmp_path / "output"
+    (made / "at2_embeddings").mkdir(parents=True)
+    output.mkdir()
+    for path in (made / "at2.safetensors", made / "at2-ema.safetensors", made / "at2_embeddings" / "p1.safetensors"):
+        path.write_bytes(path.name.encode())
+    (output / "mine.safetensors").write_bytes(b"the user's")
+    written = [made / "at2.safetensors", made / "at2-ema.safetensors", made / "at2_embeddings"]
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copytree", full_disk)
+    with pytest.raises(OSError):
+        cli.place_exported(written, output)
+    assert sorted(p.name for p in output.iterdir()) == ["mine.safetensors"]  # no temporaries either
+    monkeypatch.undo()
+    cli.place_exported(written, output)
+    assert (output / "at2_embeddings" / "p1.safetensors").read_bytes() == b"p1.safetensors"
+    assert sorted(p.name for p in output.iterdir()) == ["at2-ema.safetensors", "at2.safetensors", "at2_embeddings",
+                                                        "mine.safetensors"]

@@ -28,9 +28,17 @@ KLEIN_SUPPORT: dict[str, dict[str, str | None]] = {
              "diffusers 0.42": "diffusers 0.42.1 refuses a FLUX.2 LoHa file (no diffusers release loads one yet)"},
     "lokr": {"ComfyUI": None, "diffusers 0.42": None},
 }
-#: ComfyUI builds before its FLUX.2 LyCORIS key table grew (2026-01) map only the double blocks' attention layers of
-#: a DoRA / LoHa / LoKr file: the single blocks' and the MLP layers are skipped with a warning.
-COMFYUI_LYCORIS_SINCE = "ComfyUI builds from 2026-01 load every layer of it (older ones skip the single blocks' and MLP layers)"
+#: ComfyUI maps a LyCORIS-named (DoRA / LoHa) or ``transformer.<path>`` (LoKr) Klein file through its
+#: comfy/utils.py flux_to_diffusers table (read at Comfy-Org/ComfyUI b3be02d6e766, comfy/lora.py at ec93dcacb96b).
+#: FLUX.1's double-block attention names were always there; FLUX.2's single blocks (attn.to_qkv_mlp_proj,
+#: attn.to_out) came with PR #11981 (2026-01-20; issue #11926 shows them missing on 2026-01-17) and the double
+#: blocks' MLP layers (ff.linear_in / ff.linear_out, ff_context.*) with PR #11997 (opened 2026-01-21; on 2026-01-26,
+#: issue #12084, it was still applied by hand). The merge commits and the first release with each could not be
+#: established: the index keeps single versions of those files, not their history, and the repository (1.2 GB) is
+#: over the fetch limit. Older builds skip the layers they cannot map with a 'lora key not loaded' warning.
+#: A plain Klein LoRA (BFL names, ``lora_unet_``) maps in every ComfyUI that runs FLUX.2.
+COMFYUI_LYCORIS_SINCE = ("builds with PR #11997 (opened 2026-01-21) load every layer of it; older ones skip its MLP "
+                         "layers, and builds before PR #11981 (2026-01-20) its single blocks too")
 
 
 def adapter_kind(network_type: str, use_dora: bool) -> str:

@@ -78,8 +78,8 @@ def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
     if out.exists() and not out.is_dir():
         problems.append(f"Output path {out} is a file; choose a folder for the run.")
     elif not probe.is_dir():
-        problems.append(f"Output folder {out} cannot be created: {probe} is a file, not a folder; choose another "
-                        "output_dir.")
+        problems.append(f"Output folder {out} cannot be created: {probe.name} on its way is a file, not a folder; "
+                        "choose another output_dir.")
     elif not os.access(probe, os.W_OK):
         problems.append(f"Cannot write to {probe}; choose an output folder you own.")
     else:
@@ -96,14 +96,15 @@ def _output_inside(out: Path, folder: Path | None, folder_words: str, consequenc
         return []
     out, folder = out.resolve(), folder.resolve()
     if out == folder or out.is_relative_to(folder):
-        where = f"is the {folder_words}" if out == folder else f"is inside the {folder_words} {folder}"
+        where = f"is the {folder_words}" if out == folder else f"is inside the {folder_words}"  # its path is in out's
         return [f"output_dir {out} {where}{consequence}; choose an output folder outside it."]
     return []
 
 
 def output_inside_dataset(out: Path, data: Path | None) -> list[str]:
     """A run folder in the dataset would feed the run's own samples back as training images on resume."""
-    return _output_inside(out, data, "dataset folder", ", so the run's samples would become training images")
+    return _output_inside(out, data, "dataset folder",
+                          " (train_data_dir), so the run's samples would become training images")
 
 
 def output_inside_reg_dir(out: Path, reg: Path | None) -> list[str]:
@@ -111,12 +112,6 @@ def output_inside_reg_dir(out: Path, reg: Path | None) -> list[str]:
     images on the next run."""
     return _output_inside(out, reg, "regularisation folder",
                           " (reg_data_dir), so the run's files would land among the class images")
-    out, reg = out.resolve(), reg.resolve()
-    if out == reg or out.is_relative_to(reg):
-        where = "is the regularisation folder" if out == reg else f"is inside the regularisation folder {reg}"
-        return [f"output_dir {out} {where} (reg_data_dir), so the run's files would land among the class images; "
-                "choose an output folder outside it."]
-    return []
 
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")

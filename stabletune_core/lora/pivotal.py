@@ -265,7 +265,7 @@ def word_loading_lines(tokens: list[str], sdxl: bool, lora_name: str, *, forge_f
     folder = f"{lora_name}_embeddings"
     forge_lora = f"{lora_name}{FORGE_FILE_SUFFIX}.safetensors" if forge_file else f"{lora_name}.safetensors"
     lines = [
-        f"A1111: loading {lora_name}.safetensors brings {words} (bundled); write them in the prompt as trained.",
+        f"A1111 1.7+: loading {lora_name}.safetensors brings {words} (bundled); write them in the prompt as trained.",
         f"Forge: it never reads bundled words: copy {folder}/{files} into its embeddings folder and write {stems} in "
         f"the prompt; load {forge_lora} as the LoRA" + (" (the bundled file has more than "
                                                          f"{FORGE_UNMATCHED_LIMIT} word tensors, which Forge refuses)."

@@ -30,6 +30,12 @@ class CheckpointError(RuntimeError):
 
     reason: str = ""  # the bare cause (e.g. "No space left on device") for sentences built around it
 
+    def clause(self) -> str:
+        """The message as a clause inside a caller's sentence ("cannot resume: checkpoint ... lacks state.pt"): it
+        names the checkpoint folder, so the caller does not name it again."""
+        text = str(self).rstrip(".")
+        return text[:1].lower() + text[1:]
+
 
 @dataclass
 class Checkpoint:

@@ -123,8 +123,11 @@ def find_resume_checkpoint(config: TrainConfig, report: Any) -> Checkpoint | Non
         try:
             checkpoint = load_checkpoint(path)
         except (CheckpointError, RuntimeError, OSError, ValueError) as exc:
-            raise RunFailed(f"Cannot resume from {path}: {str(exc).rstrip('.')}. Choose another checkpoint folder, "
-                            "or --resume auto for the newest good one.") from None
+            # a CheckpointError names the folder itself; an OSError's text would name the file again
+            why = (exc.clause() if isinstance(exc, CheckpointError)
+                   else f"checkpoint {path} cannot be read ({getattr(exc, 'strerror', None) or exc})")
+            raise RunFailed(f"Cannot resume: {why.rstrip('.')}; choose another checkpoint folder, or --resume auto "
+                            "for the newest good one.") from None
     else:
         parent = RunWriter(config.output_dir, enabled=False).paths.checkpoints
         bad: list[str] = []

@@ -174,10 +174,11 @@ def _word_lines(config: TrainConfig, lora: Path) -> list[str]:
     if not config.pivotal_tokens:
         return []
     from .config.tokens import parse_tokens
-    from .lora.pivotal import FORGE_FILE_SUFFIX, word_loading_lines
+    from .lora.pivotal import word_loading_lines
+    from .runs.layout import LORA_SUFFIX, forge_name
 
     tokens = [t.token for t in parse_tokens(config.pivotal_tokens)]
-    forge_file = lora.with_name(f"{lora.stem}{FORGE_FILE_SUFFIX}.safetensors").is_file()
+    forge_file = lora.with_name(forge_name(lora.stem) + LORA_SUFFIX).is_file()
     return word_loading_lines(tokens, _run_family(config) == "sdxl", lora.stem, forge_file=forge_file)
 
 
@@ -187,7 +188,7 @@ def _run_family(config: TrainConfig) -> str | None:
 
     try:
         return family_name(config)
-    except Exception:  # noqa: BLE001  (a model that moved since the run started: the lines below are a courtesy)
+    except (OSError, ValueError):  # a model moved or broken since the run: these lines are a courtesy
         return None
 
 

@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     m.set_defaults(handler=memory)
 
     d = commands.add_parser("demo-assets", help="Build (once) and print the demo model and dataset paths.")
-    d.add_argument("--family", default="sd1", help="Whose toy base: sd1 or flux2_klein.")
-    d.add_argument("--concept", default="colour", help="What the demo learns: colour or shape.")
+    d.add_argument("--family", required=True, help="Whose toy base: sd1 or flux2_klein.")
+    d.add_argument("--concept", required=True, help="What the demo learns: colour or shape.")
     d.set_defaults(handler=demo_assets)
 
     args = parser.parse_args(argv)

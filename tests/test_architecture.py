@@ -644,13 +644,16 @@ def never_called(sources: dict[Path, str], defining: list[Path]) -> list[str]:
     from collections import Counter
 
     mentions = Counter(word for text in sources.values() for word in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text))
+    # Methods that a library's base class calls by name (nn.Module.extra_repr, autograd.Function.backward, ...)
+    library_hooks = {name for base in (torch.nn.Module, torch.autograd.Function) for name in dir(base)}
     unreached = []
     for path in defining:
         for node in ast.parse(sources[path]).body:
             members = [node]
             if isinstance(node, ast.ClassDef):
                 members += [sub for sub in node.body if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef))
-                            and not sub.name.startswith("__") and not sub.decorator_list]
+                            and not sub.name.startswith("__") and not sub.decorator_list
+                            and sub.name not in library_hooks]
             for member in members:
                 if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
                         mentions[member.name] <= 1:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..config.tokens import PivotalToken, parse_tokens
+from ..runs.layout import LORA_SUFFIX, embeddings_name, forge_name
 
 #: Keys of a checkpoint's adapter.safetensors that hold the new rows, one per text encoder: "pivotal.te0", ...
 CHECKPOINT_PREFIX = "pivotal"
@@ -247,7 +248,6 @@ def embedding_file_name(token: str) -> str:
 #: this many of its keys match no layer ("LoRA version mismatch"); `bundle_emb.*` keys match none, and Forge never
 #: reads them as words (its loaded_bundle_embeddings stays empty).
 FORGE_UNMATCHED_LIMIT = 12
-FORGE_FILE_SUFFIX = "_forge"
 
 
 def forge_refuses_bundle(bundle: dict[str, torch.Tensor]) -> bool:
@@ -262,10 +262,10 @@ def word_loading_lines(tokens: list[str], sdxl: bool, lora_name: str, *, forge_f
     words = ", ".join(tokens)
     files = ", ".join(f"{embedding_file_name(t)}.safetensors" for t in tokens)
     stems = ", ".join(embedding_file_name(t) for t in tokens)
-    folder = f"{lora_name}_embeddings"
-    forge_lora = f"{lora_name}{FORGE_FILE_SUFFIX}.safetensors" if forge_file else f"{lora_name}.safetensors"
+    folder = embeddings_name(lora_name)
+    forge_lora = f"{forge_name(lora_name) if forge_file else lora_name}{LORA_SUFFIX}"
     lines = [
-        f"A1111 1.7+: loading {lora_name}.safetensors brings {words} (bundled); write them in the prompt as trained.",
+        f"A1111 1.7+: loading {lora_name}{LORA_SUFFIX} brings {words} (bundled); write them in the prompt as trained.",
         f"Forge: it never reads bundled words: copy {folder}/{files} into its embeddings folder and write {stems} in "
         f"the prompt; load {forge_lora} as the LoRA" + (" (the bundled file has more than "
                                                          f"{FORGE_UNMATCHED_LIMIT} word tensors, which Forge refuses)."

@@ -106,6 +106,17 @@ def best_name(name: str) -> str:
     return f"{name}_best"
 
 
+def forge_name(name: str) -> str:
+    """The LoRA without its bundled words, for Forge (pivotal tuning with more words than Forge accepts):
+    NAME_forge."""
+    return f"{name}_forge"
+
+
+def embeddings_name(name: str) -> str:
+    """The folder of pivotal tuning's new tokens beside NAME: NAME_embeddings."""
+    return f"{name}_embeddings"
+
+
 def step_lora_name(name: str, step: int) -> str:
     """A LoRA of one step: NAME_stepNNNNNN (`export` of a checkpoint)."""
     return f"{name}_step{step:06d}"
@@ -247,7 +258,7 @@ class RunPaths:
 
     def embeddings(self, name: str) -> Path:
         """RUN/output/NAME_embeddings/: pivotal tuning's new tokens, one embedding file each."""
-        return self.output / f"{name}_embeddings"
+        return self.output / embeddings_name(name)
 
     def loras(self) -> list[Path]:
         """Every LoRA file in RUN/output, oldest first."""

@@ -13,10 +13,10 @@ import torch
 from ..config import PATH_KNOBS, TrainConfig
 from ..data.examples import DatasetView
 from ..lora.export import export_kohya_lora, write_embedding_files
-from ..lora.pivotal import (FORGE_FILE_SUFFIX, FORGE_UNMATCHED_LIMIT, PivotalTokens, bundle_tensors,
-                             forge_refuses_bundle)
+from ..lora.pivotal import FORGE_UNMATCHED_LIMIT, PivotalTokens, bundle_tensors, forge_refuses_bundle
 from ..models.base import ModelBundle
 from ..runs import events
+from ..runs.layout import forge_name
 from ..runs.writer import RunWriter
 from .amp import precision_dtype
 from .ranks import Ranks
@@ -48,7 +48,7 @@ def write_lora(name: str, *, step: int, epoch: int, max_steps: int, config: Trai
                              overwrite=True)  # RUN/output is this run's own: prepare_run_dir moved any other aside
     run.event(events.EXPORTED, f"Wrote LoRA {path.name} at step {step}.", step=step, path=str(path))
     if forge_refuses_bundle(words):  # Forge refuses a file with so many unmatched keys: give it one without them
-        forge = export_kohya_lora(run.paths.output / f"{name}{FORGE_FILE_SUFFIX}.safetensors", unet, encoders,
+        forge = export_kohya_lora(run.paths.lora(forge_name(name)), unet, encoders,
                                   bundle.family, rank=config.lora_rank, alpha=config.effective_lora_alpha,
                                   metadata=metadata, dtype=dtype, overwrite=True)
         run.event(events.EXPORTED, f"Wrote {forge.name}, the LoRA without its {len(words)} bundled word tensors, "

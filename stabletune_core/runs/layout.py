@@ -62,19 +62,23 @@ def run_of_sampling(folder: Path) -> Path:
 
 
 def sample_prompts(folder: Path) -> Path:
-    """A sampling folder's prompts.json."""
+    """A sampling folder's prompts.json: the prompts and seeds of its images."""
     return Path(folder) / SAMPLE_PROMPTS_FILE
 
 
 def checkpoint_manifest(folder: Path) -> Path:
+    """A checkpoint's manifest.json: the sha256 of each of its files, checked before a resume uses it."""
     return Path(folder) / CHECKPOINT_MANIFEST
 
 
 def checkpoint_adapter(folder: Path) -> Path:
+    """A checkpoint's adapter.safetensors: the trained weights (and pivotal tuning's new rows)."""
     return Path(folder) / CHECKPOINT_ADAPTER
 
 
 def checkpoint_state(folder: Path) -> Path:
+    """A checkpoint's state.pt: optimizer, scheduler, scaler, EMA, RNG and data position (tensors and plain
+    values only, loaded with weights_only)."""
     return Path(folder) / CHECKPOINT_STATE
 
 
@@ -137,38 +141,47 @@ class RunPaths:
 
     @property
     def config(self) -> Path:
+        """The frozen, fully resolved config of the run (what `--config` resumes from)."""
         return self.root / "config.toml"
 
     @property
     def status(self) -> Path:
+        """The heartbeat: state, step, pid, ETA and the last error, replaced whole (runs/states.py names the states)."""
         return self.root / "status.json"
 
     @property
     def metrics(self) -> Path:
+        """One JSON object per logged step: loss, learning rate, gradient norm, memory, seconds a step."""
         return self.root / "metrics.jsonl"
 
     @property
     def events(self) -> Path:
+        """What the guards did and why, one JSON object a line (runs/events.py names the kinds)."""
         return self.root / "events.jsonl"
 
     @property
     def control(self) -> Path:
+        """The UI's commands to the engine: stop, save now, sample now, pause, resume (runs/states.py)."""
         return self.root / "control.json"
 
     @property
     def samples(self) -> Path:
+        """Validation images, one step_NNNNNN folder per sampling, the same prompts and seeds each time."""
         return self.root / "samples"
 
     @property
     def diagnostics(self) -> Path:
+        """The observers' records: spectra, activation statistics, validation loss, warnings, per-image losses."""
         return self.root / "diagnostics"
 
     @property
     def checkpoints(self) -> Path:
+        """One step_NNNNNN folder per checkpoint: adapter, optimizer and RNG state, manifest with sha256."""
         return self.root / "checkpoints"
 
     @property
     def output(self) -> Path:
+        """The LoRA files the run exports (and their EMA, best, Forge, diffusers and embedding companions)."""
         return self.root / "output"
 
     @property
@@ -178,6 +191,7 @@ class RunPaths:
 
     @property
     def tensorboard(self) -> Path:
+        """TensorBoard event files (report_to tensorboard)."""
         return self.root / "tensorboard"
 
     @property
@@ -206,22 +220,27 @@ class RunPaths:
 
     @property
     def spectra(self) -> Path:
+        """LoRA singular-value spectra over the run."""
         return self.diagnostics / SPECTRA_FILE
 
     @property
     def activations(self) -> Path:
+        """LoRA output statistics on a fixed probe."""
         return self.diagnostics / ACTIVATIONS_FILE
 
     @property
     def val_loss(self) -> Path:
+        """The deterministic validation loss and its noise bands."""
         return self.diagnostics / VAL_LOSS_FILE
 
     @property
     def warnings(self) -> Path:
+        """The diagnostics' warnings (rank collapse, exploding activations, ...)."""
         return self.diagnostics / WARNINGS_FILE
 
     @property
     def image_losses(self) -> Path:
+        """Per-image losses of each step: the doctor's ranking of images the LoRA cannot fit."""
         return self.diagnostics / IMAGE_LOSSES_FILE
 
     @property
@@ -232,12 +251,15 @@ class RunPaths:
                 self.checkpoints, self.output, self.cache, self.tensorboard, self.grids, self.traceback)
 
     def checkpoint(self, step: int) -> Path:
+        """RUN/checkpoints/step_NNNNNN: the checkpoint of one step."""
         return self.checkpoints / step_folder_name(step)
 
     def sample_dir(self, step: int) -> Path:
+        """RUN/samples/step_NNNNNN: the validation images of one sampling, with its prompts.json."""
         return self.samples / step_folder_name(step)
 
     def sample_image(self, step: int, prompt_index: int, seed: int) -> Path:
+        """One validation image: pPROMPT_sSEED.png in its sampling's folder."""
         return self.sample_dir(step) / sample_image_name(prompt_index, seed)
 
     def checkpoint_folders(self) -> list[Path]:
@@ -269,3 +291,31 @@ class RunPaths:
     def aside(self, stamp: str) -> Path:
         """Where --overwrite_output_dir moves an earlier run: RUN/previous-<stamp>."""
         return self.root / f"previous-{stamp}"
+
+
+def run_folder_map() -> list[str]:
+    """The run folder as docs/ARCHITECTURE.md shows it, one line a name: RUN/... and the first sentence of what
+    RunPaths says it holds (the listings and helpers that name no new place are left out)."""
+    import inspect
+
+    paths = RunPaths(Path("RUN"))
+    examples = {"step": 100, "name": "NAME", "prompt_index": 0, "seed": 1000, "stamp": "STAMP"}
+    places = []
+    for attribute, member in vars(RunPaths).items():
+        if attribute.startswith("_") or attribute in ("artefacts", "loras", "checkpoint_folders", "sample_folders"):
+            continue
+        getter = member.fget if isinstance(member, property) else member
+        if callable(getter):
+            arguments = [examples[p] for p in list(inspect.signature(getter).parameters)[1:]]
+            places.append((getter(paths, *arguments), getter))
+    step_checkpoint, sampling = paths.checkpoint(100), paths.sample_dir(100)
+    places += [(helper(step_checkpoint), helper) for helper in (checkpoint_adapter, checkpoint_state,
+                                                                checkpoint_manifest)]
+    places.append((sample_prompts(sampling), sample_prompts))
+    rows = []
+    for where, getter in sorted(places, key=lambda place: place[0].parts):
+        doc = (inspect.getdoc(getter) or "").split("\n\n")[0].replace("\n", " ")
+        doc = doc.split(": ", 1)[1] if doc.startswith(("RUN/", "A checkpoint's", "A sampling")) and ": " in doc \
+            else doc
+        rows.append(f"{where.as_posix()}{'/' if not where.suffix else ''}  {doc[:1].upper()}{doc[1:]}")
+    return rows

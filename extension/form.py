@@ -19,7 +19,7 @@ UNSET = "(default)"
 ERROR_CLASS = "stabletune-field-error"  # red frame and text (style.css)
 WARNING_CLASS = "stabletune-field-warning"  # amber: valid, but probably not what was meant
 
-# Fields whose values come in multiples (config.py refuses a resolution that is not a multiple of 8), and floats
+# Fields whose values come in multiples (stabletune_core.config refuses a resolution that is not a multiple of 8), and floats
 # whose useful steps are finer than their default's magnitude suggests (a decay of 0.999 moves by 0.001).
 STEP_OVERRIDES = {"resolution": 8, "bucket_step": 8, "min_bucket_reso": 8, "max_bucket_reso": 8,
                   "ema_decay": 0.001, "adam_beta1": 0.01, "adam_beta2": 0.001}
@@ -196,7 +196,7 @@ class Form:
         """Each problem next to its field, shown as an error (red frame and text, ⚠); each warning as a warning
         (amber, it does not block); other fields get their doc back.
 
-        Problems start with the field name (config.py's contract); the first matching name wins.
+        Problems start with the field name (stabletune_core.config's contract); the first matching name wins.
         """
         by_field = self.problem_fields(problems)
         warned = self.problem_fields(warnings)
@@ -214,7 +214,7 @@ class Form:
         return [one(n) for n in self.names]
 
 
-# pydantic's own words (what config.py passes on for a value it has no sentence of its own for) -> advice.
+# pydantic's own words (what stabletune_core.config passes on for a value it has no sentence of its own for) -> advice.
 _PLAIN_WORDS = [
     (re.compile(r" is None: Input should be a valid (number|integer)[^.]*\."),
      lambda m: " is empty: enter a " + ("whole number." if m.group(1) == "integer" else "number.")),

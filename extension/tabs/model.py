@@ -22,7 +22,7 @@ GROUP_TITLES = {"model": "Model", "data": "Data & captions", "lora": "LoRA", "op
                 "precision": "Precision & memory", "guards": "Guards (NaN, OOM, clipping)",
                 "validation": "Validation images", "diagnostics": "Diagnostics", "output": "Checkpoints & output"}
 OPEN_GROUPS = ("lora", "optimization")
-# The form's own grouping where the engine's (config.py) groups by implementation: the loss regularisers
+# The form's own grouping where the engine's (stabletune_core/config) groups by implementation: the loss regularisers
 # sit together, after Optimization.
 GROUP_TITLES["regularisation"] = "Regularisation (noise offset, min-SNR, perceptual loss)"
 REGULARISERS = ("noise_offset", "snr_gamma", "perceptual_")

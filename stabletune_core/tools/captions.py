@@ -24,7 +24,7 @@ from ..cache import cache_root
 
 class CaptionEditError(ValueError):
     """A bulk change or undo that cannot be done as asked; the message is one sentence. (Not ConfigError:
-    config.py needs pydantic 2, which a WebUI host's UI process may lack.)"""
+    stabletune_core.config needs pydantic 2, which a WebUI host's UI process may lack.)"""
 
 
 def add_parser(commands: Any) -> None:

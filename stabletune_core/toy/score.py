@@ -29,7 +29,7 @@ CORE_SATURATION = 0.55  # the object's hue is read on its core: edge pixels blen
 CORNER_PATCH = 0.2  # a corner patch is this fraction of the bounding box's width and height
 CENTRE_PATCH = 0.3  # the centre patch: a ring's hole
 #: (fill, corner fill, top corners minus bottom corners, centre fill) of each shape as world.py draws it,
-#: measured on the drawn images (tests/test_toy_score.py); an object is the shape whose prototype is nearest.
+#: measured on the drawn images (tests/test_toy_judge.py); an object is the shape whose prototype is nearest.
 SHAPE_PROTOTYPES = {"square": (1.0, 1.0, 0.0, 1.0), "circle": (0.78, 0.11, 0.0, 1.0),
                     "triangle": (0.57, 0.45, -0.9, 1.0), "ring": (0.55, 0.11, 0.0, 0.0)}
 

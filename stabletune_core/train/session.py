@@ -108,7 +108,7 @@ class Session:
 
 
 class SessionView:
-    """The `GuardView` (guards/base.py) and `ObserverView` (observers.py) of a live session: read-only, read when
+    """The `GuardView` (guards/base.py) and `ObserverView` (observers/base.py) of a live session: read-only, read when
     asked."""
 
     __slots__ = ("_s", "_step")

@@ -24,7 +24,7 @@ from ..guards.verdicts import Event
 
 
 class ObserverView(Protocol):
-    """What an observer may look at. The loop's implementation reads the live session (session.RunView)."""
+    """What an observer may look at. The loop's implementation reads the live session (session.SessionView)."""
 
     @property
     def step(self) -> int: ...  # optimizer steps taken

@@ -1,6 +1,6 @@
 """`report_to = tensorboard`: the loop's metrics and validation images as TensorBoard event files.
 
-An ordinary observer (observers.py): it gets each metrics line the loop logs and the validation images it makes,
+An ordinary observer (observers/base.py): it gets each metrics line the loop logs and the validation images it makes,
 writes them under RUN/tensorboard and never decides anything. Open the files with
 `tensorboard --logdir RUN/tensorboard`.
 """

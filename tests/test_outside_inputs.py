@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from test_failures import ROOT, TIMEOUT, assert_failed, base_flags, environment, status, train, tree_hash
+from test_failures_features import finished_run  # noqa: F401  (a fixture: a finished 3-step run)
 
 LONG_STEM = "あ" * 83  # 249 bytes of UTF-8: with .png 253, under the 255-byte limit; with .mask.png 258, over it
 
@@ -64,12 +65,6 @@ def test_an_image_named_near_the_name_limit_trains_and_the_doctor_says_where_its
 
 
 # ---- item 11: export on a full disk -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def finished_run(tiny_model: Path, shapes_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("finished") / "run"
-    result = train(base_flags(tiny_model, shapes_dataset, run) + ["--save_steps", "2"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run
 
 
 # The copy into RUN/output meets a full disk half-way: the first half of the bytes reach the file, then ENOSPC (as

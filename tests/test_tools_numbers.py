@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from flux2_tools import one_sentence
 from stabletune_core.cli import main
 from stabletune_core.tools.merge import merge_loras, parse_weighted
-from tests.test_tools_merge import bases, deltas, trained_lora  # noqa: F401  (bases: a fixture)
+from tests.test_tools_merge import bases, deltas, merge_then_extract, trained_lora  # noqa: F401  (bases: a fixture)
 
 RESNET = ["conv1", "conv2", "time_emb_proj", "conv_shortcut"]
 
@@ -23,12 +23,7 @@ def test_extract_with_conv_rank_takes_every_resnet_layer(bases, tmp_path, one_th
     _, lora = trained_lora("sd1", "lora", tmp_path / "resnet.safetensors", seed=7, targets=["to_q", *RESNET])
     want = deltas(lora)
     assert any("time_emb_proj" in n for n in want) and any("conv_shortcut" in n for n in want)
-    tuned = tmp_path / "tuned.safetensors"
-    assert main(["merge", "--model", str(single), "--model_config_dir", str(folder), "--lora", str(lora),
-                 "--output", str(tuned)]) == 0
-    extracted = tmp_path / "extracted.safetensors"
-    assert main(["extract", "--base", str(single), "--tuned", str(tuned), "--model_config_dir", str(folder),
-                 "--rank", "4", "--conv_rank", "4", "--output", str(extracted), "--save_precision", "fp32"]) == 0
+    extracted = merge_then_extract(single, folder, lora, tmp_path)
     got = deltas(extracted)
     missing = sorted(set(want) - set(got))
     assert not missing, f"left out: {missing}"

@@ -63,14 +63,14 @@ def main() -> None:
     print("| SDXL UNet | " + " | ".join(f"{unet[st]:,} ({unet[st] / GIB:.2f} GiB)" for st in STORAGES) + " | - |")
     print("\nEstimated training peak per plan (GiB): bf16, gradient checkpointing, text cached, batch 1, rank 16:\n")
     print("| variant | resolution | base storage | blocks swapped | weights on GPU | activations | total "
-          "| fits 8 / 12 / 16 GiB |")
-    print("|---|---:|---|---:|---:|---:|---:|---|")
+          "| set-up (caching, Qwen3 in the base's storage) | fits 8 / 12 / 16 GiB |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|")
     for variant, res, storage, swapped in PLANS:
         e = estimate_training_memory(variant, precision="bf16", gradient_checkpointing=True, resolution=res,
                                      base_storage=storage, blocks_to_swap=swapped)
         fits = " / ".join("yes" if e.fits(g) else "no" for g in (8, 12, 16))
         print(f"| {variant.upper()} | {res} | {storage} | {swapped} | {e.weights / GIB:.2f} | "
-              f"{e.activations / GIB:.2f} | {e.total_gib:.1f} | {fits} |")
+              f"{e.activations / GIB:.2f} | {e.total_gib:.1f} | {e.setup / GIB:.1f} | {fits} |")
     print("\nEstimated training peak (GiB), LoRA preset 'attention', AdamW:\n")
     print("| variant | precision | grad. ckpt | batch | resolution | rank | text cached | weights | LoRA+optim "
           "| activations | overhead | total | fits 12 / 16 / 24 GiB |")

@@ -76,10 +76,10 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     family = family_name(config) if config.pretrained_model_name_or_path or config.model_family != "auto" else "auto"
     if family != "flux2_klein":
         return {"memory": None, "gib": None}
-    from .models.flux2_memory import config_memory_sentence
+    from .models.flux2_memory import GIB, config_memory_sentence
 
     sentence, estimate = config_memory_sentence(config)
-    return {"memory": sentence, "gib": round(estimate.total_gib, 2)}
+    return {"memory": sentence, "gib": round(estimate.peak / GIB, 2)}
 
 
 def demo_assets(args: argparse.Namespace) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ConfigError
-from .flux2_memory import MemoryEstimate, config_memory_sentence, klein_sizes, variant_of
+from .flux2_memory import GIB, MemoryEstimate, config_memory_sentence, klein_sizes, variant_of
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def plan_memory(config: Any) -> MemoryPlan:
                 continue
             planned = config.model_copy(update=update)
             sentence, estimate = config_memory_sentence(planned)
-            if smallest is None or estimate.total < smallest[0].total:
+            if smallest is None or estimate.peak < smallest[0].peak:
                 smallest = (estimate, update)
             if estimate.fits(budget):
                 return MemoryPlan(update, estimate, _sentence(budget, update, sentence))
@@ -88,7 +88,7 @@ def plan_memory(config: Any) -> MemoryPlan:
         batch, accumulation = batch // 2, accumulation * 2
     estimate, update = smallest
     raise ConfigError([f"vram_gb {budget:g} is below anything this run fits in: the smallest plan "
-                         f"({_describe(update) or 'the settings as given'}) needs about {estimate.total_gib:.1f} GiB; "
+                         f"({_describe(update) or 'the settings as given'}) needs about {estimate.peak / GIB:.1f} GiB; "
                          "lower resolution or lora_rank, or leave more knobs to the plan."])
 
 

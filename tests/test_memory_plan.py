@@ -132,6 +132,7 @@ def test_the_caches_are_built_before_the_denoiser_is_placed(tmp_path_factory, sh
     assert at_caching == [["AutoencoderKLFlux2", "Qwen3ForCausalLM"]]  # the transformer is not there yet
     assert on_device == ["Flux2Transformer2DModel"]  # encoders back on the CPU, then the transformer placed
     assert type(session.bundle.unet).__name__ == "Flux2Transformer2DModel"
+    assert not [e for e in RunReader(tmp_path / "run").events() if e.get("kind") == "memory_plan"]  # CPU: no plan
 
 
 # ---- item 3: the plan ------------------------------------------------------------------------------------------------
@@ -164,6 +165,25 @@ def test_what_the_user_set_is_kept_and_an_impossible_budget_is_one_sentence(tmp_
     (sentence,) = caught.value.problems
     assert sentence.startswith("vram_gb 2 is below anything") and "smallest plan (" in sentence
     assert "GiB" in sentence and one_sentence(sentence.replace("; ", " "))
+
+
+def test_without_vram_gb_the_plan_is_for_the_cards_free_memory_less_a_margin(tmp_path):
+    """On CUDA the free bytes torch.cuda.mem_get_info reports, less 0.5 GiB, are the budget; a CPU (no free bytes to
+    measure) gets no plan."""
+    from stabletune_core.models.memory_plan import MEASURED_MARGIN_BYTES, measured_budget
+
+    assert MEASURED_MARGIN_BYTES == GIB // 2
+    assert measured_budget(None) is None  # a CPU run: no plan, nothing said
+    assert measured_budget(12 * GIB) == 11.5 and measured_budget(GIB // 4) == 0
+    nine = released("9b", tmp_path)
+    plan = plan_memory(klein_config(nine), measured_budget(int(11.9 * GIB)))  # a 12 GB card, its desktop's share used
+    assert plan.estimate.fits(11.4) and plan.update["base_storage"] == "int8" and plan.update["blocks_to_swap"] > 0
+    assert plan.sentence.startswith("Memory plan for 11.4 GiB (the GPU's free memory less a 0.5 GiB margin;")
+    with pytest.raises(ConfigError) as caught:
+        plan_memory(klein_config(nine), measured_budget(3 * GIB))
+    (sentence,) = caught.value.problems
+    assert sentence.startswith("The GPU's free memory less a 0.5 GiB margin (2.5 GiB) is below anything")
+    assert "vram_gb" not in sentence and one_sentence(sentence.replace("; ", " "))
 
 
 def test_sd_runs_have_no_plan_yet():

@@ -29,7 +29,7 @@ from ..lora.layers import run_lora_layers
 from ..lora.pivotal import add_pivotal_tokens, pivotal_problems
 from ..models.base import ModelBundle
 from ..models.loading import family_name, load_model
-from ..models.memory_plan import plan_memory
+from ..models.memory_plan import free_device_bytes, measured_budget, plan_memory
 from ..models.quantize import quantise_linear_layers, storage_problem, stored_bytes
 from ..runs import events
 from ..runs.earlier import earlier_run
@@ -171,7 +171,10 @@ def setup(config: TrainConfig) -> Session:
     # configuration" when this came after them)
     prepare_run_dir(config)
     config = config.model_copy(update=family_defaults(config, family))
-    plan = plan_memory(config) if config.vram_gb else None  # vram_gb: the knobs it chose go into config.toml
+    # vram_gb, or on a CUDA card its free memory (Klein only: the SD families have no memory model yet); the knobs the
+    # plan chose go into config.toml
+    measured = None if config.vram_gb or family != "flux2_klein" else measured_budget(free_device_bytes())
+    plan = plan_memory(config, measured) if config.vram_gb or measured is not None else None
     if plan is not None:
         config = config.model_copy(update=plan.update)
     random_seed = draw_seed(config)
@@ -206,7 +209,8 @@ def setup(config: TrainConfig) -> Session:
     for note in config.notes():
         run.event(events.CONFIG, note)
     if plan is not None:
-        run.event(events.MEMORY_PLAN, plan.sentence, console=True, vram_gb=config.vram_gb, chosen=plan.update,
+        run.event(events.MEMORY_PLAN, plan.sentence, console=True, vram_gb=config.vram_gb or measured,
+                  measured=not config.vram_gb, chosen=plan.update,
                   estimate_bytes=plan.estimate.peak)
     if problem := storage_problem(config.base_storage, ranks.device):  # before any model loads
         raise ConfigError([problem])

@@ -61,8 +61,8 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         from .models.loading import family_name
 
         problems = family_problems(config, family_name(config))
-    if not problems and args.write:
-        config.save_toml(args.write)
+    if not problems and args.write:  # the UI's form on a host without pydantic 2 (launch.write_run_config)
+        config.save_form_toml(args.write)
     return {"problems": problems, "config": config.model_dump(mode="json"), "notes": config.notes()}
 
 

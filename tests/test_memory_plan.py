@@ -186,6 +186,30 @@ def test_without_vram_gb_the_plan_is_for_the_cards_free_memory_less_a_margin(tmp
     assert "vram_gb" not in sentence and one_sentence(sentence.replace("; ", " "))
 
 
+def test_a_config_from_the_ui_form_leaves_the_plans_knobs_to_it(tmp_path, shapes_dataset):
+    """The UI's form sends every knob and launch.write_run_config writes the run's config.toml from it: the plan's
+    knobs at their defaults are left out, so the engine reading it counts them as not set and the plan chooses them;
+    one the user moved off its default is kept; the file reads back as the same config."""
+    from stabletune_core.launch import write_run_config
+    from stabletune_core.runs.layout import RunPaths
+
+    nine = released("9b", tmp_path)
+    (nine / "model_index.json").write_text("{}")
+    for name, chosen in (("defaults", {}), ("nf4", {"base_storage": "nf4"})):
+        form = build_config(dict(model_family="flux2_klein", pretrained_model_name_or_path=str(nine),
+                                 train_data_dir=str(shapes_dataset), output_dir=str(tmp_path / name),
+                                 resolution=1024, vram_gb=12, **chosen))
+        values = {k: v for k, v in form.model_dump(mode="json").items() if v is not None}  # every knob, as sent
+        read_back = TrainConfig.from_toml(RunPaths(write_run_config(values)).config)
+        assert read_back.model_dump() == form.model_dump()
+        plan = plan_memory(read_back)
+        assert plan.estimate.fits(12) and plan.update["cache_text_embeddings"]
+        if chosen:  # the user's nf4 is kept (9.3 GiB: no block swapped)
+            assert "base_storage" not in plan.update and read_back.base_storage == "nf4"
+        else:
+            assert plan.update["base_storage"] == "int8" and plan.update["blocks_to_swap"] > 0
+
+
 def test_sd_runs_have_no_plan_yet():
     with pytest.raises((ConfigError, ValueError)) as caught:
         build_config(dict(model_family="sdxl", pretrained_model_name_or_path="x", train_data_dir="y", vram_gb=6))

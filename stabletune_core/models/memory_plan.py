@@ -93,7 +93,7 @@ def plan_memory(config: Any, measured_gib: float | None = None) -> MemoryPlan:
     measured = not config.vram_gb
     source = config.pretrained_model_name_or_path
     blocks = klein_sizes(variant_of(source) or "4b").blocks
-    smallest: tuple[MemoryEstimate, dict[str, Any]] | None = None
+    smallest: tuple[MemoryEstimate, dict[str, Any], str] | None = None
     batch, accumulation = config.train_batch_size, config.gradient_accumulation_steps
     while True:
         for rung in _rungs(config, blocks):
@@ -106,15 +106,16 @@ def plan_memory(config: Any, measured_gib: float | None = None) -> MemoryPlan:
             planned = config.model_copy(update=update)
             sentence, estimate = config_memory_sentence(planned)
             if smallest is None or estimate.peak < smallest[0].peak:
-                smallest = (estimate, update)
+                smallest = (estimate, update, sentence)
             if estimate.fits(budget):
                 return MemoryPlan(update, estimate, _sentence(budget, update, sentence, measured))
         if batch <= 1 or "train_batch_size" in config.model_fields_set:
             break
         batch, accumulation = batch // 2, accumulation * 2
-    estimate, update = smallest
-    what = f"The GPU's free memory less a 0.5 GiB margin ({budget:.1f} GiB)" if measured else f"vram_gb {budget:g}"
-    raise ConfigError([f"{what} is below anything this run fits in: the smallest plan "
+    estimate, update, sentence = smallest
+    if measured:  # a model, not a measurement: the run the user asked for is tried, never refused on an estimate
+        return MemoryPlan(update, estimate, _sentence(budget, update, sentence, measured, fits=False))
+    raise ConfigError([f"vram_gb {budget:g} is below anything this run fits in: the smallest plan "
                          f"({_describe(update) or 'the settings as given'}) needs about {estimate.peak / GIB:.1f} GiB; "
                          "lower resolution or lora_rank, or leave more knobs to the plan."])
 
@@ -136,9 +137,13 @@ def _describe(update: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _sentence(budget: float, update: dict[str, Any], estimate_sentence: str, measured: bool) -> str:
+def _sentence(budget: float, update: dict[str, Any], estimate_sentence: str, measured: bool, *,
+              fits: bool = True) -> str:
     chosen = _describe(update)
     how = f"chose {chosen}" if chosen else "the settings fit as given"
+    if not fits:
+        how = ("nothing fits by the estimate, so the smallest plan is tried (the out-of-memory guard backs off if a "
+               f"step does not fit): {chosen or 'the settings as given'}")
     card = f"{budget:.1f} GiB (the GPU's free memory less a 0.5 GiB margin; --vram_gb plans for another)" \
         if measured else f"{budget:g} GiB"
     return f"Memory plan for {card}: {how}. {estimate_sentence}"

@@ -63,14 +63,15 @@ def main() -> None:
     print("| SDXL UNet | " + " | ".join(f"{unet[st]:,} ({unet[st] / GIB:.2f} GiB)" for st in STORAGES) + " | - |")
     print("\nEstimated training peak per plan (GiB): bf16, gradient checkpointing, text cached, batch 1, rank 16:\n")
     print("| variant | resolution | base storage | blocks swapped | weights on GPU | activations | total "
-          "| fits 8 / 12 / 16 GiB |")
-    print("|---|---:|---|---:|---:|---:|---:|---|")
+          "| set-up (caching, Qwen3 in the base's storage) | fits 8 / 12 / 16 GiB |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|")
     for variant, res, storage, swapped in PLANS:
         e = estimate_training_memory(variant, precision="bf16", gradient_checkpointing=True, resolution=res,
                                      base_storage=storage, blocks_to_swap=swapped)
         fits = " / ".join("yes" if e.fits(g) else "no" for g in (8, 12, 16))
         print(f"| {variant.upper()} | {res} | {storage} | {swapped} | {e.weights / GIB:.2f} | "
-              f"{e.activations / GIB:.2f} | {e.total_gib:.1f} | {fits} |")
+              f"{e.activations / GIB:.2f} | {e.total_gib:.1f} | {e.setup / GIB:.1f} | {fits} |")
+    sdxl_table()
     print("\nEstimated training peak (GiB), LoRA preset 'attention', AdamW:\n")
     print("| variant | precision | grad. ckpt | batch | resolution | rank | text cached | weights | LoRA+optim "
           "| activations | overhead | total | fits 12 / 16 / 24 GiB |")
@@ -82,6 +83,22 @@ def main() -> None:
         print(f"| {variant.upper()} | {precision} | {'on' if ckpt else 'off'} | {batch} | {res} | {rank} | "
               f"{'yes' if cached else 'no'} | {e.weights / GIB:.2f} | {e.lora / GIB:.2f} | {e.activations / GIB:.2f} "
               f"| {e.overhead / GIB:.2f} | {e.total_gib:.1f} | {fits} |")
+
+
+def sdxl_table() -> None:
+    """SDXL's estimate per plan (models/sdxl_memory.py: activations from the real UNet's forward on fake tensors)."""
+    from stabletune_core.models.sdxl_memory import estimate_sdxl_training_memory
+
+    print("\nSDXL estimated training peak (GiB): bf16, text cached, batch 1, rank 16, SD attention targets:\n")
+    print("| resolution | base storage | grad. ckpt | weights on GPU | activations | total | set-up (caching) "
+          "| fits 6 / 8 / 12 GiB |")
+    print("|---:|---|---|---:|---:|---:|---:|---|")
+    for res, storage, ckpt in ((1024, "full", False), (1024, "full", True), (1024, "int8", False),
+                               (1024, "int8", True), (1024, "nf4", True), (768, "int8", True), (512, "full", True)):
+        e = estimate_sdxl_training_memory(resolution=res, base_storage=storage, gradient_checkpointing=ckpt)
+        fits = " / ".join("yes" if e.fits(g) else "no" for g in (6, 8, 12))
+        print(f"| {res} | {storage} | {'on' if ckpt else 'off'} | {e.weights / GIB:.2f} | {e.activations / GIB:.2f} "
+              f"| {e.total_gib:.1f} | {e.setup / GIB:.1f} | {fits} |")
 
 
 def sdxl_unet_bytes() -> dict[str, int]:

@@ -75,7 +75,8 @@ def ask_engine(command: list[str], engine_python: str = sys.executable, *, stdin
 
 
 def write_run_config(config: Any, engine_python: str = sys.executable) -> Path:
-    """Validate `config` (a TrainConfig, a dict of values or a TOML path) and write RUN/config.toml.
+    """Validate `config` (a TrainConfig, a dict of values or a TOML path) and write RUN/config.toml (values: only
+    the knobs that differ from the defaults, TrainConfig.save_form_toml).
 
     In-process when this interpreter has pydantic 2 (the standalone app), otherwise through the engine's
     Python. Returns the run directory; raises LaunchError with the problems.
@@ -90,7 +91,7 @@ def write_run_config(config: Any, engine_python: str = sys.executable) -> Path:
     except ImportError:
         return _write_via_engine(values, engine_python)
     paths = RunPaths(Path(built.output_dir).expanduser())
-    built.save_toml(paths.config)
+    built.save_form_toml(paths.config)  # the form sends every knob: only the changed ones count as set (vram_gb)
     return paths.root
 
 

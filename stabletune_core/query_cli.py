@@ -61,8 +61,8 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         from .models.loading import family_name
 
         problems = family_problems(config, family_name(config))
-    if not problems and args.write:
-        config.save_toml(args.write)
+    if not problems and args.write:  # the UI's form on a host without pydantic 2 (launch.write_run_config)
+        config.save_form_toml(args.write)
     return {"problems": problems, "config": config.model_dump(mode="json"), "notes": config.notes()}
 
 
@@ -76,13 +76,13 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     family = family_name(config) if config.pretrained_model_name_or_path or config.model_family != "auto" else "auto"
     if family != "flux2_klein":
         return {"memory": None, "gib": None}
-    from .models.flux2_memory import UnknownSize, config_memory_sentence
+    from .models.flux2_memory import GIB, UnknownSize, config_memory_sentence
 
     try:
         sentence, estimate = config_memory_sentence(config)
     except UnknownSize as exc:
         return {"memory": str(exc), "gib": None}
-    return {"memory": sentence, "gib": round(estimate.total_gib, 2)}
+    return {"memory": sentence, "gib": round(estimate.peak / GIB, 2)}
 
 
 def demo_assets(args: argparse.Namespace) -> dict[str, Any]:

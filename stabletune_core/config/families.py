@@ -58,6 +58,9 @@ _FLOW_ONLY = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow
               "text_encoder_path", "vae_path", "tokenizer_path", "blocks_to_swap", "vram_gb")
 #: Knobs of how FLUX.2 Klein's transformer is kept in memory (block swap, the memory plan: not for the SD UNets yet).
 MEMORY_KNOBS = ("blocks_to_swap", "vram_gb")
+#: The knobs the memory plan (models/memory_plan.py) may choose when the user left them alone.
+PLAN_KNOBS = ("cache_text_embeddings", "mixed_precision", "gradient_checkpointing", "base_storage", "blocks_to_swap",
+              "train_batch_size", "gradient_accumulation_steps")
 #: Knobs of how FLUX.2 Klein encodes its prompts, handed to the family's load() by these names (a set one only).
 TEXT_KNOBS = ("max_sequence_length",)
 #: The knobs naming a model's separate files (the family's load() takes them by these names minus "_path").

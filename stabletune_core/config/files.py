@@ -17,12 +17,24 @@ from .schema import ConfigError, TrainConfigSchema
 
 
 class TrainConfig(TrainConfigSchema):
-    def to_toml(self) -> str:
-        return tomli_w.dumps({k: v for k, v in self.model_dump().items() if v is not None})
+    def to_toml(self, *, leave_out: tuple[str, ...] = ()) -> str:
+        return tomli_w.dumps({k: v for k, v in self.model_dump().items() if v is not None and k not in leave_out})
 
     def save_toml(self, path: Path | str) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, self.to_toml())
+
+    def save_form_toml(self, path: Path | str) -> None:
+        """A config from the UI's form, which sends every knob: the knobs the memory plan chooses (PLAN_KNOBS) are
+        left out where they hold their default, so the engine reading the file back counts them as not set by the
+        user and vram_gb may choose them (written, every knob counted as set and the UI's runs got no plan). The
+        same config (a missing knob is its default); one chosen at its default value counts as left to the plan.
+        The engine rewrites the file whole, every knob, once the run is resolved."""
+        from .families import PLAN_KNOBS
+
+        defaults = {name: type(self).model_fields[name].default for name in PLAN_KNOBS}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, self.to_toml(leave_out=tuple(n for n in PLAN_KNOBS if getattr(self, n) == defaults[n])))
 
     @classmethod
     def from_toml(cls, path: Path | str, **overrides: Any) -> "TrainConfig":

@@ -14,6 +14,9 @@ What it counts, at the training step's peak:
   tokens (max_sequence_length, 512 by default); with gradient checkpointing only each block's input is kept, plus one block recomputed at a time;
   attention through PyTorch SDPA (flash or memory-efficient kernels: no token x token matrix);
 * 0.8 GiB for the CUDA context and workspaces, and 5 % for allocator fragmentation.
+
+The set-up's peak is counted beside it (`MemoryEstimate.setup`; `fits` wants both within the card): text embeddings
+are cached with Qwen3 (in the base's storage) and the VAE on the device, before the transformer is placed there.
 """
 from __future__ import annotations
 
@@ -143,6 +146,7 @@ class MemoryEstimate:
     lora: int  # LoRA weights, gradients and optimizer state
     activations: int
     overhead: int  # CUDA context and fragmentation
+    setup: int = 0  # the set-up's peak: caching with the VAE and Qwen3 on the device, the transformer not yet there
 
     @property
     def total(self) -> int:
@@ -152,8 +156,13 @@ class MemoryEstimate:
     def total_gib(self) -> float:
         return self.total / GIB
 
+    @property
+    def peak(self) -> int:
+        """The larger of the training step's peak and the set-up's (what the card must hold)."""
+        return max(self.total, self.setup)
+
     def fits(self, gib: float) -> bool:
-        return self.total <= gib * GIB
+        return self.peak <= gib * GIB
 
 
 def estimate_training_memory(variant: str = "4b", *, precision: str = "bf16", gradient_checkpointing: bool = True,
@@ -175,13 +184,17 @@ def estimate_training_memory(variant: str = "4b", *, precision: str = "bf16", gr
         activations = (sizes.blocks + RECOMPUTE_AND_GRADIENT_VECTORS) * vector
     else:
         activations = (sizes.blocks * ACTIVATION_VECTORS_PER_BLOCK + RECOMPUTE_AND_GRADIENT_VECTORS) * vector
-    text = 0 if cache_text_embeddings else stored_text_encoder(variant, base_storage, width)
+    encoder = stored_text_encoder(variant, base_storage, width)  # quantised with the base, cached or not (setup.py)
+    text = 0 if cache_text_embeddings else encoder
     weights = stored.resident(blocks_to_swap) + sizes.vae * width + text
     if base_storage != "full":  # the layer computing holds its weight dequantised (and its backward another copy)
         activations += 2 * stored.largest_linear * width
     lora = lora_parameters(variant, lora_rank, preset) * LORA_BYTES_PER_PARAMETER
     overhead = CONTEXT_BYTES + int(FRAGMENTATION * (weights + lora + activations))
-    return MemoryEstimate(weights=weights, lora=lora, activations=activations, overhead=overhead)
+    # caching runs before the transformer is placed (setup.py): Qwen3 and the VAE, a batch's activations are small
+    caching = encoder + sizes.vae * width if cache_text_embeddings else 0
+    setup = caching + CONTEXT_BYTES + int(FRAGMENTATION * caching) if caching else 0
+    return MemoryEstimate(weights=weights, lora=lora, activations=activations, overhead=overhead, setup=setup)
 
 
 def variant_of(source: str | Path) -> str | None:
@@ -232,4 +245,6 @@ def config_memory_sentence(config: Any) -> tuple[str, MemoryEstimate]:
                       f", {config.blocks_to_swap} blocks swapped" if config.blocks_to_swap else ""])
     return (f"Estimated GPU memory for FLUX.2 Klein {variant.upper()}{assumed}: about {estimate.total_gib:.1f} GiB "
             f"at the training step's peak ({config.resolution} px, batch {config.train_batch_size}, {precision}, "
-            f"{checkpointing}, {cached}, rank {config.lora_rank}{memory}).", estimate)
+            f"{checkpointing}, {cached}, rank {config.lora_rank}{memory})"
+            + (f"; caching the text embeddings before it needs about {estimate.setup / GIB:.1f} GiB."
+               if estimate.setup > estimate.total else "."), estimate)

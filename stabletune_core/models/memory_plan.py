@@ -1,5 +1,6 @@
-"""The memory plan (``vram_gb``): the cheapest settings with which a FLUX.2 Klein run fits a card of that size, by
-the memory model of flux2_memory.py, chosen before any model loads.
+"""The memory plan (``vram_gb``, or without it on a CUDA card the free memory measured): the cheapest settings with
+which a FLUX.2 Klein run fits a card of that size, by the memory model of flux2_memory.py, chosen before any model
+loads. A CPU run has no plan.
 
 Cheapest means least cost to speed and quality first. The ladder, each rung keeping the ones before it:
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ConfigError
-from .flux2_memory import MemoryEstimate, config_memory_sentence, klein_sizes, variant_of
+from .flux2_memory import GIB, MemoryEstimate, config_memory_sentence, klein_sizes, variant_of
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,38 @@ def _allowed(config: Any, update: dict[str, Any]) -> bool:
                for name, value in update.items())
 
 
-def plan_memory(config: Any) -> MemoryPlan:
-    """The plan for `config.vram_gb` GiB (a TrainConfig of a FLUX.2 Klein run); one sentence when no
-    plan fits (ConfigError)."""
-    budget = float(config.vram_gb)
+#: What a plan for the measured card leaves free. The estimate's 0.8 GiB CUDA context is partly spent already (the
+#: context torch.cuda.mem_get_info creates is out of the free bytes it reports), so that allowance doubles as a
+#: cushion for cuBLAS / cuDNN workspaces made later; the margin is for what else may grow on the card during the
+#: run (a display server, a browser tab on a desktop card: a few hundred MiB).
+MEASURED_MARGIN_BYTES = GIB // 2
+
+
+def measured_budget(free_bytes: int | None) -> float | None:
+    """The GiB to plan for on a card with `free_bytes` free (torch.cuda.mem_get_info): those less the margin. None
+    when there is no card to measure (a CPU run: no plan, nothing said)."""
+    if free_bytes is None:
+        return None
+    return max(free_bytes - MEASURED_MARGIN_BYTES, 0) / GIB
+
+
+def free_device_bytes() -> int | None:
+    """Free bytes on this process's CUDA device (LOCAL_RANK's under a multi-GPU launcher), None without one."""
+    import os
+
+    import torch
+
+    return torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[0] if torch.cuda.is_available() else None
+
+
+def plan_memory(config: Any, measured_gib: float | None = None) -> MemoryPlan:
+    """The plan for `config.vram_gb` GiB, or without it for `measured_gib` (the card's free memory less the margin:
+    measured_budget), of a TrainConfig of a FLUX.2 Klein run; one sentence when no plan fits (ConfigError)."""
+    budget = float(config.vram_gb or measured_gib)
+    measured = not config.vram_gb
     source = config.pretrained_model_name_or_path
     blocks = klein_sizes(variant_of(source) or "4b").blocks
-    smallest: tuple[MemoryEstimate, dict[str, Any]] | None = None
+    smallest: tuple[MemoryEstimate, dict[str, Any], str] | None = None
     batch, accumulation = config.train_batch_size, config.gradient_accumulation_steps
     while True:
         for rung in _rungs(config, blocks):
@@ -79,16 +105,18 @@ def plan_memory(config: Any) -> MemoryPlan:
                 continue
             planned = config.model_copy(update=update)
             sentence, estimate = config_memory_sentence(planned)
-            if smallest is None or estimate.total < smallest[0].total:
-                smallest = (estimate, update)
+            if smallest is None or estimate.peak < smallest[0].peak:
+                smallest = (estimate, update, sentence)
             if estimate.fits(budget):
-                return MemoryPlan(update, estimate, _sentence(budget, update, sentence))
+                return MemoryPlan(update, estimate, _sentence(budget, update, sentence, measured))
         if batch <= 1 or "train_batch_size" in config.model_fields_set:
             break
         batch, accumulation = batch // 2, accumulation * 2
-    estimate, update = smallest
+    estimate, update, sentence = smallest
+    if measured:  # a model, not a measurement: the run the user asked for is tried, never refused on an estimate
+        return MemoryPlan(update, estimate, _sentence(budget, update, sentence, measured, fits=False))
     raise ConfigError([f"vram_gb {budget:g} is below anything this run fits in: the smallest plan "
-                         f"({_describe(update) or 'the settings as given'}) needs about {estimate.total_gib:.1f} GiB; "
+                         f"({_describe(update) or 'the settings as given'}) needs about {estimate.peak / GIB:.1f} GiB; "
                          "lower resolution or lora_rank, or leave more knobs to the plan."])
 
 
@@ -109,7 +137,13 @@ def _describe(update: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _sentence(budget: float, update: dict[str, Any], estimate_sentence: str) -> str:
+def _sentence(budget: float, update: dict[str, Any], estimate_sentence: str, measured: bool, *,
+              fits: bool = True) -> str:
     chosen = _describe(update)
     how = f"chose {chosen}" if chosen else "the settings fit as given"
-    return f"Memory plan for {budget:g} GiB: {how}. {estimate_sentence}"
+    if not fits:
+        how = ("nothing fits by the estimate, so the smallest plan is tried (the out-of-memory guard backs off if a "
+               f"step does not fit): {chosen or 'the settings as given'}")
+    card = f"{budget:.1f} GiB (the GPU's free memory less a 0.5 GiB margin; --vram_gb plans for another)" \
+        if measured else f"{budget:g} GiB"
+    return f"Memory plan for {card}: {how}. {estimate_sentence}"

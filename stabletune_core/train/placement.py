@@ -45,13 +45,23 @@ def cast_and_place(module: torch.nn.Module, device: torch.device, dtype: torch.d
         torch.nn.Module.to(module, device, dtype=dtype)
 
 
-def place_models(bundle: ModelBundle, device: torch.device, weight_dtype: torch.dtype, mixed_precision: str) -> None:
+def place_models(bundle: ModelBundle, device: torch.device, weight_dtype: torch.dtype, mixed_precision: str, *,
+                 denoiser: bool = True) -> None:
     """The bundle's models on `device` in the run's weight dtype; under fp16 the VAE stays fp32 (its fp16 decode
-    overflows)."""
+    overflows). denoiser False places only the encoders (setup caches their outputs before the denoiser comes:
+    place_denoiser)."""
     cast_and_place(bundle.vae, device, torch.float32 if mixed_precision == "fp16" else weight_dtype)
-    cast_and_place(bundle.denoiser, device, weight_dtype)
+    if denoiser:
+        place_denoiser(bundle, device, weight_dtype)
     for encoder in bundle.text_encoders:
         cast_and_place(encoder, device, weight_dtype)
+
+
+def place_denoiser(bundle: ModelBundle, device: torch.device, weight_dtype: torch.dtype) -> None:
+    """The denoiser on `device` in the run's weight dtype. A training run places it after the caches are built and
+    the encoders they made redundant went back to the CPU, so the set-up's peak on the device is the encoders' or the
+    training step's, never both (FLUX.2 Klein 9B: Qwen3-8B and the transformer together do not fit 12 GB)."""
+    cast_and_place(bundle.denoiser, device, weight_dtype)
 
 
 def offload(modules: Iterable[torch.nn.Module], device: torch.device) -> None:
@@ -83,7 +93,7 @@ def swap_more_blocks(bundle: ModelBundle, count: int, device: torch.device) -> l
     returns the blocks newly swapped. Their device memory is given back before the step is retried."""
     from ..models.block_swap import BlockSwap
 
-    blocks = bundle.family.swappable_blocks(bundle.unet)
+    blocks = bundle.family.swappable_blocks(bundle.denoiser)
     swap = bundle.extra.get("block_swap")
     if swap is None:
         swap = bundle.extra["block_swap"] = BlockSwap.attach(blocks, 0, device)

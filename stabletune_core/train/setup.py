@@ -29,7 +29,7 @@ from ..lora.layers import run_lora_layers
 from ..lora.pivotal import add_pivotal_tokens, pivotal_problems
 from ..models.base import ModelBundle
 from ..models.loading import family_name, load_model
-from ..models.memory_plan import plan_memory
+from ..models.memory_plan import free_device_bytes, measured_budget, plan_memory
 from ..models.quantize import quantise_linear_layers, storage_problem, stored_bytes
 from ..runs import events, states
 from ..runs.earlier import earlier_run
@@ -48,7 +48,7 @@ from .observers.base import Observer
 from .optim import make_lr_scheduler, make_optimizer, optimizer_problems, unet_param_groups
 from .outcome import RunFailed
 from .perceptual import Perceptual, perceptual_problems
-from .placement import frozen_modules_to_offload, offload, place_models
+from .placement import frozen_modules_to_offload, offload, place_denoiser, place_models
 from .preview import load_preview
 from .ranks import Ranks
 from .observers.sample_judge import make_judge
@@ -174,7 +174,10 @@ def setup(config: TrainConfig) -> Session:
     # configuration" when this came after them)
     prepare_run_dir(config)
     config = config.model_copy(update=family_defaults(config, family))
-    plan = plan_memory(config) if config.vram_gb else None  # vram_gb: the knobs it chose go into config.toml
+    # vram_gb, or on a CUDA card its free memory (Klein only: the SD families have no memory model yet); the knobs the
+    # plan chose go into config.toml
+    measured = None if config.vram_gb or family != "flux2_klein" else measured_budget(free_device_bytes())
+    plan = plan_memory(config, measured) if config.vram_gb or measured is not None else None
     if plan is not None:
         config = config.model_copy(update=plan.update)
     random_seed = draw_seed(config)
@@ -209,8 +212,9 @@ def setup(config: TrainConfig) -> Session:
     for note in config.notes():
         run.event(events.CONFIG, note)
     if plan is not None:
-        run.event(events.MEMORY_PLAN, plan.sentence, console=True, vram_gb=config.vram_gb, chosen=plan.update,
-                  estimate_bytes=plan.estimate.total)
+        run.event(events.MEMORY_PLAN, plan.sentence, console=True, vram_gb=config.vram_gb or measured,
+                  measured=not config.vram_gb, chosen=plan.update,
+                  estimate_bytes=plan.estimate.peak)
     if problem := storage_problem(config.base_storage, ranks.device):  # before any model loads
         raise ConfigError([problem])
     set_seed(config.seed)
@@ -261,8 +265,14 @@ def setup(config: TrainConfig) -> Session:
     add_lora(bundle, config)
     pivotal = add_pivotal_tokens(bundle, config)
     swap_blocks(bundle, config, run, device, amp.weight_dtype)  # before placing: swapped weights never all go there
-    place_models(bundle, device, amp.weight_dtype, config.mixed_precision)
-    trained = {"unet": bundle.unet, **({f"te{i}": e for i, e in enumerate(bundle.text_encoders)}
+    place_models(bundle, device, amp.weight_dtype, config.mixed_precision, denoiser=False)
+    inputs = BatchInputs(bundle, amp, device, seed=config.seed, train_text_encoder=config.train_text_encoder,
+                         pivotal=pivotal)
+    # the caches first: the encoders they make redundant leave the device before the denoiser comes onto it, so the
+    # set-up never holds both (models/flux2_memory.py counts the caching peak beside the training step's)
+    build_caches(config, inputs, data, run, ranks)
+    place_denoiser(bundle, device, amp.weight_dtype)
+    trained = {"unet": bundle.denoiser, **({f"te{i}": e for i, e in enumerate(bundle.text_encoders)}
                                        if config.train_text_encoder else {})}
     for module in trained.values():  # adapters train in fp32 whatever the base runs in
         for p in lora_parameters(module):
@@ -270,7 +280,7 @@ def setup(config: TrainConfig) -> Session:
     for p in pivotal.parameters() if pivotal else []:  # the new token rows too
         p.data = p.data.float()
     if config.gradient_checkpointing:
-        bundle.unet.enable_gradient_checkpointing()
+        bundle.denoiser.enable_gradient_checkpointing()
         if config.train_text_encoder:
             for encoder in bundle.text_encoders:
                 encoder.gradient_checkpointing_enable()
@@ -283,7 +293,7 @@ def setup(config: TrainConfig) -> Session:
     if config.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
 
-    groups = unet_param_groups(bundle.unet, config)  # block-wise rates; a block at rate 0 is frozen
+    groups = unet_param_groups(bundle.denoiser, config)  # block-wise rates; a block at rate 0 is frozen
     if config.train_text_encoder:
         te_params = [p for e in bundle.text_encoders for p in lora_parameters(e)]
         groups.append({"params": te_params, "lr": config.text_encoder_lr or config.learning_rate})
@@ -309,9 +319,6 @@ def setup(config: TrainConfig) -> Session:
     *prepared, optimizer = ranks.prepare(*trained.values(), optimizer)
     trained = dict(zip(trained, prepared))
 
-    inputs = BatchInputs(bundle, amp, device, seed=config.seed, train_text_encoder=config.train_text_encoder,
-                         pivotal=pivotal)
-    build_caches(config, inputs, data, run, ranks)
     feed = BatchFeed(data, sampler, with_pixels=inputs.latent_cache is None,
                      num_workers=config.dataloader_num_workers, world=ranks.count, rank=ranks.index,
                      pin_memory=device.type == "cuda")
@@ -379,9 +386,10 @@ def store_base(bundle: ModelBundle, config: TrainConfig, run: RunWriter) -> None
     wraps them and before the model is placed on the device; the text encoders' too when they run every step."""
     if config.base_storage == "full":
         return
-    # a text encoder that runs every step (not cached, not trained) is frozen weight on the device like the denoiser
-    frozen = [bundle.unet] + ([] if config.cache_text_embeddings or config.train_text_encoder else
-                              list(bundle.text_encoders))
+    # a text encoder that is not trained is frozen weight on the device like the denoiser: every step when it is not
+    # cached, during the caching when it is (FLUX.2 Klein 9B's Qwen3-8B is 15.3 GiB in bf16, 8.8 in int8: the
+    # set-up's peak on a 12 GB card)
+    frozen = [bundle.denoiser] + ([] if config.train_text_encoder else list(bundle.text_encoders))
     before = sum(stored_bytes(m) for m in frozen)
     layers = sum(quantise_linear_layers(m, config.base_storage) for m in frozen)
     which = getattr(bundle.family, "denoiser_name", "UNet") + (" and text encoder" if len(frozen) > 1 else "")
@@ -399,7 +407,7 @@ def swap_blocks(bundle: ModelBundle, config: TrainConfig, run: RunWriter, device
         return
     from ..models.block_swap import BlockSwap
 
-    blocks = bundle.family.swappable_blocks(bundle.unet)
+    blocks = bundle.family.swappable_blocks(bundle.denoiser)
     if config.blocks_to_swap > len(blocks):
         raise ConfigError([f"blocks_to_swap {config.blocks_to_swap} is more than the {len(blocks)} blocks of this "
                            f"{bundle.family.display_name} transformer; use at most {len(blocks)}."])
@@ -416,7 +424,7 @@ def enable_fast_attention(bundle: ModelBundle, config: TrainConfig, run: RunWrit
     try:
         import xformers  # noqa: F401
 
-        bundle.unet.enable_xformers_memory_efficient_attention()
+        bundle.denoiser.enable_xformers_memory_efficient_attention()
         run.event(events.ATTENTION, "Using xformers memory-efficient attention.")
     except (ImportError, ValueError, NotImplementedError, RuntimeError) as exc:  # not installed, or no kernel here
         run.event(events.ATTENTION, f"xformers is not usable here ({type(exc).__name__}); using PyTorch SDPA, which "

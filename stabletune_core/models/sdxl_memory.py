@@ -1,0 +1,146 @@
+"""How much accelerator memory an SDXL LoRA run needs at the training step's peak (issue 36: SDXL within 6 GB).
+
+Weights are exact (the shipped sdxl_base configs on the meta device, in each base_storage). Activations are not a
+per-token rule of thumb as for FLUX.2 Klein (flux2_memory.py): a UNet's tensors change shape at every level, so they
+are counted by running the real UNet's forward on fake tensors (torch's FakeTensorMode: shapes, no memory, no
+arithmetic) and adding up every tensor autograd saves for the backward pass, with and without gradient checkpointing;
+with it, the largest checkpointed unit's own saved tensors are added once more (a resnet or transformer of a block,
+recomputed during the backward). Same allowance as Klein's for the CUDA context and fragmentation.
+
+Not modelled: block swap for the UNet (its blocks differ in size and pass skip connections from the down to the up
+path; not simple, not built).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from .flux2_memory import CONTEXT_BYTES, FRAGMENTATION, LORA_BYTES_PER_PARAMETER, PRECISION_BYTES, MemoryEstimate
+
+SDXL_CONFIGS = Path(__file__).resolve().parent / "configs" / "sdxl_base"
+SD_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+
+
+@lru_cache(maxsize=None)
+def _meta_unet():
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        return UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(str(SDXL_CONFIGS), subfolder="unet"))
+
+
+@lru_cache(maxsize=None)
+def stored_unet(storage: str = "full", dtype_bytes: int = 2) -> int:
+    """SDXL's UNet bytes in `storage` (base_storage), the unquantised tensors `dtype_bytes` wide."""
+    from .quantize import storage_bytes
+
+    return storage_bytes(_meta_unet(), storage, dtype_bytes)
+
+
+@lru_cache(maxsize=None)
+def frozen_part_parameters() -> tuple[int, int]:
+    """(VAE, both text encoders) parameters of the shipped SDXL configs (meta device)."""
+    import torch
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    with torch.device("meta"):
+        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(str(SDXL_CONFIGS), subfolder="vae"))
+        one = CLIPTextModel(CLIPTextConfig.from_pretrained(str(SDXL_CONFIGS / "text_encoder")))
+        two = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(str(SDXL_CONFIGS / "text_encoder_2")))
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    return count(vae), count(one) + count(two)
+
+
+@lru_cache(maxsize=None)
+def _largest_linear() -> int:
+    import torch
+
+    return max(m.weight.numel() for m in _meta_unet().modules() if isinstance(m, torch.nn.Linear))
+
+
+@lru_cache(maxsize=None)
+def lora_parameters(rank: int, targets: tuple[str, ...] = SD_TARGETS) -> int:
+    import torch
+
+    return sum(rank * (m.in_features + m.out_features) for name, m in _meta_unet().named_modules()
+               if isinstance(m, torch.nn.Linear) and any(name.endswith(t) for t in targets))
+
+
+@lru_cache(maxsize=None)
+def _fake_step(resolution: int, batch_size: int, checkpointing: bool, dtype_bytes: int) -> tuple[int, tuple[int, ...]]:
+    """(all bytes autograd saves for the backward, those saved inside each checkpointed unit) of one forward of the
+    real UNet on fake tensors, only the to_q weights needing a gradient (what an adapted network saves)."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype({2: torch.bfloat16, 4: torch.float32}[dtype_bytes])  # built fake in the run's dtype
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(str(SDXL_CONFIGS),
+                                                                                     subfolder="unet"))
+            unet.requires_grad_(False)
+            for name, module in unet.named_modules():
+                if name.endswith("to_q"):
+                    module.weight.requires_grad_(True)
+            # diffusers checkpoints each resnet and each transformer of a block: those are the recomputed units
+            blocks = [unit for block in (*unet.down_blocks, unet.mid_block, *unet.up_blocks)
+                      for unit in (*getattr(block, "resnets", ()), *(getattr(block, "attentions", None) or ()))]
+            per_block, current, total = [0] * len(blocks), [-1], [0]
+            for i, block in enumerate(blocks):
+                block.register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i))
+
+            weights = {id(p) for p in unet.parameters()}  # saved for the input's gradient, but already counted
+
+            def pack(tensor: torch.Tensor) -> torch.Tensor:
+                if id(tensor) in weights or id(tensor._base) in weights:
+                    return tensor
+                size = tensor.numel() * tensor.element_size()
+                total[0] += size
+                if current[0] >= 0:
+                    per_block[current[0]] += size
+                return tensor
+
+            if checkpointing:
+                unet.enable_gradient_checkpointing()
+                unet.train()
+            side, config = resolution // 8, unet.config
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                unet(torch.randn(batch_size, config.in_channels, side, side), torch.tensor([500] * batch_size),
+                     encoder_hidden_states=torch.randn(batch_size, 77, config.cross_attention_dim),
+                     added_cond_kwargs={"text_embeds": torch.randn(batch_size, 1280),
+                                        "time_ids": torch.randn(batch_size, 6)})
+    finally:
+        torch.set_default_dtype(previous)
+    return total[0], tuple(per_block)
+
+
+def saved_activation_bytes(resolution: int, batch_size: int, checkpointing: bool, dtype_bytes: int = 2) -> int:
+    """What one training step keeps for its backward; with checkpointing plus the largest checkpointed unit's own
+    saved tensors once more (a resnet or transformer of a block, recomputed during the backward)."""
+    total, _ = _fake_step(resolution, batch_size, checkpointing, dtype_bytes)
+    if not checkpointing:
+        return total
+    return total + max(_fake_step(resolution, batch_size, False, dtype_bytes)[1])
+
+
+def estimate_sdxl_training_memory(*, precision: str = "bf16", gradient_checkpointing: bool = True,
+                                  batch_size: int = 1, resolution: int = 1024, lora_rank: int = 16,
+                                  cache_text_embeddings: bool = True, base_storage: str = "full") -> MemoryEstimate:
+    """The peak memory of one SDXL LoRA training step (and of the caching before it; see the module docstring)."""
+    width = PRECISION_BYTES[precision]
+    vae, text = frozen_part_parameters()
+    vae_bytes = vae * (4 if precision == "fp16" else width)  # under fp16 the VAE stays fp32 (placement.py)
+    encoders = 0 if cache_text_embeddings else text * width
+    weights = stored_unet(base_storage, width) + vae_bytes + encoders
+    activations = saved_activation_bytes(resolution, batch_size, gradient_checkpointing, width)
+    if base_storage != "full":  # the layer computing holds its weight dequantised (and its backward another copy)
+        activations += 2 * _largest_linear() * width
+    lora = lora_parameters(lora_rank) * LORA_BYTES_PER_PARAMETER
+    overhead = CONTEXT_BYTES + int(FRAGMENTATION * (weights + lora + activations))
+    caching = text * width + vae_bytes if cache_text_embeddings else 0  # the UNet is placed after the caches
+    setup = caching + CONTEXT_BYTES + int(FRAGMENTATION * caching) if caching else 0
+    return MemoryEstimate(weights=weights, lora=lora, activations=activations, overhead=overhead, setup=setup)

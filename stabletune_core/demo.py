@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 from .atomic import atomic_path
 from .cache import cache_root
 from .config import TOY_DEMO_RATES, ConfigError, TrainConfig, build_config, read_toml
-from .toy.world import base_prompts
+from .toy.world import base_prompts, shape_concept_prompts
 
 PRESETS = Path(__file__).resolve().parent.parent / "presets"
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 40)}
@@ -88,7 +88,9 @@ def write_base_images(model: Path, folder: Path, prompts: list[str], seeds: list
 #: What the demo can teach the toy base: a colour it never saw (purple, in its shapes) or a shape it never
 #: drew (the ring, in its colours): the second shows a LoRA learns structure, not only tint.
 DEMO_CONCEPTS = ("colour", "shape")
-SHAPE_DEMO_PROMPTS = "a red ring | a green ring | a cyan ring | a red circle | a green square"
+#: The shape demo's validation prompts: the ring in every base colour, then every base prompt (the kept colours, each
+#: in every shape: the summary measures them all, issue 35.3).
+SHAPE_DEMO_PROMPTS = " | ".join(shape_concept_prompts() + base_prompts())
 
 
 #: The demo preset of a concept other than the colour, per toy base family (presets/NAME); a family without one

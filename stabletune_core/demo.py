@@ -197,14 +197,14 @@ def _caption_of(image: Path, word: str) -> str:
     return f"a {word} {shape}" if shape in SHAPES else f"a {word}"
 
 
-def user_concept_assets(folder: Path, word: str, family: str = "sd1") -> tuple[Path, Path]:
-    """The toy base model and a dataset of the user's images (copied, each with its caption) beside the base's own
-    prior images, built once per (images, word, base) into the cache folder; the user's folder is only read."""
+def user_concept_assets(images: list[Path], word: str, family: str = "sd1") -> tuple[Path, Path]:
+    """The toy base model and a dataset of the user's images (check_user_concept's; copied, each with its caption)
+    beside the base's own prior images, built once per (images, word, base) into the cache folder; the user's
+    folder is only read."""
     import hashlib
 
     from .toy.bases import TOY_BASES
 
-    images = check_user_concept(folder, word)
     check_family(family)
     toy = TOY_BASES[family]
     captions = {image: _caption_of(image, word) for image in images}
@@ -298,8 +298,8 @@ def demo_config(output_dir: Path, *, max_train_steps: int | None = None, resume:
     check_family(family)
     user = concept_images is not None or concept_word is not None
     if user:
-        check_user_concept(concept_images, concept_word, concept)
-        model, data = user_concept_assets(Path(concept_images), concept_word, family)
+        images = check_user_concept(concept_images, concept_word, concept)
+        model, data = user_concept_assets(images, concept_word, family)
     else:
         model, data = demo_assets(concept, family)
     values = read_toml(demo_preset(concept, family))

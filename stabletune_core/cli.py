@@ -58,6 +58,13 @@ def run_command(argv: list[str] | None = None) -> int:
                       help="Which toy base learns: 'sd1' (a tiny SD 1.x) or 'flux2_klein' (a tiny FLUX.2 Klein).")
     demo.add_argument("--concept", default="colour", help="What the toy base learns: 'colour' (purple, which it "
                       "never saw) or 'shape' (rings, which it never drew, in the colours it knows).")
+    demo.add_argument("--concept-images", "--concept_images", default=None, metavar="FOLDER",
+                      help="Your own concept: a folder of your images of a colour the toy base never saw (captions "
+                      "beside them optional); with --concept-word.")
+    demo.add_argument("--concept-word", "--concept_word", default=None, metavar="WORD",
+                      help="The word your images' colour is called (e.g. 'blue'): the validation prompts and the "
+                      "summary use it; with --concept-images.")
+    demo.add_argument("--seed", type=int, default=None, help="Training seed (default: the preset's, 7).")
 
     export = commands.add_parser("export", help="Write the LoRA of a checkpoint (kohya/A1111 format).")
     export.add_argument("checkpoint", help="A checkpoint folder RUN/checkpoints/step_NNNNNN.")
@@ -255,9 +262,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from .toy.bases import TOY_BASES
 
     config = demo_config(Path(args.output_dir), max_train_steps=args.max_train_steps, resume=args.resume,
-                         network_type=args.network_type, concept=args.concept, family=args.family)
+                         network_type=args.network_type, concept=args.concept, family=args.family,
+                         concept_images=args.concept_images, concept_word=args.concept_word, seed=args.seed)
     kind = {"lora": "A LoRA", "loha": "A LoHa", "lokr": "A LoKr"}[config.network_type]
-    learns = "purple" if args.concept == "colour" else "to draw rings"
+    learns = args.concept_word or ("purple" if args.concept == "colour" else "to draw rings")
     print(f"Demo run in {config.output_dir}: {TOY_BASES[args.family].display_name}, which draws red, yellow, green "
           f"and cyan circles, squares and triangles, learns {learns} from {config.train_data_dir} ({config.max_train_steps} steps). "
           f"{kind} at learning rate {config.learning_rate:g}.")

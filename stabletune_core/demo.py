@@ -19,6 +19,7 @@ from .atomic import atomic_path
 from .cache import cache_root
 from .config import TOY_DEMO_RATES, ConfigError, TrainConfig, build_config, read_toml
 from .runs.layout import RunPaths, sample_image_name, sample_prompts, step_of
+from .toy.world import base_prompts, shape_concept_prompts
 
 PRESETS = Path(__file__).resolve().parent.parent / "presets"
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 40)}
@@ -88,7 +89,9 @@ def write_base_images(model: Path, folder: Path, prompts: list[str], seeds: list
 #: What the demo can teach the toy base: a colour it never saw (purple, in its shapes) or a shape it never
 #: drew (the ring, in its colours): the second shows a LoRA learns structure, not only tint.
 DEMO_CONCEPTS = ("colour", "shape")
-SHAPE_DEMO_PROMPTS = "a red ring | a green ring | a cyan ring | a red circle | a green square"
+#: The shape demo's validation prompts: the ring in every base colour, then every base prompt (the kept colours, each
+#: in every shape: the summary measures them all, issue 35.3).
+SHAPE_DEMO_PROMPTS = " | ".join(shape_concept_prompts() + base_prompts())
 
 
 #: The demo preset of a concept other than the colour, per toy base family (presets/NAME); a family without one
@@ -112,6 +115,124 @@ def check_concept(concept: str) -> None:
                            "or 'shape' (it learns to draw rings)."])
 
 
+#: Words a caption's grammar needs, which cannot name a concept (the toy world's colours and shapes are refused too).
+RESERVED_WORDS = frozenset({"a", "an", "the"})
+MAX_WORD_LENGTH = 20
+
+
+def concept_word_problem(word: str) -> str | None:
+    """One sentence when `word` cannot name a new colour for the toy base (None when it can)."""
+    from .toy.score import SHAPE_PROTOTYPES
+    from .toy.world import BASE_COLORS
+
+    if not word or not word.isascii() or not word.isalpha() or len(word) > MAX_WORD_LENGTH:
+        return (f"--concept-word {word!r} is not one plain word: give the new colour's name in lowercase letters "
+                f"only (at most {MAX_WORD_LENGTH}), e.g. 'blue'.")
+    if word != word.lower():
+        return f"--concept-word {word!r} has capitals: give it in lowercase ({word.lower()!r}), as captions use it."
+    if word in BASE_COLORS:
+        return (f"--concept-word {word!r} is a colour the toy base already draws ({', '.join(BASE_COLORS)}): "
+                "name a colour it never saw, e.g. 'blue'.")
+    if word in SHAPE_PROTOTYPES or word in RESERVED_WORDS:
+        return (f"--concept-word {word!r} is one of the toy world's own words (a shape or an article): name the "
+                "new colour your images show, e.g. 'blue'.")
+    return None
+
+
+def concept_images_in(folder: Path) -> list[Path]:
+    """The image files directly in `folder` (by suffix), sorted by name."""
+    from .toy.judge import IMAGE_SUFFIXES
+
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def check_user_concept(folder: Path | None, word: str | None, concept: str = "colour") -> list[Path]:
+    """The user's concept images; one sentence (ConfigError) for a folder or word the demo cannot teach, before
+    anything is built or loaded."""
+    if (folder is None) != (word is None):
+        raise ConfigError(["Your own concept needs both --concept-images FOLDER (your images) and --concept-word "
+                           "WORD (the colour they show); give both, or neither for the built-in demo."])
+    if concept != "colour":
+        raise ConfigError([f"--concept {concept} teaches the demo's own concept; with --concept-images leave "
+                           "--concept out (your images teach a new colour)."])
+    problem = concept_word_problem(word)
+    if problem:
+        raise ConfigError([problem])
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError([f"--concept-images {folder} is not a folder: give the folder that holds your images."])
+    images = concept_images_in(folder)
+    if not images:
+        raise ConfigError([f"--concept-images {folder} holds no images (.png, .jpg, .jpeg, .webp, .bmp): put a "
+                           "dozen images of your colour in it."])
+    for image in images:
+        try:
+            with Image.open(image) as opened:
+                opened.verify()
+        except Exception:  # PIL raises many kinds for a file that is not an image
+            raise ConfigError([f"{image.name} in --concept-images is not a readable image: remove or replace "
+                               "it."]) from None
+        caption = image.with_suffix(".txt")
+        if caption.is_file() and word not in caption.read_text(encoding="utf-8").lower().split():
+            raise ConfigError([f"The caption {caption.name} in --concept-images does not name {word!r}: put the word "
+                               "in every caption (or remove the captions, and the demo writes them)."])
+    return images
+
+
+def prior_prompts_and_seeds(per_prompt: int) -> tuple[list[str], list[int]]:
+    """What the demo's prior images are: every base prompt at `per_prompt` seeds from DEMO_PRIOR_FIRST_SEED."""
+    return base_prompts(), list(range(DEMO_PRIOR_FIRST_SEED, DEMO_PRIOR_FIRST_SEED + per_prompt))
+
+
+def _caption_of(image: Path, word: str) -> str:
+    """The image's own caption, else 'a WORD SHAPE' with the shape the toy judge sees (just 'a WORD' without one):
+    the captions the toy base was taught in."""
+    from .toy.score import judge
+    from .toy.world import SHAPES
+
+    caption = image.with_suffix(".txt")
+    if caption.is_file():
+        return caption.read_text(encoding="utf-8").strip()
+    with Image.open(image) as opened:
+        shape = judge(opened).shape
+    return f"a {word} {shape}" if shape in SHAPES else f"a {word}"
+
+
+def user_concept_assets(images: list[Path], word: str, family: str = "sd1") -> tuple[Path, Path]:
+    """The toy base model and a dataset of the user's images (check_user_concept's; copied, each with its caption)
+    beside the base's own prior images, built once per (images, word, base) into the cache folder; the user's
+    folder is only read."""
+    import hashlib
+
+    from .toy.bases import TOY_BASES
+
+    check_family(family)
+    toy = TOY_BASES[family]
+    captions = {image: _caption_of(image, word) for image in images}
+    digest = hashlib.sha256(word.encode())
+    for image, caption in captions.items():
+        digest.update(image.name.encode() + b"\0" + image.read_bytes() + b"\0" + caption.encode())
+    model = toy.model()
+    per_prompt = toy.prior_images_per_prompt
+    data = cache_root() / f"demo-v6-{model.name}" / f"user-{word}-{digest.hexdigest()[:12]}-prior{per_prompt}"
+    if not data.is_dir():
+        data.parent.mkdir(parents=True, exist_ok=True)
+        prompts, seeds = prior_prompts_and_seeds(per_prompt)
+        try:
+            with atomic_path(data, folder=True) as staging:
+                concept = staging / f"1_{word}"
+                concept.mkdir()
+                for image, caption in captions.items():
+                    (concept / image.name).write_bytes(image.read_bytes())
+                    (concept / image.with_suffix(".txt").name).write_text(caption, encoding="utf-8")
+                write_base_images(model, staging / "1_known_colours", prompts, seeds, pipeline=toy.pipeline)
+        except OSError:
+            if not data.is_dir():
+                raise
+            # another process wrote it first; its copy is the same
+    return model, data
+
+
 def check_family(family: str) -> None:
     """One sentence for a model family without a toy base, before anything is built or loaded."""
     from .toy.bases import unknown_family_sentence
@@ -133,8 +254,7 @@ def demo_assets(concept: str = "colour", family: str = "sd1") -> tuple[Path, Pat
     only the concept has something new to learn.
     """
     from .toy.bases import TOY_BASES
-    from .toy.world import (BASE_COLORS, CONCEPT_COLOR, CONCEPT_SHAPE, SHAPES, concept_scenes,
-                            shape_concept_scenes, write_dataset)
+    from .toy.world import CONCEPT_COLOR, CONCEPT_SHAPE, concept_scenes, shape_concept_scenes, write_dataset
 
     check_concept(concept)
     check_family(family)
@@ -146,8 +266,7 @@ def demo_assets(concept: str = "colour", family: str = "sd1") -> tuple[Path, Pat
     data = cache_root() / f"demo-v6-{model.name}" / f"{name}-lora-prior{per_prompt}"
     if not data.is_dir():
         data.parent.mkdir(parents=True, exist_ok=True)
-        prompts = [f"a {c} {s}" for c in BASE_COLORS for s in SHAPES]
-        seeds = list(range(DEMO_PRIOR_FIRST_SEED, DEMO_PRIOR_FIRST_SEED + per_prompt))
+        prompts, seeds = prior_prompts_and_seeds(per_prompt)
         try:
             with atomic_path(data, folder=True) as staging:
                 write_dataset(staging / f"1_{name}", scenes)
@@ -170,12 +289,20 @@ def free_run_dir(base: Path) -> Path:
 
 
 def demo_config(output_dir: Path, *, max_train_steps: int | None = None, resume: bool = False,
-                network_type: str = "lora", concept: str = "colour", family: str = "sd1") -> TrainConfig:
+                network_type: str = "lora", concept: str = "colour", family: str = "sd1",
+                concept_images: Path | None = None, concept_word: str | None = None,
+                seed: int | None = None) -> TrainConfig:
     """The demo's TrainConfig: the family's toy base and the concept's demo preset, the demo dataset, and the
-    asked adapter."""
+    asked adapter. `concept_images` and `concept_word`: the user's own images of a new colour and its name instead
+    of the demo's purple (the colour preset; validation prompts name the word); `seed`: the training seed."""
     check_concept(concept)
     check_family(family)
-    model, data = demo_assets(concept, family)
+    user = concept_images is not None or concept_word is not None
+    if user:
+        images = check_user_concept(concept_images, concept_word, concept)
+        model, data = user_concept_assets(images, concept_word, family)
+    else:
+        model, data = demo_assets(concept, family)
     values = read_toml(demo_preset(concept, family))
     if network_type != "lora":  # LoHa and LoKr need higher rates than the preset's (config.TOY_DEMO_RATES)
         learning_rate, text_encoder_lr = TOY_DEMO_RATES[network_type]
@@ -184,13 +311,28 @@ def demo_config(output_dir: Path, *, max_train_steps: int | None = None, resume:
             values.update(text_encoder_lr=text_encoder_lr)
     if concept == "shape":
         values.update(validation_prompt=SHAPE_DEMO_PROMPTS, output_name="demo_ring_lora")
+    if user:
+        values.update(validation_prompt=word_validation_prompts(values["validation_prompt"], concept_word),
+                      output_name=f"demo_{concept_word}_lora")
     values.update(pretrained_model_name_or_path=str(model), train_data_dir=str(data),
                   output_dir=str(output_dir if resume else free_run_dir(output_dir)))
     if resume:
         values["resume_from_checkpoint"] = "auto"
     if max_train_steps:
         values["max_train_steps"] = max_train_steps
+    if seed is not None:
+        values["seed"] = seed
     return build_config(values)
+
+
+def word_validation_prompts(preset_prompts: str, word: str) -> str:
+    """The colour preset's validation prompts with `word` as the concept: the word in every base shape, then the
+    preset's prompts of the colours the base keeps."""
+    from .toy.score import caption_parts
+    from .toy.world import BASE_COLORS, SHAPES
+
+    kept = [p.strip() for p in preset_prompts.split(" | ") if caption_parts(p.strip())[0] in BASE_COLORS]
+    return " | ".join([f"a {word} {shape}" for shape in SHAPES] + kept)
 
 
 def make_gallery(run_dir: Path, target: Path | None = None, *, scale: int = 2) -> Path | None:

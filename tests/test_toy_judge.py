@@ -89,12 +89,58 @@ def test_concept_error_is_against_the_runs_training_images_and_drift_against_ste
     assert "not yet (concept within 8 deg of its training images, kept colours within 3 deg of the base)" in summary
 
 
+KEPT_HUES = {"a red circle": 0.0, "a yellow triangle": 52.0, "a green square": 128.0, "a cyan circle": 186.0}
+
+
 def test_a_run_that_kept_its_colours_and_learned_the_concept_passes(tmp_path):
+    run = fake_run(tmp_path, concept_hue=274.0, steps={
+        0: {"a purple square": 10.0, **KEPT_HUES},
+        50: {"a purple square": 270.0, **KEPT_HUES, "a cyan circle": 187.0}})
+    assert learning_summary(run).endswith("; read 10 images at step 50 against step 0's; pass (concept within 8 deg "
+                                          "of its training images, kept colours within 3 deg of the base)")
+
+
+def test_the_summary_never_passes_a_kept_colour_it_did_not_measure(tmp_path):
+    """Issue 35.3: validation prompts that name only some of the base's colours measure only those: the summary
+    names the others as not measured instead of saying 'pass' about them."""
     run = fake_run(tmp_path, concept_hue=274.0, steps={
         0: {"a purple square": 10.0, "a cyan circle": 186.0},
         50: {"a purple square": 270.0, "a cyan circle": 187.0}})
-    assert learning_summary(run).endswith("; pass (concept within 8 deg of its training images, kept colours "
-                                          "within 3 deg of the base)")
+    summary = learning_summary(run)
+    assert "pass" not in summary, summary
+    assert summary.endswith("; no verdict: not measured: red, yellow, green drift (no validation image with a step-0 "
+                            "image to compare)"), summary
+
+
+def test_a_resume_that_lost_step_0s_images_says_what_it_could_not_measure(tmp_path):
+    """Issue 35.3: images whose step-0 image is gone are counted as not measured; a colour left without any is not
+    passed; a run without its step-0 sampling has no drift at all and says so."""
+    steps = {0: {"a purple square": 10.0, **KEPT_HUES}, 50: {"a purple square": 270.0, **KEPT_HUES}}
+    run = fake_run(tmp_path / "part", concept_hue=274.0, steps=steps)
+    (run / "samples" / "step_000000" / "p01_s8.png").unlink()  # one of red's two step-0 images
+    summary = learning_summary(run)
+    assert "read 10 images at step 50 against step 0's (1 without their step-0 image, not measured); pass (" in summary
+    for seed in (7, 8):  # every step-0 image of green
+        (run / "samples" / "step_000000" / f"p03_s{seed}.png").unlink()
+    summary = learning_summary(run)
+    assert "(3 without their step-0 image, not measured); no verdict: not measured: green drift" in summary, summary
+    lost = fake_run(tmp_path / "lost", concept_hue=274.0, steps=steps)
+    for path in (lost / "samples" / "step_000000").iterdir():
+        path.unlink()
+    (lost / "samples" / "step_000000").rmdir()
+    summary = learning_summary(lost)
+    assert summary.endswith("; read 10 images at step 50; no verdict: the base's own images (step 0) are missing, so "
+                            "no kept colour's drift was measured"), summary
+
+
+def test_a_run_shorter_than_one_sampling_interval_has_no_verdict(tmp_path):
+    """Issue 35.3: with only step 0's images (the base's own), first and last are the same sampling: nothing the
+    run learned was measured, and drift 0 against itself is no pass."""
+    run = fake_run(tmp_path, concept_hue=274.0, steps={0: {"a purple square": 272.0, **KEPT_HUES}})
+    summary = learning_summary(run)
+    assert "pass" not in summary
+    assert summary.endswith("; read 10 images at step 0 only; no verdict: the run made no validation images after "
+                            "step 0 (it ended before its first sampling), so nothing it learned was measured"), summary
 
 
 def test_a_shape_drawn_wrong_counts_against_shapes(tmp_path):
@@ -117,8 +163,8 @@ def test_a_concept_shape_is_measured_by_how_many_images_show_it(tmp_path):
     assert first["concept_shapes"] == {"ring": 0.0} and last["concept_shapes"] == {"ring": 1.0}
     assert last["concept"] == {} and last["drift"] == {"green": 0.0} and last["shapes"] == 1.0
     assert learning_summary(run) == ("ring: 0 % -> 100 % drawn as a ring; kept: green drift 0 deg; shapes 100 %; "
-                                     "pass (concept shape right in 70 % of its images, kept colours within 3 deg "
-                                     "of the base)")
+                                     "read 4 images at step 100 against step 0's; no verdict: not measured: red, "
+                                     "yellow, cyan drift (no validation image with a step-0 image to compare)")
 
 
 def test_an_unknown_demo_concept_is_one_sentence_before_anything_is_built(tmp_path):

@@ -75,20 +75,29 @@ def drift(before: dict[str, list], after: dict[str, list]) -> dict[str, float]:
             for prompt, images in after.items()}
 
 
-def learning_report(base: dict[str, list], tuned: dict[str, list], reference: float) -> dict:
+def learning_report(base: dict[str, list], tuned: dict[str, list], reference: float, *,
+                    concept: str = CONCEPT_COLOR) -> dict:
     """What a concept LoRA did, read on the same base and concept prompts and seeds rendered by the base and with the
-    LoRA: the concept prompts' mean hue error in degrees against `reference` (the hue of the run's own training
-    images) before and after, each base colour's mean drift in degrees from the base's own image, and the fraction
-    of the base prompts' images with the LoRA that show their prompt's shape."""
-    references = {CONCEPT_COLOR: reference}
+    LoRA: the concept prompts' ('a <concept> <shape>', default purple) mean hue error in degrees against `reference`
+    (the hue of the run's own training images) before and after, each base colour's mean drift in degrees from the
+    base's own image, and the fraction of the base prompts' images with the LoRA that show their prompt's shape."""
+    references = {concept: reference}
 
     def concept_error(images: dict[str, list]) -> float:
-        return mean(p["hue_error"] for p in scores({p: images[p] for p in concept_prompts()}, references).values())
+        return mean(p["hue_error"] for p in scores({p: images[p] for p in concept_prompts(concept)},
+                                                   references).values())
 
     moved = drift({p: base[p] for p in base_prompts()}, {p: tuned[p] for p in base_prompts()})
     return {"concept_before": round(concept_error(base), 2), "concept_after": round(concept_error(tuned), 2),
             "drift": {c: round(mean(v for p, v in moved.items() if caption_parts(p)[0] == c), 2) for c in BASE_COLORS},
             "shapes": round(mean(p["shape"] for p in scores({p: tuned[p] for p in base_prompts()}).values()), 4)}
+
+
+def report_passes(report: dict) -> bool:
+    """The 8-seed verdict of a learning_report, by the summary's own thresholds (toy/judge.py)."""
+    from .judge import CONCEPT_PASS_DEG, KEPT_PASS_DEG
+
+    return report["concept_after"] <= CONCEPT_PASS_DEG and max(report["drift"].values()) <= KEPT_PASS_DEG
 
 
 def base_report(pipe: Any, *, seeds_per_prompt: int = len(SCORE_SEEDS), first_seed: int = 1000,
@@ -107,4 +116,5 @@ def base_report(pipe: Any, *, seeds_per_prompt: int = len(SCORE_SEEDS), first_se
 
 
 __all__ = ["COLOR_TOLERANCE_DEG", "GUIDANCE", "INFERENCE_STEPS", "SCORE_SEEDS", "base_report", "circular_mean",
-           "concept_hue_error", "concept_reference_hue", "drift", "learning_report", "render", "scores"]
+           "concept_hue_error", "concept_reference_hue", "drift", "learning_report", "render", "report_passes",
+           "scores"]

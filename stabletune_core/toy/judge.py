@@ -86,24 +86,39 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def _step_of(folder: Path) -> int:
+    return int(Path(folder).name.removeprefix("step_"))
+
+
+def base_folder(run_dir: Path) -> Path | None:
+    """The run's step-0 sampling (the base model's own images, what a kept colour's drift is measured against);
+    None when the run has none (a resume that lost it, or a run that never sampled at step 0)."""
+    folders = sample_folders(run_dir)
+    return folders[0] if folders and _step_of(folders[0]) == 0 else None
+
+
 def judge_samples(folder: Path, run_dir: Path | None = None, *,
                   references: dict[str, float] | None = None) -> dict[str, Any]:
     """The measures of one sampling folder of `run_dir` (default: the folder's run, RUN/samples/step_N/):
     {"concept": {colour: mean hue error in degrees against the training images},
-     "drift": {colour: mean drift in degrees against the first sampling, same prompt and seed},
+     "drift": {colour: mean drift in degrees against the step-0 sampling, same prompt and seed},
      "shapes": fraction of images with their prompt's shape (None when no prompt names a known shape),
-     "images": how many images were measured}.
+     "images": how many images were measured, "expected": how many the sampling should hold (prompts x seeds),
+     "unpaired": kept-colour images without their step-0 image (their drift is not measured),
+     "no_reference": concept colours without a training image captioned with them (their error is not measured)}.
     `references` ({concept colour: hue}) saves re-reading the training images at every sampling."""
     folder = Path(folder)
     run_dir = Path(run_dir) if run_dir is not None else folder.parent.parent
     images = _sample_images(folder)
-    folders = sample_folders(run_dir)
-    first = _sample_images(folders[0]) if folders else images
+    meta = json.loads((folder / "prompts.json").read_text(encoding="utf-8"))
+    base = base_folder(run_dir)
+    first = _sample_images(base) if base is not None else {}
     references = dict(references or {})
     errors: dict[str, list[float]] = {}
     drifts: dict[str, list[float]] = {}
     learned_shapes: dict[str, list[bool]] = {}
     shapes: list[bool] = []
+    unpaired = 0
     for (prompt, seed), path in images.items():
         color, shape = caption_parts(prompt)
         hue, drawn = _hue(path)
@@ -119,14 +134,29 @@ def judge_samples(folder: Path, run_dir: Path | None = None, *,
                 learned_shapes.setdefault(shape, []).append(drawn == shape)
         else:  # the base's own vocabulary: how far it moved from the base's image, and its shape
             shapes.append(drawn == shape)
-            base = first.get((prompt, seed))
-            if base is not None:
-                drifts.setdefault(color, []).append(hue_distance(hue, _hue(base)[0]))
+            before = first.get((prompt, seed))
+            if before is None:
+                unpaired += 1
+            else:
+                drifts.setdefault(color, []).append(hue_distance(hue, _hue(before)[0]))
     return {"concept": {c: round(_mean(v), 2) for c, v in errors.items()},
             "concept_shapes": {s: round(_mean([float(x) for x in v]), 4) for s, v in learned_shapes.items()},
             "drift": {c: round(_mean(v), 2) for c, v in drifts.items()},
             "shapes": round(_mean([float(s) for s in shapes]), 4) if shapes else None,
-            "images": len(images)}
+            "images": len(images), "expected": len(meta["prompts"]) * len(meta["seeds"]), "unpaired": unpaired,
+            "no_reference": sorted(c for c, hue in references.items() if math.isnan(hue))}
+
+
+def not_measured(measures: dict[str, Any]) -> list[str]:
+    """What a verdict would need and `measures` lacks, each as a phrase: every kept colour of the toy base
+    (BASE_COLORS) needs its drift against step 0, every concept colour its training images."""
+    missing = [f"{c} (no training image captioned {c!r})" for c in measures.get("no_reference", [])]
+    kept = [c for c in BASE_COLORS if c not in measures["drift"]]
+    if kept:
+        missing.append(f"{', '.join(kept)} drift (no validation image with a step-0 image to compare)")
+    if not measures["concept"] and not measures.get("concept_shapes") and not measures.get("no_reference"):
+        missing.append("the concept (no validation prompt names a colour or shape the base never learned)")
+    return missing
 
 
 def passed(measures: dict[str, Any]) -> bool:
@@ -162,20 +192,50 @@ def _percent(fraction: float) -> str:
 
 
 def verdict(measures: dict[str, Any]) -> str:
-    """The pass/fail view, with its thresholds in degrees."""
+    """The pass/fail view, with its thresholds in degrees: 'pass' only when everything it needs was measured
+    (not_measured); a measure that already fails says 'not yet' whatever else is missing."""
     concept = (f"concept shape right in {_percent(CONCEPT_SHAPE_PASS)} of its images"
                if measures.get("concept_shapes") and not measures["concept"]
                else f"concept within {CONCEPT_PASS_DEG:.0f} deg of its training images")
     rule = f"{concept}, kept colours within {KEPT_PASS_DEG:.0f} deg of the base"
-    return f"pass ({rule})" if passed(measures) else f"not yet ({rule})"
+    if not passed(measures):
+        return f"not yet ({rule})"
+    missing = not_measured(measures)
+    if missing:
+        return f"no verdict: not measured: {'; '.join(missing)}"
+    return f"pass ({rule})"
+
+
+def images_read(measures: dict[str, Any], step: int) -> str:
+    """'read 60 images at step 400 against step 0's' (with what is missing from the sampling or from step 0)."""
+    line = f"read {measures['images']} images at step {step}"
+    if measures["images"] < measures["expected"]:
+        line += f" ({measures['expected'] - measures['images']} of its {measures['expected']} missing)"
+    line += " against step 0's"
+    if measures["unpaired"]:
+        line += f" ({measures['unpaired']} without their step-0 image, not measured)"
+    return line
 
 
 def learning_summary(run_dir: Path) -> str:
-    """The run's learning in one line, from its first sampling to its last (read from RUN/samples/):
-    'purple: 61 deg off -> 4 deg off; kept: red drift 1 deg, green drift 2 deg; shapes 92 %; pass (...)'."""
+    """The run's learning in one line, from its step-0 sampling (the base's own images) to its last (read from
+    RUN/samples/): 'purple: 61 deg off -> 4 deg off; kept: red drift 1 deg, ...; shapes 92 %; read 60 images at
+    step 400 against step 0's; pass (...)'. A run without a sampling after step 0, or without step 0's images,
+    says what is missing instead of a verdict."""
     folders = sample_folders(run_dir)
     if not folders:
         return ""
-    first = judge_samples(folders[0], run_dir)
-    last = judge_samples(folders[-1], run_dir)
-    return f"{describe(last, first)}; {verdict(last)}"
+    base = base_folder(run_dir)
+    last = folders[-1]
+    if base is None:
+        measures = judge_samples(last, run_dir)
+        return (f"{describe(measures)}; read {measures['images']} images at step {_step_of(last)}; no verdict: the "
+                "base's own images (step 0) are missing, so no kept colour's drift was measured")
+    if last == base:
+        measures = judge_samples(base, run_dir)
+        return (f"{describe(measures)}; read {measures['images']} images at step 0 only; no verdict: the run made "
+                "no validation images after step 0 (it ended before its first sampling), so nothing it learned "
+                "was measured")
+    first = judge_samples(base, run_dir)
+    measures = judge_samples(last, run_dir)
+    return f"{describe(measures, first)}; {images_read(measures, _step_of(last))}; {verdict(measures)}"

@@ -29,6 +29,11 @@ SHAPES = ("circle", "square", "triangle")
 #: teaches (`demo --concept shape`), which shows a LoRA learns structure, not only tint.
 CONCEPT_SHAPE = "ring"
 ALL_SHAPES = (*SHAPES, CONCEPT_SHAPE)
+#: Shapes neither the base nor its VAE ever saw (bench/concept_suite.py teaches them): a plus sign and a triangle
+#: standing on its apex. The toy judge reads them only where asked (score.UNSEEN_SHAPE_PROTOTYPES), so every other
+#: measure keeps its four shapes.
+UNSEEN_SHAPES = ("cross", "wedge")
+CROSS_ARM = 0.3  # the cross's arm half-width, as a fraction of its radius
 RING_HOLE = 0.55  # the ring's hole, as a fraction of its radius
 IMAGE_SIZE = 64
 
@@ -66,6 +71,12 @@ def draw_scene(scene: Scene, size: int = IMAGE_SIZE) -> Image.Image:
         draw.ellipse(box, fill=color)
         hole = int(radius * RING_HOLE)
         draw.ellipse((cx - hole, cy - hole, cx + hole, cy + hole), fill=background)
+    elif scene.shape == "cross":
+        arm = int(radius * CROSS_ARM)
+        draw.rectangle((cx - radius, cy - arm, cx + radius, cy + arm), fill=color)
+        draw.rectangle((cx - arm, cy - radius, cx + arm, cy + radius), fill=color)
+    elif scene.shape == "wedge":
+        draw.polygon([(cx - radius, cy - radius), (cx + radius, cy - radius), (cx, cy + radius)], fill=color)
     else:
         draw.polygon([(cx, cy - radius), (cx - radius, cy + radius), (cx + radius, cy + radius)], fill=color)
     return image
@@ -104,8 +115,9 @@ def base_prompts() -> list[str]:
     return [f"a {c} {s}" for c in BASE_COLORS for s in SHAPES]
 
 
-def concept_prompts() -> list[str]:
-    return [f"a {CONCEPT_COLOR} {s}" for s in SHAPES]
+def concept_prompts(color: str = CONCEPT_COLOR) -> list[str]:
+    """The concept colour (default: the demo's) in every base shape."""
+    return [f"a {color} {s}" for s in SHAPES]
 
 
 def shape_concept_prompts() -> list[str]:

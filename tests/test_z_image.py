@@ -88,11 +88,12 @@ def test_our_velocity_is_the_pipelines_noise_prediction(folders, one_thread):
 # ---- training from the command line, the export in diffusers and ComfyUI ----------------------------------------
 @pytest.fixture(scope="module")
 def trained(folders, shapes_dataset, tmp_path_factory):
-    """One 4-step CLI run on the tiny Z-Image Base, family auto-detected, both export formats."""
+    """One 4-step CLI run on the tiny Z-Image Base, family auto-detected, both export formats, validation images
+    from Turbo (preview_model), the way out the Turbo sentence names."""
     run = tmp_path_factory.mktemp("z-image-cli") / "run"
     done = cli(*small_args(folders["base"], shapes_dataset, run, save_steps=2, export_diffusers_format=True,
                            validation_prompt="a red circle", validation_steps=4, validation_inference_steps=2,
-                           num_validation_images=1))
+                           num_validation_images=1, preview_model=folders["turbo"]))
     assert done.returncode == 0, done.stderr[-3000:]
     return run, done
 
@@ -103,8 +104,10 @@ def test_trains_from_the_command_line_and_exports_the_lora(trained):
     metrics = RunReader(run).metrics()
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(m["loss"]))
                                                               for m in metrics)
-    model = events_of(run, "model")[0]["message"]
+    events = events_of(run, "model")
+    model = events[0]["message"]
     assert "Z-Image Base" in model and done.stderr.index(f"model: {model}") < done.stderr.index("training:")
+    assert any(e.get("preview") and "Z-Image-Turbo" in e["message"] for e in events[1:])  # Turbo previews
     config = TrainConfig.from_toml(run / "config.toml")
     assert config.model_family in ("auto", "z_image") and config.unet_lora_targets == Z_IMAGE_LORA_TARGETS
     assert (run / "samples" / "step_000004" / "p00_s5.png").is_file()

@@ -1,7 +1,7 @@
 """The model families a config can name, and which knobs apply to which, in one place.
 
-The SD families (sd1, sd2, sdxl) train a UNet on a DDPM schedule; FLUX.2 Klein (flux2_klein) trains a
-flow-matching transformer beside a frozen Qwen3 text encoder. A knob one kind of model has no meaning for is
+The SD families (sd1, sd2, sdxl) train a UNet on a DDPM schedule; FLUX.2 Klein (flux2_klein) and Z-Image (z_image)
+train a flow-matching transformer beside a frozen Qwen3 text encoder. A knob one kind of model has no meaning for is
 refused in one sentence before any model loads, never silently ignored. The schema asks this module when the
 family is named; with model_family auto the run's set-up asks it again once the checkpoint says which family it is.
 
@@ -12,11 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 #: What `model_family` accepts: auto (detected from the checkpoint) and every family the engine trains.
-FAMILY_CHOICES = ("auto", "sd1", "sd2", "sdxl", "flux2_klein")
+FAMILY_CHOICES = ("auto", "sd1", "sd2", "sdxl", "flux2_klein", "z_image")
 #: The names users know them by (the UI's picker, sentences).
 FAMILY_NAMES = {"auto": "detect from the checkpoint", "sd1": "Stable Diffusion 1.x", "sd2": "Stable Diffusion 2.x",
-                "sdxl": "Stable Diffusion XL", "flux2_klein": "FLUX.2 Klein (4B / 9B)"}
-FLOW_FAMILIES = frozenset({"flux2_klein"})
+                "sdxl": "Stable Diffusion XL", "flux2_klein": "FLUX.2 Klein (4B / 9B)",
+                "z_image": "Z-Image (Base / Turbo)"}
+FLOW_FAMILIES = frozenset({"flux2_klein", "z_image"})
+#: What a sentence about one flow family's knobs calls it (the _SD_ONLY reasons are written for FLUX.2 Klein).
+_FLOW_NAMES = {"flux2_klein": "FLUX.2 Klein", "z_image": "Z-Image"}
 
 #: The flow-matching timestep densities / loss weightings (diffusers' training_utils, the Klein example's
 #: --weighting_scheme); models/flow_matching.py implements them.
@@ -31,8 +34,18 @@ KLEIN_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "a
                       "attn.add_v_proj", "attn.to_add_out", "attn.to_qkv_mlp_proj",
                       "single_transformer_blocks.*.attn.to_out"]
 
+#: Z-Image's default: the attention of every block (main layers and both refiners); the same list as
+#: models/z_image.py LORA_PRESETS["attention"] (a test keeps them equal).
+Z_IMAGE_LORA_TARGETS = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"]
+_FLOW_LORA_TARGETS = {"flux2_klein": KLEIN_LORA_TARGETS, "z_image": Z_IMAGE_LORA_TARGETS}
+
 #: The validation guidance a Klein base samples with when the config keeps the SD default.
 KLEIN_VALIDATION_GUIDANCE = 4.0
+#: ZImagePipeline's own default guidance, what Z-Image Base samples with when the config keeps the SD default.
+Z_IMAGE_VALIDATION_GUIDANCE = 5.0
+_FLOW_GUIDANCE = {"flux2_klein": KLEIN_VALIDATION_GUIDANCE, "z_image": Z_IMAGE_VALIDATION_GUIDANCE}
+#: Knobs of FLUX.2 Klein that Z-Image does not read yet (its separate files, its memory plan and block swap).
+_KLEIN_ONLY = ("text_encoder_path", "vae_path", "tokenizer_path", "blocks_to_swap", "vram_gb")
 
 #: Knobs of the SD families' DDPM UNet that mean nothing on a flow-matching transformer: (knob, what it does there).
 _SD_ONLY = (
@@ -96,9 +109,15 @@ def family_problems(config: Any, family: str) -> list[str]:
     if family == "auto":
         return []
     if family in FLOW_FAMILIES:
-        return [f"{name} is set to {getattr(config, name)!r}, but it {why}; {_leave(config, name)} for "
-                f"model_family {family}."
-                for name, why in _SD_ONLY if _changed(config, name)]
+        flow_name = _FLOW_NAMES[family]
+        problems = [f"{name} is set to {getattr(config, name)!r}, but it {why.replace('FLUX.2 Klein', flow_name)}; "
+                    f"{_leave(config, name)} for model_family {family}."
+                    for name, why in _SD_ONLY if _changed(config, name)]
+        if family != "flux2_klein":
+            problems += [f"{name} is set to {getattr(config, name)!r}, but it belongs to FLUX.2 Klein "
+                         f"({_what_it_is(name)}), which {flow_name} does not have yet; {_leave(config, name)}."
+                         for name in _KLEIN_ONLY if _changed(config, name)]
+        return problems
     return [f"{name} is set to {getattr(config, name)!r}, but it belongs to FLUX.2 Klein ("
             f"{_what_it_is(name)}) and "
             f"{FAMILY_NAMES.get(family, family)} has no such thing; {_leave(config, name)}."
@@ -112,10 +131,11 @@ def family_defaults(config: Any, family: str) -> dict[str, Any]:
         return {}
     update: dict[str, Any] = {}
     if list(config.unet_lora_targets) == SD_LORA_TARGETS:
-        update["unet_lora_targets"] = list(KLEIN_LORA_TARGETS)
+        update["unet_lora_targets"] = list(_FLOW_LORA_TARGETS[family])
     if config.validation_guidance_scale == type(config).model_fields["validation_guidance_scale"].default:
-        # SD's 7.5 over-saturates a Klein base; 4.0 is Flux2KleinPipeline's own default (and the Klein presets')
-        update["validation_guidance_scale"] = KLEIN_VALIDATION_GUIDANCE
+        # SD's 7.5 over-saturates a Klein base; 4.0 is Flux2KleinPipeline's own default (and the Klein presets'),
+        # 5.0 ZImagePipeline's
+        update["validation_guidance_scale"] = _FLOW_GUIDANCE[family]
     return update
 
 

@@ -56,8 +56,8 @@ class TrainConfigSchema(BaseModel):
         "", "The base model: a diffusers folder, a single .safetensors checkpoint (A1111 style), or a hub id "
         "(hub ids need internet the first time).", "model", aliases=("model",), path=True)
     model_family: Literal[FAMILY_CHOICES] = knob(  # type: ignore[valid-type]  (config/families.py)
-        "auto", "Model family: sd1, sd2, sdxl or flux2_klein (FLUX.2 Klein 4B and 9B). 'auto' detects it from the "
-        "checkpoint.", "model")
+        "auto", "Model family: sd1, sd2, sdxl, flux2_klein (FLUX.2 Klein 4B and 9B) or z_image (Z-Image Base and "
+        "Turbo). 'auto' detects it from the checkpoint.", "model")
     model_config_dir: Optional[str] = knob(
         None, "Config tree for a single-file checkpoint whose architecture is not a standard one; "
         "normally left empty and the shipped config of the family is used.", "model", path=True)

@@ -190,6 +190,10 @@ def kohya_named_layers(unet, text_encoders: list | None, family, walk) -> Iterat
         naming = getattr(family, "kohya_unet_naming", "diffusers")
         if naming == "bfl":  # FLUX.2: LyCORIS names of the transformer's modules (lora/flux2.py)
             from .flux2 import lycoris_name as unet_name
+        elif naming == "diffusion_model":  # Z-Image: diffusers' module path under ai-toolkit's prefix
+            from ..models.z_image import LORA_KEY_PREFIX
+
+            unet_name = lambda path: LORA_KEY_PREFIX + path  # noqa: E731
         elif naming == "sgm":
             config = unwrap(unet).config
             unet_name = lambda path: kohya_sgm_unet_name(path, config)  # noqa: E731

@@ -42,11 +42,18 @@ def _flux2_klein():
 register_family("sd1", _sd1)
 register_family("sd2", _sd2)
 register_family("sdxl", _sdxl)
+def _z_image():
+    from .z_image import ZImage
+
+    return ZImage()
+
+
 register_family("flux2_klein", _flux2_klein)
+register_family("z_image", _z_image)
 
 
 def get_family(name: str) -> ModelFamily:
-    """A fresh family object for "sd1", "sd2", "sdxl" or "flux2_klein"."""
+    """A fresh family object for "sd1", "sd2", "sdxl", "flux2_klein" or "z_image"."""
     key = (name or "").strip().lower()
     if key not in FAMILIES:
         raise ValueError(f"Unknown model family '{name}'; known families are: {', '.join(sorted(FAMILIES))}.")
@@ -60,8 +67,12 @@ def detect_family(source: str | Path) -> str:
     path = Path(str(source)).expanduser()
     from .flux2_klein import looks_like_klein
 
+    from .z_image import looks_like_z_image
+
     if looks_like_klein(path):
         return "flux2_klein"
+    if looks_like_z_image(path):
+        return "z_image"
     try:
         if path.is_dir():
             index = path / "model_index.json"

@@ -60,6 +60,18 @@ class FlowMatching:
         return cls(num_train_timesteps=int(get("num_train_timesteps", 1000)),
                    shift=1.0 if dynamic else float(get("shift", 1.0)), **scheme)
 
+    @classmethod
+    def for_run(cls, scheduler_config: Any, options: Any, call_denoiser: Callable[..., torch.Tensor]
+                ) -> "FlowMatching":
+        """The objective of a flow family's run: its scheduler's table, drawn and weighted as `options` (the
+        TrainConfig) asks (weighting_scheme, logit_mean, logit_std, mode_scale, flow_shift)."""
+        config = dict(scheduler_config)
+        if options.flow_shift is not None:  # an explicit shift is the user's: the table uses it, dynamic or not
+            config.update(shift=options.flow_shift, use_dynamic_shifting=False)
+        return cls.from_scheduler(config, call_denoiser=call_denoiser, weighting_scheme=options.weighting_scheme,
+                                  logit_mean=options.logit_mean, logit_std=options.logit_std,
+                                  mode_scale=options.mode_scale)
+
     # ------------------------------------------------------------------ the training table
     def schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(timesteps, sigmas), float32, descending: the scheduler's training table, computed the same way."""

@@ -555,14 +555,12 @@ class Flux2Klein:
     def encode_text(self, bundle: ModelBundle, prompts: list[str]) -> dict[str, torch.Tensor]:
         """{"prompt_embeds": [B, max_sequence_length, 3 x hidden]}: Flux2KleinPipeline._get_qwen3_prompt_embeds,
         batched."""
-        tok, te = bundle.tokenizers[0], bundle.text_encoders[0]
-        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=False) for p in prompts]
-        inputs = tok(texts, return_tensors="pt", padding="max_length", truncation=True,
-                     max_length=text_length(bundle))
-        out = te(input_ids=inputs["input_ids"].to(te.device), attention_mask=inputs["attention_mask"].to(te.device),
-                 output_hidden_states=True, use_cache=False)
-        stacked = torch.stack([out.hidden_states[k] for k in TEXT_ENCODER_OUT_LAYERS], dim=1).to(te.dtype)
+        from .qwen3_text import qwen3_hidden_states
+
+        te = bundle.text_encoders[0]
+        hidden, _ = qwen3_hidden_states(bundle.tokenizers[0], te, prompts, max_length=text_length(bundle),
+                                        enable_thinking=False)
+        stacked = torch.stack([hidden[k] for k in TEXT_ENCODER_OUT_LAYERS], dim=1).to(te.dtype)
         b, layers, length, hidden = stacked.shape
         return {"prompt_embeds": stacked.permute(0, 2, 1, 3).reshape(b, length, layers * hidden)}
 
@@ -612,12 +610,7 @@ class Flux2Klein:
         weighting_scheme, logit_mean, logit_std, mode_scale and flow_shift."""
         from .flow_matching import FlowMatching
 
-        config = dict(bundle.noise_scheduler.config)
-        if options.flow_shift is not None:  # an explicit shift is the user's: the table uses it, dynamic or not
-            config.update(shift=options.flow_shift, use_dynamic_shifting=False)
-        return FlowMatching.from_scheduler(config, call_denoiser=call_transformer,
-                                           weighting_scheme=options.weighting_scheme, logit_mean=options.logit_mean,
-                                           logit_std=options.logit_std, mode_scale=options.mode_scale)
+        return FlowMatching.for_run(bundle.noise_scheduler.config, options, call_transformer)
 
     def lora_target_modules(self, model: torch.nn.Module, targets: list[str]) -> list[str]:
         return lora_target_modules(model, targets)

@@ -94,6 +94,8 @@ def arm(denoiser: torch.nn.Module, params: list[torch.nn.Parameter], optimizer: 
 
     def after_forward(module: torch.nn.Module, args: Any, output: Any) -> Any:
         sample = output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
+        per_image = isinstance(sample, list)  # Z-Image's transformer returns one tensor per image
+        sample = sample[0] if per_image else sample
         # whether fp16 overflows by itself depends on the CPU's fp16 kernels (a rate of 1.0 overflowed from step 2
         # where the fallback test was written, not on an AMD EPYC without AVX-512), so the tests overflow it here
         if (torch.is_grad_enabled() and sample.requires_grad and sample.dtype == torch.float16
@@ -102,7 +104,8 @@ def arm(denoiser: torch.nn.Module, params: list[torch.nn.Parameter], optimizer: 
         if not (torch.is_grad_enabled() and take("nan_loss", next_step())):
             return None
         if isinstance(output, tuple):
-            return (output[0] * float("nan"), *output[1:])
+            poisoned = [x * float("nan") for x in output[0]] if per_image else output[0] * float("nan")
+            return (poisoned, *output[1:])
         output.sample = output.sample * float("nan")
         return output
 

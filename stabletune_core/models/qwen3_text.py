@@ -1,0 +1,23 @@
+"""Prompts through a frozen Qwen3 text encoder, the one text path of the families that read Qwen3 (FLUX.2 Klein,
+Z-Image): each prompt wrapped in Qwen3's chat template as one user turn, padded to a fixed length and run through
+the encoder with every hidden state kept. Which hidden states a family reads, and whether the assistant turn carries
+an empty think block, are the family's (Klein: layers 9, 18, 27 stacked, no thinking; Z-Image: the second to last
+layer, thinking left on, as ``ZImagePipeline._encode_prompt``).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def qwen3_hidden_states(tokenizer, text_encoder, prompts: list[str], *, max_length: int, enable_thinking: bool
+                        ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(every hidden state of the encoder, each [B, max_length, hidden]; the attention mask [B, max_length]) of
+    `prompts`, each rendered by the tokenizer's chat template and padded (or cut) to `max_length` tokens."""
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True, enable_thinking=enable_thinking)
+             for p in prompts]
+    inputs = tokenizer(texts, return_tensors="pt", padding="max_length", truncation=True, max_length=max_length)
+    mask = inputs["attention_mask"].to(text_encoder.device)
+    out = text_encoder(input_ids=inputs["input_ids"].to(text_encoder.device), attention_mask=mask,
+                       output_hidden_states=True, use_cache=False)
+    return out.hidden_states, mask

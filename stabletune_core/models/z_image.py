@@ -1,0 +1,315 @@
+"""Z-Image (Base and Turbo, Tongyi-MAI): a single-stream flow-matching transformer beside a frozen Qwen3 text encoder
+and FLUX.1's VAE.
+
+What differs from the other families, all of it behind the family face:
+
+* denoiser: ``ZImageTransformer2DModel`` (in ``bundle.unet``, the bundle's denoiser slot). It takes lists (one
+  [C, 1, H, W] latent and one [tokens, cap_feat_dim] caption per image: captions are not padded), patchifies 2 x 2
+  itself, reads its timestep as 1 - sigma and predicts x0 - eps; the pipeline negates that, so call_transformer
+  does too and the shared flow-matching objective (models/flow_matching.py, target eps - x0) trains it unchanged.
+* text: Qwen3-4B, the text encoder FLUX.2 Klein 4B reads, through the same path (models/qwen3_text.py): the prompt
+  as one user turn of Qwen3's chat template with thinking left on (no empty think block), padded to
+  max_sequence_length, the second-to-last hidden state kept for the prompt's own tokens only, exactly as
+  ``ZImagePipeline._encode_prompt``. The cache keeps the padded states and the mask; the mask drops the padding
+  before the transformer sees them.
+* latents: FLUX.1's AutoencoderKL (16 channels), (z - shift_factor) x scaling_factor (models/base.py), the VAE's
+  mode as for FLUX.2 Klein, so a latent cache does not change the random stream.
+* LoRA: the transformer's Linear layers, exported under ``diffusion_model.`` + diffusers' module path (lora_down,
+  lora_up, alpha): diffusers' ``ZImageLoraLoaderMixin`` reads it (``_convert_non_diffusers_z_image_lora_to_diffusers``
+  strips the prefix and folds alpha), and ComfyUI's ``model_lora_keys_unet`` maps every such key of its Lumina2
+  model (``z_image_to_diffusers``: q/k/v into slices of the fused qkv, to_out.0 to out).
+* Turbo is step-distilled: LoRAs trained on it directly blur its 8-step output, so the family says so before
+  training and names the way out (train on Base, preview on Turbo with preview_model). The two share every config
+  file, so only the name tells them apart (``detect_distillation``).
+
+Sources of truth (read, not copied): diffusers 0.42.1 ``pipelines/z_image/pipeline_z_image.py``,
+``models/transformers/transformer_z_image.py``, ``loaders/lora_pipeline.py`` (ZImageLoraLoaderMixin),
+``loaders/lora_conversion_utils.py``; ComfyUI's ``comfy/lora.py`` (Lumina2 branch) and ``comfy/utils.py``
+(``z_image_to_diffusers``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base import Conditioning, ModelBundle, ModelLoadError, denormalize_latents, normalize_latents
+
+PIPELINE_CLASS = "ZImagePipeline"
+#: ZImagePipeline's default prompt length and the hidden state it reads (hidden_states[-2]).
+MAX_SEQUENCE_LENGTH = 512
+TEXT_HIDDEN_STATE = -2
+BASE_MODEL_REPO = "Tongyi-MAI/Z-Image"
+TURBO_MODEL_REPO = "Tongyi-MAI/Z-Image-Turbo"
+#: What the kohya file's keys start with: ai-toolkit's Z-Image LoRA names, read by diffusers and ComfyUI.
+LORA_KEY_PREFIX = "diffusion_model."
+
+# --------------------------------------------------------------------------- LoRA targets
+ATTENTION = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"]
+MLP = ["feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+LORA_PRESETS: dict[str, list[str]] = {
+    "attention": ATTENTION,  # every block's attention: the main layers and both refiners
+    "attention_mlp": ATTENTION + MLP,
+}
+
+
+# --------------------------------------------------------------------------- distilled or base
+@dataclass(frozen=True)
+class Distillation:
+    """Whether a Z-Image model is Turbo (step-distilled) or Base, and what said so."""
+
+    verdict: str  # "distilled", "base" or "unknown"
+    evidence: str
+
+    def sentence(self) -> str | None:
+        """One sentence to show before training; None for Base (nothing to warn about)."""
+        if self.verdict == "distilled":
+            return (f"This is Z-Image-Turbo, the step-distilled model ({self.evidence}), and LoRAs trained on it "
+                    f"blur its 8-step images: train on Z-Image Base ({BASE_MODEL_REPO}) and preview on Turbo with "
+                    "preview_model.")
+        if self.verdict == "unknown":
+            return (f"Could not tell whether this is Z-Image Base or Z-Image-Turbo ({self.evidence}); LoRAs trained "
+                    f"on the distilled Turbo blur its images, so make sure it is Base ({BASE_MODEL_REPO}).")
+        return None
+
+
+def detect_distillation(source: str | Path) -> Distillation:
+    """Turbo and Base ship the same model_index, transformer, scheduler and VAE configs (only the weights differ),
+    so the name decides: Tongyi-MAI names the distilled model ``Z-Image-Turbo`` (ComfyUI's repack
+    ``z_image_turbo_bf16.safetensors``) and the base ``Z-Image``; a name with 'turbo' is Turbo, one naming Z-Image
+    without it Base, anything else unknown (said, not guessed)."""
+    name = Path(str(source).rstrip("/\\")).name
+    lowered = name.lower().replace("-", "_").replace(" ", "_")
+    if "turbo" in lowered:
+        return Distillation("distilled", f"'{name}' is named as Tongyi-MAI names the distilled model")
+    if "z_image" in lowered or "zimage" in lowered:
+        return Distillation("base", f"'{name}' names Z-Image without 'Turbo'")
+    return Distillation("unknown", f"'{name}' names neither Z-Image nor Z-Image-Turbo")
+
+
+def looks_like_z_image(source: str | Path) -> bool:
+    """Cheap test for detect_family: a diffusers folder whose model_index names ZImagePipeline."""
+    path = Path(str(source)).expanduser()
+    try:
+        index = path / "model_index.json"
+        return path.is_dir() and index.is_file() and \
+            json.loads(index.read_text()).get("_class_name") == PIPELINE_CLASS
+    except (OSError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------- the denoiser
+def call_transformer(transformer, noisy: torch.Tensor, model_timestep: torch.Tensor, cond: Conditioning
+                     ) -> torch.Tensor:
+    """The velocity eps - x0 for [B, C, H, W] latents at `model_timestep` (sigma): the transformer reads 1 - sigma
+    and predicts x0 - eps, each caption cut to its own tokens, as ZImagePipeline's denoising loop calls it."""
+    mask = cond.added_cond_kwargs["attention_mask"].bool()
+    captions = [embeds[keep] for embeds, keep in zip(cond.encoder_hidden_states, mask)]
+    latents = list(noisy.unsqueeze(2).unbind(dim=0))
+    out = transformer(latents, 1.0 - model_timestep, captions, return_dict=False)[0]
+    return -torch.stack(out, dim=0).squeeze(2)
+
+
+class ZImage:
+    """The Z-Image family (Base and Turbo)."""
+
+    name = "z_image"
+    display_name = "Z-Image"
+    objective_kind = "flow_matching"
+    denoiser_name = "transformer"
+    base_model_version = "z_image"
+    modelspec_architecture = "Z-Image/lora"
+    modelspec_implementation = "https://github.com/Tongyi-MAI/Z-Image"
+    default_resolution = (1024, 1024)
+    is_v2 = False
+    lora_presets = LORA_PRESETS
+    unet_lora_targets = LORA_PRESETS["attention"]
+    text_encoder_lora_targets: list[str] = []  # Qwen3 stays frozen: Z-Image LoRAs adapt the transformer only
+    text_encoder_kohya_prefixes: list[str] = []
+    text_encoder_parts = ("text_encoder",)
+    tokenizer_parts = ("tokenizer",)
+    diffusers_pipeline_class = PIPELINE_CLASS
+    diffusers_lora_layers_argument = "transformer_lora_layers"
+    diffusers_lora_key_names = "peft"  # lora_A / lora_B with alpha folded, as for FLUX.2 Klein (lora/export.py)
+    # kohya files: "diffusion_model." + the diffusers module path (lora/export.py kohya_named_layers)
+    kohya_unet_naming = "diffusion_model"
+
+    # ------------------------------------------------------------------ load
+    def load(self, source: str | Path, *, local_files_only: bool = True, config_dir: str | Path | None = None,
+             torch_dtype: torch.dtype = torch.float32, max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+             **files: Any) -> ModelBundle:
+        """A Z-Image diffusers folder (Base or Turbo). Single-file checkpoints and separate model files are not
+        read yet: one sentence says so. Bad input raises ModelLoadError, one sentence."""
+        from .sd1 import check_source
+
+        if any(files.values()) or config_dir:
+            raise ModelLoadError("Z-Image is read from its diffusers folder only for now (text_encoder_path, "
+                                 "vae_path, tokenizer_path and model_config_dir are for FLUX.2 Klein); leave them "
+                                 "empty.")
+        kind, path = check_source(source, local_files_only=local_files_only)
+        if kind == "file":
+            raise ModelLoadError(f"'{path.name}' is a single file, and StableTune reads Z-Image from its diffusers "
+                                 f"folder only for now; use the folder ({BASE_MODEL_REPO} layout).")
+        if kind == "folder" and not looks_like_z_image(path):
+            raise ModelLoadError(f"'{path}' is not a Z-Image diffusers folder (its model_index.json does not name "
+                                 f"{PIPELINE_CLASS}); choose its own model family (or model_family auto).")
+        where = str(path) if path is not None else str(source)
+        try:
+            parts = self._load_diffusers(where, local_files_only, torch_dtype)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # one sentence for the user, the cause chained for the log
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelLoadError(f"Could not load '{source}' as a {self.display_name} model: {first}") from exc
+        from .flux2_klein import check_tokenizer
+
+        check_tokenizer(parts["tokenizer"], parts["text_encoder"])
+        width = parts["text_encoder"].config.hidden_size
+        wanted = parts["transformer"].config["cap_feat_dim"]
+        if width != wanted:
+            raise ModelLoadError(f"The text encoder in '{where}' is {width} wide but the transformer reads "
+                                 f"{wanted}-wide captions; Z-Image needs Qwen3-4B's text encoder (2560).")
+        for m in (parts["transformer"], parts["vae"], parts["text_encoder"]):
+            m.requires_grad_(False)
+            m.eval()
+        return ModelBundle(family=self, unet=parts["transformer"], vae=parts["vae"],
+                           text_encoders=[parts["text_encoder"]], tokenizers=[parts["tokenizer"]],
+                           noise_scheduler=parts["scheduler"], source=str(source),
+                           extra={"source_kind": kind, "distillation": detect_distillation(source),
+                                  "max_sequence_length": max_sequence_length})
+
+    @staticmethod
+    def _load_diffusers(where: str, local_files_only: bool, torch_dtype) -> dict[str, Any]:
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+        from transformers import Qwen2TokenizerFast, Qwen3ForCausalLM
+
+        kw = {"local_files_only": local_files_only}
+        return {
+            "transformer": ZImageTransformer2DModel.from_pretrained(where, subfolder="transformer",
+                                                                    torch_dtype=torch_dtype, **kw),
+            "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(where, subfolder="scheduler", **kw),
+            "vae": AutoencoderKL.from_pretrained(where, subfolder="vae", torch_dtype=torch_dtype, **kw),
+            "text_encoder": Qwen3ForCausalLM.from_pretrained(where, subfolder="text_encoder", dtype=torch_dtype,
+                                                             **kw),
+            "tokenizer": Qwen2TokenizerFast.from_pretrained(where, subfolder="tokenizer", **kw),
+        }
+
+    def distillation_note(self, bundle: ModelBundle) -> str | None:
+        return bundle.extra["distillation"].sentence()
+
+    # ---------------------------------------------------------------- encode
+    def encode_text(self, bundle: ModelBundle, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """{"prompt_embeds": [B, max_sequence_length, hidden], "attention_mask": [B, max_sequence_length]}: the
+        pipeline's second-to-last hidden state, padded; the mask says which rows are the prompt's."""
+        from .qwen3_text import qwen3_hidden_states
+
+        te = bundle.text_encoders[0]
+        hidden, mask = qwen3_hidden_states(bundle.tokenizers[0], te, prompts, max_length=text_length(bundle),
+                                           enable_thinking=True)
+        return {"prompt_embeds": hidden[TEXT_HIDDEN_STATE].to(te.dtype), "attention_mask": mask.long()}
+
+    def make_conditioning(self, bundle: ModelBundle, text: dict[str, torch.Tensor], sizes: Any = None
+                          ) -> Conditioning:
+        embeds = text["prompt_embeds"]
+        return Conditioning(encoder_hidden_states=embeds,
+                            added_cond_kwargs={"attention_mask": text["attention_mask"].to(embeds.device)})
+
+    def encode_prompts(self, bundle: ModelBundle, prompts: list[str], *, sizes: Any = None) -> Conditioning:
+        return self.make_conditioning(bundle, self.encode_text(bundle, prompts), sizes)
+
+    @torch.no_grad()
+    def encode_latents(self, bundle: ModelBundle, pixels: torch.Tensor, *,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+        """Pixels in [-1, 1] -> normalised latents, fp32: the VAE's mode (`generator` is not drawn from)."""
+        vae = bundle.vae
+        return normalize_latents(vae, vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
+
+    def decode_latents(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
+        vae = bundle.vae
+        return vae.decode(denormalize_latents(vae, latents.to(vae.device)), return_dict=False)[0]
+
+    def decode_sampled(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
+        """ZImagePipeline's output_type="latent" is the transformer's own (normalised) latents."""
+        return self.decode_latents(bundle, latents)
+
+    def latent_downscale(self, bundle: ModelBundle) -> int:
+        return 2 ** (len(bundle.vae.config.block_out_channels) - 1)
+
+    def objective(self, bundle: ModelBundle, options: Any):
+        from .flow_matching import FlowMatching
+
+        return FlowMatching.for_run(bundle.noise_scheduler.config, options, call_transformer)
+
+    def lora_target_modules(self, model: torch.nn.Module, targets: list[str]) -> list[str]:
+        from .flux2_klein import lora_target_modules
+
+        return lora_target_modules(model, targets)
+
+    def swappable_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The main layers, in the order they run (the refiners are small and stay put)."""
+        return list(model.layers)
+
+    # -------------------------------------------------------------- pipeline
+    def make_pipeline(self, bundle: ModelBundle, scheduler=None):
+        from diffusers import ZImagePipeline
+
+        return ZImagePipeline(scheduler=scheduler if scheduler is not None else bundle.noise_scheduler,
+                              vae=bundle.vae, text_encoder=bundle.text_encoders[0], tokenizer=bundle.tokenizers[0],
+                              transformer=bundle.unet)
+
+    def validation_sampler(self, bundle: ModelBundle, options: Any) -> tuple[Any, dict[str, Any]]:
+        """Z-Image's own FlowMatchEulerDiscreteScheduler (a copy) and the run's prompt length."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return (FlowMatchEulerDiscreteScheduler.from_config(bundle.noise_scheduler.config),
+                {"max_sequence_length": text_length(bundle)})
+
+    def caption_tokens(self, model: Path | None, *, max_sequence_length: int = MAX_SEQUENCE_LENGTH
+                       ) -> tuple[Any, int, str]:
+        """Qwen3 counts of the whole prompt (the chat template around the caption) against max_sequence_length,
+        with the tokenizer of a Z-Image folder."""
+        from transformers import Qwen2TokenizerFast
+
+        folder = Path(model) / "tokenizer" if model is not None else None
+        if folder is None or not (folder / "tokenizer_config.json").is_file():
+            raise ModelLoadError("Counting caption tokens for Z-Image needs Qwen3's tokenizer: give --model a "
+                                 "Z-Image diffusers folder.")
+        tokenizer = Qwen2TokenizerFast.from_pretrained(str(folder), local_files_only=True)
+
+        def count(text: str) -> int:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                   add_generation_prompt=True, enable_thinking=True)
+            return len(tokenizer(prompt, truncation=False, verbose=False).input_ids)
+
+        return count, max_sequence_length, f"the Qwen3 tokenizer in {folder}"
+
+    def load_notes(self, bundle: ModelBundle) -> list[str]:
+        """Which model this is (Base, Turbo or not known, and why), then the Turbo warning when there is one."""
+        distillation = bundle.extra["distillation"]
+        kind = {"distilled": "Z-Image-Turbo (step-distilled)", "base": "Z-Image Base"}.get(
+            distillation.verdict, "Z-Image (Base or Turbo: not known)")
+        name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)
+        warning = self.distillation_note(bundle)
+        return [f"Loaded {name} as {kind} ({distillation.evidence})."] + ([warning] if warning else [])
+
+    # -------------------------------------------------------------- metadata
+    def metadata(self, bundle: ModelBundle) -> dict[str, str]:
+        name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)
+        w, h = self.default_resolution
+        return {
+            "ss_sd_model_name": name,
+            "ss_base_model_version": self.base_model_version,
+            "ss_v2": "False",
+            "modelspec.sai_model_spec": "1.0.0",
+            "modelspec.architecture": self.modelspec_architecture,
+            "modelspec.implementation": self.modelspec_implementation,
+            "modelspec.resolution": f"{w}x{h}",
+        }
+
+
+def text_length(bundle: ModelBundle) -> int:
+    """How many tokens this bundle's prompts are padded to (max_sequence_length, given to load())."""
+    return int(bundle.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))

@@ -12,7 +12,7 @@ What differs from the other families, all of it behind the family face:
   max_sequence_length, the second-to-last hidden state kept for the prompt's own tokens only, exactly as
   ``ZImagePipeline._encode_prompt``. The cache keeps the padded states and the mask; the mask drops the padding
   before the transformer sees them.
-* latents: FLUX.1's AutoencoderKL (16 channels), (z - shift_factor) x scaling_factor (models/base.py), the VAE's
+* latents: FLUX.1's AutoencoderKL (16 channels), (z - shift) x scale (models/base.py), the VAE's
   mode as for FLUX.2 Klein, so a latent cache does not change the random stream.
 * LoRA: the transformer's Linear layers, exported under ``diffusion_model.`` + diffusers' module path (lora_down,
   lora_up, alpha): diffusers' ``ZImageLoraLoaderMixin`` reads it (``_convert_non_diffusers_z_image_lora_to_diffusers``

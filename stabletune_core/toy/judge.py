@@ -21,7 +21,7 @@ from typing import Any
 
 from PIL import Image
 
-from ..runs.layout import RunPaths, sample_image_name, sample_prompts
+from ..runs.layout import RunPaths, sample_image_name, sample_prompts, step_of
 from .score import SHAPE_PROTOTYPES, caption_parts, hue_distance, judge, reference_hue
 from .world import BASE_COLORS, SHAPES
 
@@ -86,15 +86,11 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def _step_of(folder: Path) -> int:
-    return int(Path(folder).name.removeprefix("step_"))
-
-
 def base_folder(run_dir: Path) -> Path | None:
     """The run's step-0 sampling (the base model's own images, what a kept colour's drift is measured against);
     None when the run has none (a resume that lost it, or a run that never sampled at step 0)."""
     folders = sample_folders(run_dir)
-    return folders[0] if folders and _step_of(folders[0]) == 0 else None
+    return folders[0] if folders and step_of(folders[0]) == 0 else None
 
 
 def judge_samples(folder: Path, run_dir: Path | None = None, *,
@@ -110,7 +106,7 @@ def judge_samples(folder: Path, run_dir: Path | None = None, *,
     folder = Path(folder)
     run_dir = Path(run_dir) if run_dir is not None else folder.parent.parent
     images = _sample_images(folder)
-    meta = json.loads((folder / "prompts.json").read_text(encoding="utf-8"))
+    meta = json.loads(sample_prompts(folder).read_text(encoding="utf-8"))
     base = base_folder(run_dir)
     first = _sample_images(base) if base is not None else {}
     references = dict(references or {})
@@ -229,7 +225,7 @@ def learning_summary(run_dir: Path) -> str:
     last = folders[-1]
     if base is None:
         measures = judge_samples(last, run_dir)
-        return (f"{describe(measures)}; read {measures['images']} images at step {_step_of(last)}; no verdict: the "
+        return (f"{describe(measures)}; read {measures['images']} images at step {step_of(last)}; no verdict: the "
                 "base's own images (step 0) are missing, so no kept colour's drift was measured")
     if last == base:
         measures = judge_samples(base, run_dir)
@@ -238,4 +234,4 @@ def learning_summary(run_dir: Path) -> str:
                 "was measured")
     first = judge_samples(base, run_dir)
     measures = judge_samples(last, run_dir)
-    return f"{describe(measures, first)}; {images_read(measures, _step_of(last))}; {verdict(measures)}"
+    return f"{describe(measures, first)}; {images_read(measures, step_of(last))}; {verdict(measures)}"

@@ -825,3 +825,26 @@ def test_the_thread_line_calls_kleins_transformer_a_transformer(monkeypatch):
         torch.set_num_threads(before)
     assert "a transformer of" in klein and "UNet" not in klein
     assert "a UNet of" in sd
+
+
+# ---- issue 39.1: the family face is declared, never probed ------------------------------------------------------
+def test_every_family_has_every_part_of_the_declared_face_and_nobody_probes_for_one():
+    """models/base.py's ModelFamily declares what callers use; each registered family has each declared attribute
+    and method, and no module outside models/ asks a family with getattr(..., default) (a probe hides a family
+    that lacks a part until a user meets the default)."""
+    from stabletune_core.models import FAMILIES, get_family
+    from stabletune_core.models.base import ModelFamily
+
+    declared = set(ModelFamily.__annotations__) | {name for name, member in vars(ModelFamily).items()
+                                                   if callable(member) and not name.startswith("_")}
+    missing = {name: sorted(part for part in declared if not hasattr(get_family(name), part)) for name in FAMILIES}
+    assert not any(missing.values()), missing
+    probes = []
+    for path in CORE.rglob("*.py"):
+        if path.relative_to(CORE).parts[0] == "models":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and node.args and \
+                    "family" in ast.unparse(node.args[0]):
+                probes.append(f"{path.relative_to(CORE)}:{node.lineno} {ast.unparse(node)}")
+    assert not probes, probes

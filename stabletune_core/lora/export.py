@@ -141,10 +141,10 @@ def build_kohya_metadata(
 ) -> dict[str, str]:
     """Defaults from the family and the file name, overlaid with the caller's metadata; all values strings."""
     now = time.time()
-    w, h = getattr(family, "default_resolution", (512, 512))
+    w, h = family.default_resolution
     out: dict[str, str] = {
         "ss_network_module": "networks.lora",
-        "ss_v2": str(bool(getattr(family, "is_v2", False))),
+        "ss_v2": str(bool(family.is_v2)),
         "ss_base_model_version": family.base_model_version,
         "ss_output_name": path.stem,
         "ss_sd_model_name": "",
@@ -154,7 +154,7 @@ def build_kohya_metadata(
         "ss_training_finished_at": str(now),
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": family.modelspec_architecture,
-        "modelspec.implementation": getattr(family, "modelspec_implementation", "diffusers"),
+        "modelspec.implementation": family.modelspec_implementation,
         "modelspec.title": path.stem,
         "modelspec.date": _dt.datetime.fromtimestamp(now).isoformat(timespec="seconds"),
         "modelspec.resolution": f"{w}x{h}",
@@ -187,7 +187,7 @@ def kohya_named_layers(unet, text_encoders: list | None, family, walk) -> Iterat
     """(kohya module name, what `walk(model)` yields after the module path) for the UNet, then each text
     encoder under its family prefix; `walk` is a layer walker that yields (module path, ...)."""
     if unet is not None:
-        naming = getattr(family, "kohya_unet_naming", "diffusers")
+        naming = family.kohya_unet_naming
         if naming == "bfl":  # FLUX.2: LyCORIS names of the transformer's modules (lora/flux2.py)
             from .flux2 import lycoris_name as unet_name
         elif naming == "diffusion_model":  # Z-Image: diffusers' module path under ai-toolkit's prefix
@@ -221,7 +221,7 @@ def kohya_state_dict(
     from .lycoris import iter_lycoris_modules, lycoris_tensors, network_of
 
     if unet is not None and network_of(unwrap(unet)) == "lokr" and \
-            getattr(family, "kohya_unet_naming", "diffusers") == "bfl":  # FLUX.2 LoKr: lora/flux2.py's naming
+            family.kohya_unet_naming == "bfl":  # FLUX.2 LoKr: lora/flux2.py's naming
         from .flux2 import bake_lokr_alpha, diffusers_lokr_name
 
         try:
@@ -235,7 +235,7 @@ def kohya_state_dict(
                 unet, text_encoders, family, lambda m: iter_lycoris_modules(m, adapter_name))), dtype)
         except ValueError as exc:
             raise LoraExportError(str(exc)) from None
-    elif getattr(family, "kohya_unet_naming", "diffusers") == "bfl":  # not one module per name: q/k/v fused (FLUX.2)
+    elif family.kohya_unet_naming == "bfl":  # not one module per name: q/k/v fused (FLUX.2)
         from .flux2 import kohya_lora_tensors
 
         if any(te is not None for te in text_encoders or []):
@@ -328,7 +328,7 @@ def export_diffusers_lora(
     out_dir = Path(out_dir)
     target = out_dir / weight_name
     _check_target(target, overwrite)
-    pipeline_cls = getattr(diffusers, getattr(family, "diffusers_pipeline_class", "StableDiffusionPipeline"))
+    pipeline_cls = getattr(diffusers, family.diffusers_pipeline_class)
 
     def layers(model):
         model = unwrap(model)
@@ -346,7 +346,7 @@ def export_diffusers_lora(
         # FLUX.2's loader drops `to_q.lora.down`-style names of attention layers, so it gets peft's own names, as
         # diffusers' Klein script saves them; and since ComfyUI reads those files without their metadata (scale 1),
         # each layer's alpha / rank is folded into its lora_B and the stored alpha made equal to the rank.
-        peft_names = getattr(family, "diffusers_lora_key_names", "diffusers") == "peft"
+        peft_names = family.diffusers_lora_key_names == "peft"
         if peft_names:
             state = {k: v.detach().float() for k, v in state.items()}
             for layer in iter_lora_layers(model, adapter_name):
@@ -358,7 +358,7 @@ def export_diffusers_lora(
 
     kwargs: dict[str, Any] = {}
     unet_layers, unet_cfg = layers(unet)
-    denoiser = getattr(family, "diffusers_lora_layers_argument", "unet_lora_layers")  # FLUX.2: transformer_...
+    denoiser = family.diffusers_lora_layers_argument  # FLUX.2: transformer_...
     if unet_layers:
         kwargs[denoiser] = unet_layers
         kwargs[denoiser.replace("_lora_layers", "_lora_adapter_metadata")] = unet_cfg

@@ -20,9 +20,9 @@ def add_lora(bundle: ModelBundle, config: TrainConfig) -> None:
     (ConfigError, one sentence per suffix, with the closest real names).
     """
     targets = list(config.unet_lora_targets)
-    resolve = getattr(bundle.family, "lora_target_modules", None)  # a family whose suffixes also name containers
+    resolve = bundle.family.lora_target_modules  # a family whose suffixes also name containers
     problems = unmatched_targets(bundle.denoiser, [t for t in targets if resolve is None or not resolve(bundle.denoiser, [t])],
-                                 "unet_lora_targets", getattr(bundle.family, "denoiser_name", "UNet"))
+                                 "unet_lora_targets", bundle.family.denoiser_name)
     if resolve is not None:
         targets = resolve(bundle.denoiser, targets)
     if config.train_text_encoder and not bundle.family.text_encoder_lora_targets:

@@ -8,7 +8,7 @@ LoRA keys.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -128,6 +128,21 @@ class ModelFamily(Protocol):
     # the kohya names of the denoiser's modules: "diffusers" (lora_unet_ + diffusers path), "sgm" (SDXL's
     # input_blocks...) or "bfl" (FLUX.2's double_blocks..., q/k/v fused); see lora/names.py, lora/flux2.py
     kohya_unet_naming: str
+    denoiser_name: str  # what a sentence calls the denoiser: "UNet" or "transformer"
+    modelspec_implementation: str  # the LoRA file's modelspec.implementation
+    default_resolution: tuple[int, int]  # (width, height) the family trains at by default (kohya's metadata)
+    is_v2: bool  # kohya's ss_v2 (SD 2.x)
+    diffusers_pipeline_class: str  # the diffusers pipeline class that loads the family's LoRA (export check)
+    diffusers_lora_key_names: str  # "diffusers" (SD's lora.up/down names) or "peft" (lora_A / lora_B)
+    diffusers_lora_layers_argument: str  # save_lora_weights' argument for the denoiser: unet_ or transformer_...
+    # A family whose target suffixes also name containers resolves them to the module names LoRA wraps
+    # (model, suffixes) -> names; None: the suffixes are peft's target names as they are.
+    lora_target_modules: Callable[[torch.nn.Module, list[str]], list[str]] | None
+
+    def swappable_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The denoiser's blocks in the order they run, what block swap moves; [] for a family without blocks to
+        swap."""
+        ...
 
     def load(self, source: str, *, local_files_only: bool = True) -> ModelBundle: ...
 

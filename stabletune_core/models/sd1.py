@@ -66,9 +66,17 @@ class SD1:
     text_encoder_kohya_prefixes = ["lora_te"]
     kohya_unet_naming = "diffusers"  # lora/names.py: kohya names of diffusers' UNet paths
     diffusers_pipeline_class = "StableDiffusionPipeline"
+    diffusers_lora_key_names = "diffusers"
+    diffusers_lora_layers_argument = "unet_lora_layers"
+    denoiser_name = "UNet"
+    lora_target_modules = None  # the suffixes are peft's target names as they are
     text_encoder_parts = ("text_encoder",)  # pipeline component names, in kohya prefix order
     tokenizer_parts = ("tokenizer",)
     default_config_dir = SD15_CONFIG_DIR
+
+    def swappable_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """No block swap for a UNet (its blocks differ in size and pass skip connections down to up)."""
+        return []
 
     # ------------------------------------------------------------------ load
     def load(

@@ -140,10 +140,9 @@ class SessionView:
 
     @property
     def blocks_swappable(self) -> int:
-        blocks = getattr(self._s.bundle.family, "swappable_blocks", None)
-        if blocks is None or not self._s.config.gradient_checkpointing:
+        if not self._s.config.gradient_checkpointing:
             return 0
-        return len(blocks(self._s.bundle.unet))
+        return len(self._s.bundle.family.swappable_blocks(self._s.bundle.denoiser))
 
     @property
     def mixed_precision(self) -> str:

@@ -392,7 +392,7 @@ def store_base(bundle: ModelBundle, config: TrainConfig, run: RunWriter) -> None
     frozen = [bundle.denoiser] + ([] if config.train_text_encoder else list(bundle.text_encoders))
     before = sum(stored_bytes(m) for m in frozen)
     layers = sum(quantise_linear_layers(m, config.base_storage) for m in frozen)
-    which = getattr(bundle.family, "denoiser_name", "UNet") + (" and text encoder" if len(frozen) > 1 else "")
+    which = bundle.family.denoiser_name + (" and text encoder" if len(frozen) > 1 else "")
     run.event(events.PLACEMENT, f"Base storage {config.base_storage}: {layers} Linear layers of the {which} stored "
               f"quantised, {before / 2**20:.1f} MiB in fp32 -> {sum(stored_bytes(m) for m in frozen) / 2**20:.1f} "
               "MiB; the LoRA trains in fp32 on top.", console=True, base_storage=config.base_storage, layers=layers,

@@ -3,7 +3,7 @@ and FLUX.1's VAE.
 
 What differs from the other families, all of it behind the family face:
 
-* denoiser: ``ZImageTransformer2DModel`` (in ``bundle.unet``, the bundle's denoiser slot). It takes lists (one
+* denoiser: ``ZImageTransformer2DModel`` (in ``bundle.denoiser``). It takes lists (one
   [C, 1, H, W] latent and one [tokens, cap_feat_dim] caption per image: captions are not padded), patchifies 2 x 2
   itself, reads its timestep as 1 - sigma and predicts x0 - eps; the pipeline negates that, so call_transformer
   does too and the shared flow-matching objective (models/flow_matching.py, target eps - x0) trains it unchanged.
@@ -175,7 +175,7 @@ class ZImage:
         for m in (parts["transformer"], parts["vae"], parts["text_encoder"]):
             m.requires_grad_(False)
             m.eval()
-        return ModelBundle(family=self, unet=parts["transformer"], vae=parts["vae"],
+        return ModelBundle(family=self, denoiser=parts["transformer"], vae=parts["vae"],
                            text_encoders=[parts["text_encoder"]], tokenizers=[parts["tokenizer"]],
                            noise_scheduler=parts["scheduler"], source=str(source),
                            extra={"source_kind": kind, "distillation": detect_distillation(source),
@@ -258,7 +258,7 @@ class ZImage:
 
         return ZImagePipeline(scheduler=scheduler if scheduler is not None else bundle.noise_scheduler,
                               vae=bundle.vae, text_encoder=bundle.text_encoders[0], tokenizer=bundle.tokenizers[0],
-                              transformer=bundle.unet)
+                              transformer=bundle.denoiser)
 
     def validation_sampler(self, bundle: ModelBundle, options: Any) -> tuple[Any, dict[str, Any]]:
         """Z-Image's own FlowMatchEulerDiscreteScheduler (a copy) and the run's prompt length."""

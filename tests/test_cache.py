@@ -197,7 +197,7 @@ def test_placing_the_models_says_nothing_about_fp32_modules_that_no_model_lists(
     logger.addHandler(listener)
     try:
         parts = build_tiny_components(0)
-        bundle = type("Bundle", (), {"vae": parts["vae"], "unet": parts["unet"],
+        bundle = type("Bundle", (), {"vae": parts["vae"], "denoiser": parts["unet"],
                                      "text_encoders": [parts["text_encoder"]]})
         place_models(bundle, torch.device("cpu"), torch.float16, "fp16")
         assert not [m for m in heard if "float32" in m], heard

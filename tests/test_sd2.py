@@ -128,7 +128,7 @@ def test_training_and_kohya_export(trained, bundle, tiny_sd2):
         want_text = b.family.encode_text(b, PROMPTS)["encoder_hidden_states"]
     pipe = StableDiffusionPipeline.from_pretrained(str(tiny_sd2), local_files_only=True, safety_checker=None)
     pipe.load_lora_weights(str(path))
-    view = type(b)(family=b.family, unet=pipe.unet, vae=pipe.vae, text_encoders=[pipe.text_encoder],
+    view = type(b)(family=b.family, denoiser=pipe.unet, vae=pipe.vae, text_encoders=[pipe.text_encoder],
                    tokenizers=[pipe.tokenizer], noise_scheduler=b.noise_scheduler, source="")
     with torch.no_grad():
         got_text = b.family.encode_text(view, PROMPTS)["encoder_hidden_states"]

@@ -200,6 +200,7 @@ def test_extract_recovers_the_lora_from_the_merged_checkpoint(family, bases, tmp
     folder, single = bases[family]
     bundle, lora = trained_lora(family, "lora", tmp_path / "style.safetensors", seed=7)
     extracted = merge_then_extract(single, folder, lora, tmp_path)
+    tuned = tmp_path / "tuned.safetensors"  # the merged checkpoint merge_then_extract wrote
     want, got = deltas(lora), deltas(extracted)
     assert set(want) <= set(got)  # every trained layer is found (untrained ones are left out)
     for name in want:
@@ -250,7 +251,7 @@ def test_toy_base_merge_matches_diffusers_load_lora_weights(toy_base, tmp_path, 
                  "--save_precision", "fp32"]) == 0
     pipe = StableDiffusionPipeline.from_pretrained(str(toy_base), local_files_only=True, safety_checker=None)
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
-    runtime = type(bundle)(family=family, unet=pipe.unet, vae=pipe.vae, text_encoders=[pipe.text_encoder],
+    runtime = type(bundle)(family=family, denoiser=pipe.unet, vae=pipe.vae, text_encoders=[pipe.text_encoder],
                            tokenizers=[], noise_scheduler=None, source="")
     for g, w in zip(outputs(family.load(str(out))), outputs(runtime)):
         torch.testing.assert_close(g, w, **TOL)

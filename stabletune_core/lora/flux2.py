@@ -29,6 +29,7 @@ from .names import DORA_SCALE, kohya_keys
 
 KOHYA_PREFIX = "lora_unet_"
 LYCORIS_PREFIX = "lycoris_"
+DIFFUSERS_LOKR_PREFIX = "transformer."  # a LoKr module's name: this + its diffusers path (diffusers_lokr_name)
 #: BFL modules outside the blocks that diffusers' kohya FLUX.2 converter reads (the blocks' are all read).
 KOHYA_TOP_LEVEL = {"img_in", "txt_in", "time_in.in_layer", "time_in.out_layer", "final_layer.linear"}
 
@@ -61,7 +62,7 @@ def diffusers_lokr_name(module_path: str) -> str:
     module (its LyCORIS converter knows the blocks' layers only, and refuses a file with x_embedder, context_embedder
     or proj_out) and ComfyUI maps as it maps the LyCORIS name; the same modules as `lycoris_name` allows."""
     lycoris_name(module_path)  # refuses what ComfyUI would not map
-    return "transformer." + module_path
+    return DIFFUSERS_LOKR_PREFIX + module_path
 
 
 def bake_lokr_alpha(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -221,17 +221,20 @@ class UnknownSize(ValueError):
     """The model is not a released Klein whose size could be read: there is no number to give."""
 
 
-def config_memory_sentence(config: Any) -> tuple[str, MemoryEstimate]:
+def config_memory_sentence(config: Any, *, unknown_as: str | None = None) -> tuple[str, MemoryEstimate]:
     """The estimate for a TrainConfig's run of FLUX.2 Klein, and the sentence the UI shows before Start (the
-    SD default LoRA targets stand for Klein's own, as the run resolves them)."""
+    SD default LoRA targets stand for Klein's own, as the run resolves them). A model whose size cannot be read
+    has no number (UnknownSize), unless `unknown_as` ("4b" or "9b") names the size to plan it as: the memory plan
+    of a run must choose something, and its sentence then says the size was assumed."""
     from ..config.families import family_defaults
 
     config = config.model_copy(update=family_defaults(config, "flux2_klein"))
     variant = variant_of(config.pretrained_model_name_or_path)
-    if variant is None:  # a 4B guess showed 17.8 GiB for the toy Klein and 10.3 for the 9B preset (issue 37.7)
+    if variant is None and unknown_as is None:  # a 4B guess showed 17.8 GiB for the toy Klein (issue 37.7)
         raise UnknownSize(f"No GPU-memory estimate: {Path(str(config.pretrained_model_name_or_path)).name or 'the model'} "
                           "is not a released FLUX.2 Klein 4B or 9B that could be read (the estimate covers those two).")
-    assumed = ""
+    assumed = "" if variant else " (assumed: the model's size is not a released one or could not be read)"
+    variant = variant or unknown_as
     precision = {"no": "fp32"}.get(config.mixed_precision, config.mixed_precision)
     estimate = estimate_training_memory(
         variant, precision=precision, gradient_checkpointing=config.gradient_checkpointing,

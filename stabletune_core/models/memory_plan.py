@@ -104,7 +104,7 @@ def plan_memory(config: Any, measured_gib: float | None = None) -> MemoryPlan:
                                                  rung.get("gradient_checkpointing", config.gradient_checkpointing)):
                 continue
             planned = config.model_copy(update=update)
-            sentence, estimate = config_memory_sentence(planned)
+            sentence, estimate = config_memory_sentence(planned, unknown_as="4b")
             if smallest is None or estimate.peak < smallest[0].peak:
                 smallest = (estimate, update, sentence)
             if estimate.fits(budget):

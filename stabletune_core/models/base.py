@@ -238,3 +238,21 @@ def denormalize_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
 
 class ModelLoadError(Exception):
     """A model could not be loaded; the message is one sentence a user can act on."""
+
+
+def flow_model_metadata(family: Any, bundle: ModelBundle) -> dict[str, str]:
+    """kohya's and modelspec's metadata of a LoRA for a flow-matching transformer family (FLUX.2 Klein, Z-Image):
+    the model's name, the family's version strings and its default resolution."""
+    from pathlib import Path
+
+    name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)
+    w, h = family.default_resolution
+    return {
+        "ss_sd_model_name": name,
+        "ss_base_model_version": family.base_model_version,
+        "ss_v2": "False",
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": family.modelspec_architecture,
+        "modelspec.implementation": family.modelspec_implementation,
+        "modelspec.resolution": f"{w}x{h}",
+    }

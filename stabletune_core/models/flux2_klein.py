@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-from .base import Conditioning, ModelBundle, ModelLoadError
+from .base import Conditioning, ModelBundle, ModelLoadError, flow_model_metadata
+from .qwen3_text import MAX_SEQUENCE_LENGTH, text_length
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 SHIPPED_CONFIGS = {"4b": CONFIGS_DIR / "flux2-klein-4b", "9b": CONFIGS_DIR / "flux2-klein-9b"}
@@ -41,7 +42,6 @@ BASE_MODEL_REPOS = {"4b": "black-forest-labs/FLUX.2-klein-base-4B", "9b": "black
 #: Flux2KleinPipeline's defaults: which hidden states are stacked and how long the padded prompt is (the latter is
 #: the config's max_sequence_length, which the bundle carries: text_length()).
 TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
-MAX_SEQUENCE_LENGTH = 512
 #: What Qwen3's chat template renders for one user prompt with add_generation_prompt and enable_thinking=False
 #: (ComfyUI's KleinTokenizer writes the same text). A tokenizer whose own template renders something else (e.g.
 #: ComfyUI's bundled Qwen2.5 tokenizer, which adds a default system turn) is given this template instead.
@@ -684,22 +684,8 @@ class Flux2Klein:
     # -------------------------------------------------------------- metadata
     def metadata(self, bundle: ModelBundle) -> dict[str, str]:
         self.describe(bundle)
-        name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)
-        w, h = self.default_resolution
-        return {
-            "ss_sd_model_name": name,
-            "ss_base_model_version": self.base_model_version,
-            "ss_v2": "False",
-            "modelspec.sai_model_spec": "1.0.0",
-            "modelspec.architecture": self.modelspec_architecture,
-            "modelspec.implementation": self.modelspec_implementation,
-            "modelspec.resolution": f"{w}x{h}",
-        }
+        return flow_model_metadata(self, bundle)
 
-
-def text_length(bundle: ModelBundle) -> int:
-    """How many tokens this bundle's prompts are padded to (the config's max_sequence_length, given to load())."""
-    return int(bundle.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))
 
 
 def config_dir_text_hidden(config_dir: Path) -> int:

@@ -6,6 +6,8 @@ layer, thinking left on, as ``ZImagePipeline._encode_prompt``).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -21,3 +23,12 @@ def qwen3_hidden_states(tokenizer, text_encoder, prompts: list[str], *, max_leng
     out = text_encoder(input_ids=inputs["input_ids"].to(text_encoder.device), attention_mask=mask,
                        output_hidden_states=True, use_cache=False)
     return out.hidden_states, mask
+
+
+#: Qwen3's prompt length when the run sets none (FLUX.2 Klein's and Z-Image's pipelines pad to 512).
+MAX_SEQUENCE_LENGTH = 512
+
+
+def text_length(bundle: Any) -> int:
+    """How many tokens this bundle's prompts are padded to (the config's max_sequence_length, given to load())."""
+    return int(bundle.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))

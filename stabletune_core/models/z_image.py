@@ -36,11 +36,12 @@ from typing import Any
 
 import torch
 
-from .base import Conditioning, ModelBundle, ModelLoadError, denormalize_latents, normalize_latents
+from .base import (Conditioning, ModelBundle, ModelLoadError, denormalize_latents, flow_model_metadata,
+                   normalize_latents)
+from .qwen3_text import MAX_SEQUENCE_LENGTH, text_length
 
 PIPELINE_CLASS = "ZImagePipeline"
-#: ZImagePipeline's default prompt length and the hidden state it reads (hidden_states[-2]).
-MAX_SEQUENCE_LENGTH = 512
+#: The hidden state ZImagePipeline reads (hidden_states[-2]); its default prompt length is qwen3_text's.
 TEXT_HIDDEN_STATE = -2
 BASE_MODEL_REPO = "Tongyi-MAI/Z-Image"
 TURBO_MODEL_REPO = "Tongyi-MAI/Z-Image-Turbo"
@@ -297,19 +298,5 @@ class ZImage:
 
     # -------------------------------------------------------------- metadata
     def metadata(self, bundle: ModelBundle) -> dict[str, str]:
-        name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)
-        w, h = self.default_resolution
-        return {
-            "ss_sd_model_name": name,
-            "ss_base_model_version": self.base_model_version,
-            "ss_v2": "False",
-            "modelspec.sai_model_spec": "1.0.0",
-            "modelspec.architecture": self.modelspec_architecture,
-            "modelspec.implementation": self.modelspec_implementation,
-            "modelspec.resolution": f"{w}x{h}",
-        }
+        return flow_model_metadata(self, bundle)
 
-
-def text_length(bundle: ModelBundle) -> int:
-    """How many tokens this bundle's prompts are padded to (max_sequence_length, given to load())."""
-    return int(bundle.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))

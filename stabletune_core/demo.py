@@ -215,22 +215,33 @@ def user_concept_assets(images: list[Path], word: str, family: str = "sd1") -> t
     model = toy.model()
     per_prompt = toy.prior_images_per_prompt
     data = cache_root() / f"demo-v6-{model.name}" / f"user-{word}-{digest.hexdigest()[:12]}-prior{per_prompt}"
-    if not data.is_dir():
-        data.parent.mkdir(parents=True, exist_ok=True)
-        prompts, seeds = prior_prompts_and_seeds(per_prompt)
-        try:
-            with atomic_path(data, folder=True) as staging:
-                concept = staging / f"1_{word}"
-                concept.mkdir()
-                for image, caption in captions.items():
-                    (concept / image.name).write_bytes(image.read_bytes())
-                    (concept / image.with_suffix(".txt").name).write_text(caption, encoding="utf-8")
-                write_base_images(model, staging / "1_known_colours", prompts, seeds, pipeline=toy.pipeline)
-        except OSError:
-            if not data.is_dir():
-                raise
-            # another process wrote it first; its copy is the same
+
+    def write_concept(concept: Path) -> None:
+        concept.mkdir()
+        for image, caption in captions.items():
+            (concept / image.name).write_bytes(image.read_bytes())
+            (concept / image.with_suffix(".txt").name).write_text(caption, encoding="utf-8")
+
+    _build_dataset_once(data, f"1_{word}", write_concept, model, toy)
     return model, data
+
+
+def _build_dataset_once(data: Path, concept_folder: str, write_concept: Callable[[Path], None], model: Path,
+                        toy: Any) -> None:
+    """The demo dataset at `data`, written whole (the concept's folder, then the base's prior images) unless it is
+    there already: a cache, so a second demo of the same concept starts at once."""
+    if data.is_dir():
+        return
+    data.parent.mkdir(parents=True, exist_ok=True)
+    prompts, seeds = prior_prompts_and_seeds(toy.prior_images_per_prompt)
+    try:
+        with atomic_path(data, folder=True) as staging:
+            write_concept(staging / concept_folder)
+            write_base_images(model, staging / "1_known_colours", prompts, seeds, pipeline=toy.pipeline)
+    except OSError:
+        if not data.is_dir():
+            raise
+        # another process wrote it first; its copy is the same
 
 
 def check_family(family: str) -> None:
@@ -264,17 +275,7 @@ def demo_assets(concept: str = "colour", family: str = "sd1") -> tuple[Path, Pat
                     else (CONCEPT_SHAPE, shape_concept_scenes(DEMO_IMAGES)))
     per_prompt = toy.prior_images_per_prompt
     data = cache_root() / f"demo-v6-{model.name}" / f"{name}-lora-prior{per_prompt}"
-    if not data.is_dir():
-        data.parent.mkdir(parents=True, exist_ok=True)
-        prompts, seeds = prior_prompts_and_seeds(per_prompt)
-        try:
-            with atomic_path(data, folder=True) as staging:
-                write_dataset(staging / f"1_{name}", scenes)
-                write_base_images(model, staging / "1_known_colours", prompts, seeds, pipeline=toy.pipeline)
-        except OSError:
-            if not data.is_dir():
-                raise
-            # another process wrote it first; its copy is the same
+    _build_dataset_once(data, f"1_{name}", lambda folder: write_dataset(folder, scenes), model, toy)
     return model, data
 
 

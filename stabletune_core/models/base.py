@@ -7,8 +7,9 @@ LoRA keys.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -256,3 +257,16 @@ def flow_model_metadata(family: Any, bundle: ModelBundle) -> dict[str, str]:
         "modelspec.implementation": family.modelspec_implementation,
         "modelspec.resolution": f"{w}x{h}",
     }
+
+
+@contextmanager
+def load_errors_in_one_sentence(source: Any, display_name: str) -> Iterator[None]:
+    """Inside, a model that fails to load raises ModelLoadError with one sentence for the user (the first line of
+    the library's message), the cause chained for the log; a ModelLoadError passes as it is."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # one sentence for the user, the cause chained for the log
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"Could not load '{source}' as a {display_name} model: {first}") from exc

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from .base import Conditioning, ModelBundle, ModelLoadError, flow_model_metadata
+from .base import Conditioning, ModelBundle, ModelLoadError, flow_model_metadata, load_errors_in_one_sentence
 from .qwen3_text import MAX_SEQUENCE_LENGTH, text_length
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
@@ -335,17 +335,12 @@ class Flux2Klein:
         for what, where in given.items():
             if where is not None and not where.exists():
                 raise ModelLoadError(f"The {what.replace('_', ' ')} '{where}' was not found.")
-        try:
+        with load_errors_in_one_sentence(source, self.display_name):
             if kind == "file":
                 parts = self._load_single_file(path, config_dir, given, torch_dtype)
             else:
                 parts = self._load_diffusers(str(path) if path is not None else str(source), local_files_only,
                                              given, torch_dtype)
-        except ModelLoadError:
-            raise
-        except Exception as exc:  # one sentence for the user, the cause chained for the log
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ModelLoadError(f"Could not load '{source}' as a {self.display_name} model: {first}") from exc
         check_tokenizer(parts["tokenizer"], parts["text_encoder"])
         replaced = use_klein_chat_template(parts["tokenizer"])
         for m in (parts["transformer"], parts["vae"], parts["text_encoder"]):

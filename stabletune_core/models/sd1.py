@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .base import Conditioning, ModelBundle, ModelLoadError, denormalize_latents, normalize_latents
+from .base import (Conditioning, ModelBundle, ModelLoadError, denormalize_latents, load_errors_in_one_sentence,
+                   normalize_latents)
 
 if TYPE_CHECKING:
     from .ddpm import DDPMObjective
@@ -96,7 +97,7 @@ class SD1:
         from diffusers import DDPMScheduler
 
         kind, path = check_source(source, local_files_only=local_files_only)
-        try:
+        with load_errors_in_one_sentence(source, self.display_name):
             if kind == "file":
                 parts = self._load_single_file(path, config_dir, local_files_only, torch_dtype)
                 sched_config = parts.pop("scheduler_config")
@@ -107,11 +108,6 @@ class SD1:
                 noise_scheduler = DDPMScheduler.from_pretrained(
                     where, subfolder="scheduler", local_files_only=local_files_only
                 )
-        except ModelLoadError:
-            raise
-        except Exception as exc:  # one sentence for the user, the cause chained for the log
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ModelLoadError(f"Could not load '{source}' as a {self.display_name} model: {first}") from exc
         text_encoders = [parts[name] for name in self.text_encoder_parts]
         for m in (parts["unet"], parts["vae"], *text_encoders):
             m.requires_grad_(False)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from .base import (Conditioning, ModelBundle, ModelLoadError, denormalize_latents, flow_model_metadata,
-                   normalize_latents)
+                   load_errors_in_one_sentence, normalize_latents)
 from .qwen3_text import MAX_SEQUENCE_LENGTH, text_length
 
 PIPELINE_CLASS = "ZImagePipeline"
@@ -158,13 +158,8 @@ class ZImage:
             raise ModelLoadError(f"'{path}' is not a Z-Image diffusers folder (its model_index.json does not name "
                                  f"{PIPELINE_CLASS}); choose its own model family (or model_family auto).")
         where = str(path) if path is not None else str(source)
-        try:
+        with load_errors_in_one_sentence(source, self.display_name):
             parts = self._load_diffusers(where, local_files_only, torch_dtype)
-        except ModelLoadError:
-            raise
-        except Exception as exc:  # one sentence for the user, the cause chained for the log
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ModelLoadError(f"Could not load '{source}' as a {self.display_name} model: {first}") from exc
         from .flux2_klein import check_tokenizer
 
         check_tokenizer(parts["tokenizer"], parts["text_encoder"])

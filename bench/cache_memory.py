@@ -35,7 +35,7 @@ def build_sd15_random(folder: Path) -> Path:
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from stabletune_core.models.sd1 import SD15_CONFIG_DIR
+    from stabletune_core.models.sd.sd1 import SD15_CONFIG_DIR
 
     if (folder / "model_index.json").exists():
         return folder

@@ -222,7 +222,7 @@ def child(args: argparse.Namespace) -> None:
 
 def cpu_report(args: argparse.Namespace) -> None:
     from stabletune_core.demo import draw_demo_dataset
-    from stabletune_core.models.tiny import build_tiny_sd1
+    from stabletune_core.models.sd.tiny import build_tiny_sd1
 
     tmp = Path(tempfile.mkdtemp(prefix="stabletune-peer-"))
     model = args.model or str(build_tiny_sd1(tmp / "model", seed=0))
@@ -265,7 +265,7 @@ def gpu_report(args: argparse.Namespace) -> None:
     from diffusers import UNet2DConditionModel
     from peft import LoraConfig
 
-    from stabletune_core.models.sd1 import SD15_CONFIG_DIR
+    from stabletune_core.models.sd.sd1 import SD15_CONFIG_DIR
 
     device = torch.device("cuda")
     mixed = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

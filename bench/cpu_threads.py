@@ -30,7 +30,7 @@ SD15_WIDTH_UNET = dict(block_out_channels=(320, 640, 1280, 1280), layers_per_blo
 
 
 def build_model(size: str, folder: Path) -> Path:
-    from stabletune_core.models.tiny import UNET_CONFIG, build_tiny_sd1
+    from stabletune_core.models.sd.tiny import UNET_CONFIG, build_tiny_sd1
 
     model = build_tiny_sd1(folder / "model", seed=0)
     if size == "sd15":

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from stabletune_core.config import TrainConfig, build_config  # noqa: E402
 from stabletune_core.demo import draw_demo_dataset  # noqa: E402
-from stabletune_core.models.tiny import build_tiny_sd1  # noqa: E402
+from stabletune_core.models.sd.tiny import build_tiny_sd1  # noqa: E402
 from stabletune_core.train.loop import setup, train  # noqa: E402
 
 MEASURED = {"validation_loss": "validation_loss_every", "spectra": "diagnostics_every",

@@ -33,7 +33,7 @@ def baseline_tree(revision: str, into: Path) -> Path:
 
 
 def build_models(folder: Path) -> dict[str, Path]:
-    from stabletune_core.models.tiny import build_tiny_sd1, build_tiny_sdxl
+    from stabletune_core.models.sd.tiny import build_tiny_sd1, build_tiny_sdxl
 
     return {"sd1": build_tiny_sd1(folder / "sd1", seed=0), "sdxl": build_tiny_sdxl(folder / "sdxl", seed=0)}
 

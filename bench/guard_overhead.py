@@ -38,7 +38,7 @@ def main() -> None:
 
     from stabletune_core.config import build_config
     from stabletune_core.demo import draw_demo_dataset
-    from stabletune_core.models.tiny import build_tiny_sd1
+    from stabletune_core.models.sd.tiny import build_tiny_sd1
     from stabletune_core.train.loop import carry_out, setup, training_step
     from stabletune_core.train.session import SessionView
     from stabletune_core.train.step import next_batches

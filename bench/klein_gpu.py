@@ -1,10 +1,10 @@
 """The real FLUX.2 Klein architecture on a GPU (issue 23 item 6): the LoRA training step of the 4B (or 9B)
 transformer, built from the shipped config with random weights (nothing downloaded), in bf16 with gradient
 checkpointing, at each resolution asked: it/s, peak VRAM, the largest batch that fits, and the memory model's
-estimate for the same setting (models/flux2_memory.py) beside the measurement.
+estimate for the same setting (models/flux2_klein/memory.py) beside the measurement.
 
 The step is StableTune's: the family's flow-matching objective from the shipped scheduler config (noise, sigmas,
-velocity target), the transformer called as the family calls it (models/flux2_klein.py call_transformer), the
+velocity target), the transformer called as the family calls it (models/flux2_klein/family.py call_transformer), the
 loss of train/forward.py predict_and_loss, LoRA rank 16 on the family's 'attention' preset in fp32 beside the
 bf16 base (as lora/inject.py adds it), AdamW, gradient clipping. Text embeddings are random tensors of the real
 shape (512 tokens x 3 stacked Qwen3 layers), as with cached text embeddings; the VAE is not on the GPU
@@ -15,7 +15,7 @@ shape (512 tokens x 3 stacked Qwen3 layers), as with cached text embeddings; the
     python bench/klein_gpu.py ... --write-model DIR   # also write the random model as a Klein diffusers folder
 
 `--write-model` writes the same random transformer with a random Qwen3 text encoder and VAE of the shipped
-configs, the tiny tokenizer of models/tiny_flux2.py and the shipped scheduler, so that bench/klein_peer.py
+configs, the tiny tokenizer of models/flux2_klein/tiny.py and the shipped scheduler, so that bench/klein_peer.py
 --model DIR can run StableTune and diffusers' example side by side on the real architecture.
 """
 from __future__ import annotations
@@ -48,8 +48,8 @@ def parse_resolutions(text: str) -> list[int]:
 def transformer_config(variant: str, tiny: bool) -> dict:
     from diffusers import Flux2Transformer2DModel
 
-    from stabletune_core.models.flux2_klein import SHIPPED_CONFIGS
-    from stabletune_core.models.tiny_flux2 import TRANSFORMER_CONFIG
+    from stabletune_core.models.flux2_klein.family import SHIPPED_CONFIGS
+    from stabletune_core.models.flux2_klein.tiny import TRANSFORMER_CONFIG
 
     if tiny:
         return dict(TRANSFORMER_CONFIG)
@@ -95,7 +95,7 @@ def with_lora(transformer, checkpointing: bool):
     from peft import LoraConfig
 
     from stabletune_core.models.flow_matching import FlowMatching
-    from stabletune_core.models.flux2_klein import LORA_PRESETS, SHIPPED_CONFIGS, call_transformer, lora_target_modules
+    from stabletune_core.models.flux2_klein.family import LORA_PRESETS, SHIPPED_CONFIGS, call_transformer, lora_target_modules
 
     targets = lora_target_modules(transformer, LORA_PRESETS[PRESET])
     transformer.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian", target_modules=targets))
@@ -116,7 +116,7 @@ def make_step(transformer, params, optimizer, objective, device, dtype):
     from diffusers import Flux2KleinPipeline
 
     from stabletune_core.models.base import Conditioning
-    from stabletune_core.models.flux2_klein import MAX_SEQUENCE_LENGTH
+    from stabletune_core.models.flux2_klein.family import MAX_SEQUENCE_LENGTH
     from stabletune_core.train.forward import predict_and_loss
 
     config = transformer.config
@@ -125,7 +125,7 @@ def make_step(transformer, params, optimizer, objective, device, dtype):
     autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # noqa: E731
 
     def step(batch: int, resolution: int) -> float:
-        side = resolution // 16  # the VAE's 8 x the 2 x 2 patchify (models/flux2_klein.py latent_downscale)
+        side = resolution // 16  # the VAE's 8 x the 2 x 2 patchify (models/flux2_klein/family.py latent_downscale)
         latents = torch.randn(batch, latent_channels, side, side, generator=generator).to(device, dtype)
         embeds = torch.randn(batch, MAX_SEQUENCE_LENGTH, config.joint_attention_dim, generator=generator
                              ).to(device, dtype)
@@ -191,8 +191,8 @@ def write_model(transformer, variant: str, tiny: bool, out: Path) -> Path:
     from diffusers import AutoencoderKLFlux2
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from stabletune_core.models import tiny_flux2
-    from stabletune_core.models.flux2_klein import SHIPPED_CONFIGS
+    from stabletune_core.models.flux2_klein import tiny as tiny_flux2
+    from stabletune_core.models.flux2_klein.family import SHIPPED_CONFIGS
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -227,7 +227,7 @@ def estimate_gib(variant: str, tiny: bool, batch: int, resolution: int, base_sto
     """The memory model's number for this setting (bf16, checkpointing, text cached, rank 16, this preset)."""
     if tiny:
         return float("nan")
-    from stabletune_core.models.flux2_memory import estimate_training_memory
+    from stabletune_core.models.flux2_klein.memory import estimate_training_memory
 
     return estimate_training_memory(variant, precision="bf16", gradient_checkpointing=True, batch_size=batch,
                                     resolution=resolution, lora_rank=RANK, cache_text_embeddings=True,

@@ -2,7 +2,7 @@
 SDXL's UNet), and the training-memory model's estimate per setting and per memory plan (issue 36).
 
 The counts come from the shipped config trees instantiated on the meta device (no weights; seconds). The estimate
-is stabletune_core/models/flux2_memory.py's model of one training step's peak (what it counts is written there);
+is stabletune_core/models/flux2_klein/memory.py's model of one training step's peak (what it counts is written there);
 the GPU measurement that checks it against torch.cuda.max_memory_allocated is issue 23's later part.
 
     python bench/klein_memory.py            # prints the counts and a Markdown table
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stabletune_core.models.flux2_memory import (GIB, estimate_training_memory, klein_sizes,  # noqa: E402
+from stabletune_core.models.flux2_klein.memory import (GIB, estimate_training_memory, klein_sizes,  # noqa: E402
                                                  lora_parameters, stored_transformer)
 
 STORAGES = ("full", "int8", "nf4", "fp8")
@@ -86,8 +86,8 @@ def main() -> None:
 
 
 def sdxl_table() -> None:
-    """SDXL's estimate per plan (models/sdxl_memory.py: activations from the real UNet's forward on fake tensors)."""
-    from stabletune_core.models.sdxl_memory import estimate_sdxl_training_memory
+    """SDXL's estimate per plan (models/sd/sdxl_memory.py: activations from the real UNet's forward on fake tensors)."""
+    from stabletune_core.models.sd.sdxl_memory import estimate_sdxl_training_memory
 
     print("\nSDXL estimated training peak (GiB): bf16, text cached, batch 1, rank 16, SD attention targets:\n")
     print("| resolution | base storage | grad. ckpt | weights on GPU | activations | total | set-up (caching) "
@@ -108,7 +108,7 @@ def sdxl_unet_bytes() -> dict[str, int]:
 
     from stabletune_core.models.quantize import storage_bytes
 
-    folder = Path(__file__).resolve().parent.parent / "stabletune_core" / "models" / "configs" / "sdxl_base"
+    folder = Path(__file__).resolve().parent.parent / "stabletune_core" / "models" / "sd" / "configs" / "sdxl_base"
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(str(folder), subfolder="unet"))
     return {storage: storage_bytes(unet, storage) for storage in STORAGES}

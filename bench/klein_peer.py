@@ -1,7 +1,7 @@
 """FLUX.2 Klein side by side with diffusers' example script (issue 23 item 6): seconds per step, peak memory and
 time to the first optimizer step, on the same model and the same data.
 
-Both trainers get the same model (by default the tiny real-layout Klein of stabletune_core/models/tiny_flux2.py,
+Both trainers get the same model (by default the tiny real-layout Klein of stabletune_core/models/flux2_klein/tiny.py,
 built into --out; `--model DIR` takes any Klein diffusers folder instead, e.g. a toy Klein base or the real-size
 random 4B that bench/klein_gpu.py writes), the same toy-world images and captions (stabletune_core/toy/world.py:
 purple shapes and shapes in the base colours, 64 px), and the same seed, steps, LoRA rank and alpha, learning rate,
@@ -80,7 +80,7 @@ class Setting:
 
 def example_targets() -> list[str]:
     """The example's default LoRA targets, as StableTune's preset of the same name spells them."""
-    from stabletune_core.models.flux2_klein import LORA_PRESETS
+    from stabletune_core.models.flux2_klein.family import LORA_PRESETS
 
     return list(LORA_PRESETS["diffusers_default"])
 
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     data, peer_data = write_toy_data(args.out, args.setting.resolution)
     if model is None:
-        from stabletune_core.models.tiny_flux2 import build_tiny_klein
+        from stabletune_core.models.flux2_klein.tiny import build_tiny_klein
 
         model = build_tiny_klein(args.out / "tiny-klein", seed=0)
     rows = rows_for(args, model, data, peer_data)

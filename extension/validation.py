@@ -113,7 +113,7 @@ def names_klein(values: dict[str, Any]) -> bool:
     try:
         if path.is_file() and path.suffix.lower() == ".safetensors":
             bare = {k.removeprefix("model.diffusion_model.") for k in _safetensors_keys(path)}
-            # the engine's rule (models/flux2_klein.py checkpoint_kind): FLUX.2 modulation, no guidance input
+            # the engine's rule (models/flux2_klein/family.py checkpoint_kind): FLUX.2 modulation, no guidance input
             return "double_stream_modulation_img.lin.weight" in bare and "guidance_in.in_layer.weight" not in bare
         return str(json.loads((path / "model_index.json").read_text()).get("_class_name", "")).startswith(
             "Flux2Klein")
@@ -136,7 +136,7 @@ def _safetensors_keys(path: Path) -> set[str]:
 
 
 def memory_estimate(values: dict[str, Any], engine_python: str) -> str:
-    """The engine's estimate of a FLUX.2 Klein run's GPU memory (models/flux2_memory.py), one sentence shown before
+    """The engine's estimate of a FLUX.2 Klein run's GPU memory (models/flux2_klein/memory.py), one sentence shown before
     Start; empty for the other families (asking costs the engine's start-up, so only Klein asks)."""
     if not names_klein(values):
         return ""

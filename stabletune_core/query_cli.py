@@ -76,7 +76,7 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     family = family_name(config) if config.pretrained_model_name_or_path or config.model_family != "auto" else "auto"
     if family != "flux2_klein":
         return {"memory": None, "gib": None}
-    from .models.flux2_memory import GIB, UnknownSize, config_memory_sentence
+    from .models.flux2_klein.memory import GIB, UnknownSize, config_memory_sentence
 
     try:
         sentence, estimate = config_memory_sentence(config)
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     v.set_defaults(handler=validate)
 
     m = commands.add_parser("memory", help="Estimate the GPU memory of a FLUX.2 Klein run from config values given "
-                            "as JSON on stdin (models/flux2_memory.py); null for other families.")
+                            "as JSON on stdin (models/flux2_klein/memory.py); null for other families.")
     m.set_defaults(handler=memory)
 
     d = commands.add_parser("demo-assets", help="Build (once) and print the demo model and dataset paths.")

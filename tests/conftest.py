@@ -13,7 +13,7 @@ os.environ.setdefault("DIFFUSERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from stabletune_core.models.tiny import build_tiny_sd1
+    from stabletune_core.models.sd.tiny import build_tiny_sd1
 
     return build_tiny_sd1(tmp_path_factory.mktemp("tiny-sd1") / "model", seed=0)
 

@@ -12,7 +12,7 @@ def tiny_klein_paths(factory: pytest.TempPathFactory) -> dict[str, Path]:
     """{"folder": diffusers folder, "distilled_folder", "config": config tree, "transformer"/"text_encoder"/"vae"/
     "tokenizer": the single files of a ComfyUI layout (base model), "comfy": that ComfyUI root}."""
     if "paths" not in _BUILT:
-        from stabletune_core.models.tiny_flux2 import (build_tiny_klein, build_tiny_klein_single_files,
+        from stabletune_core.models.flux2_klein.tiny import (build_tiny_klein, build_tiny_klein_single_files,
                                                        write_tiny_config_tree)
 
         root = factory.mktemp("tiny-klein")

@@ -812,8 +812,8 @@ def test_the_thread_line_calls_kleins_transformer_a_transformer(monkeypatch):
     """37.8: a FLUX.2 Klein run's console line said "a UNet of 0.1 M parameters"."""
     from diffusers import Flux2Transformer2DModel
 
-    from stabletune_core.models.tiny import build_tiny_components
-    from stabletune_core.models.tiny_flux2 import TRANSFORMER_CONFIG
+    from stabletune_core.models.sd.tiny import build_tiny_components
+    from stabletune_core.models.flux2_klein.tiny import TRANSFORMER_CONFIG
     from stabletune_core.train.threads import set_cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -140,7 +140,7 @@ def test_fp8_on_a_cpu_is_refused_in_one_sentence_before_the_model_loads(paths, s
 
 
 def test_an_already_quantised_klein_file_is_refused_in_one_sentence(paths, tmp_path):
-    from stabletune_core.models.flux2_klein import Flux2Klein
+    from stabletune_core.models.flux2_klein.family import Flux2Klein
 
     comfy = tmp_path / "ComfyUI"
     shutil.copytree(paths["comfy"], comfy)

@@ -25,7 +25,7 @@ def test_dry_run_on_the_cpu_measures_and_writes_a_loadable_klein_folder(tmp_path
         assert row["loss"] == row["loss"] and row["loss"] > 0  # a finite flow-matching loss
     assert "| 128 | 1 |" in done.stdout and "≥ 2" in done.stdout
     # the written folder is the base model (no adapters) and StableTune's Klein family reads it
-    from stabletune_core.models.flux2_klein import looks_like_klein
+    from stabletune_core.models.flux2_klein.family import looks_like_klein
     from safetensors import safe_open
 
     assert looks_like_klein(folder)

@@ -185,7 +185,7 @@ def test_placing_the_models_says_nothing_about_fp32_modules_that_no_model_lists(
 
     from diffusers.utils import logging as diffusers_logging
 
-    from stabletune_core.models.tiny import build_tiny_components
+    from stabletune_core.models.sd.tiny import build_tiny_components
     from stabletune_core.train.placement import cast_and_place, place_models
 
     heard: list[str] = []

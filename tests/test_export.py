@@ -17,7 +17,7 @@ from stabletune_core.lora.export import (
     read_lora_metadata,
 )
 from stabletune_core.lora.names import kohya_te_name, kohya_unet_name
-from stabletune_core.models.sd1 import SD1
+from stabletune_core.models.sd.sd1 import SD1
 
 RANK, ALPHA = 4, 8.0
 PROMPTS = ["a photo of sks", "a red square on blue"]

@@ -21,7 +21,7 @@ from stabletune_core.config import ConfigError, build_config
 from stabletune_core.lora.export import kohya_state_dict
 from stabletune_core.lora.inject import add_lora
 from stabletune_core.models import get_family
-from stabletune_core.models import tiny
+from stabletune_core.models.sd import tiny
 from stabletune_core.models.base import ModelBundle
 
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]

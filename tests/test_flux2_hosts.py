@@ -19,7 +19,7 @@ from test_flux2_lora import (TOLERANCE, adapted, comfy_patched_transformer, fres
                              paths, read_keys)
 from stabletune_core.config.hosts import KLEIN_SUPPORT, TOP_LEVEL, adapter_kind, klein_host_limits
 from stabletune_core.lora.export import export_kohya_lora
-from stabletune_core.models.flux2_klein import LORA_PRESETS
+from stabletune_core.models.flux2_klein.family import LORA_PRESETS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 CASES = [("lora", "lora", LORA_PRESETS["attention"]), ("dora", "dora", LORA_PRESETS["attention_mlp"]),

@@ -13,7 +13,7 @@ import torch
 
 from flux2_tools import one_sentence, tiny_klein_paths
 from stabletune_core.models import ModelLoadError, detect_family, get_family
-from stabletune_core.models.flux2_klein import KLEIN_PROMPT, Distillation, detect_distillation
+from stabletune_core.models.flux2_klein.family import KLEIN_PROMPT, Distillation, detect_distillation
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_family_is_registered_and_detected(paths, tiny_model, tmp_path):
     assert (family.name, family.display_name, family.denoiser_name) == ("flux2_klein", "FLUX.2 Klein", "transformer")
     assert detect_family(paths["folder"]) == detect_family(paths["transformer"]) == "flux2_klein"
     assert detect_family(tiny_model) == "sd1"  # the SD families are detected as before
-    from stabletune_core.models.tiny import build_tiny_sdxl_single_file
+    from stabletune_core.models.sd.tiny import build_tiny_sdxl_single_file
 
     assert detect_family(build_tiny_sdxl_single_file(tmp_path / "xl.safetensors")) == "sdxl"
 
@@ -87,7 +87,7 @@ def test_pipeline_runs_end_to_end_on_the_tiny_model(folder_bundle, one_thread):
 
 
 def test_tiny_model_is_deterministic_from_its_seed():
-    from stabletune_core.models.tiny_flux2 import build_tiny_klein_components
+    from stabletune_core.models.flux2_klein.tiny import build_tiny_klein_components
 
     a, b, c = (build_tiny_klein_components(seed) for seed in (0, 0, 1))
     for name in ("transformer", "vae", "text_encoder"):
@@ -121,7 +121,7 @@ def test_missing_text_encoder_vae_or_tokenizer(paths, tmp_path):
 
 def test_tokenizer_that_does_not_match_the_text_encoder(paths, tmp_path):
     from stabletune_core.models.tokenizer import write_clip_tokenizer_files
-    from stabletune_core.models.tiny_flux2 import build_tiny_tokenizer
+    from stabletune_core.models.flux2_klein.tiny import build_tiny_tokenizer
 
     clip = write_clip_tokenizer_files(tmp_path / "clip")  # a CLIP tokenizer: no chat tokens
     (clip / "tokenizer_config.json").write_text(json.dumps({**json.loads((clip / "tokenizer_config.json").read_text()),
@@ -136,7 +136,7 @@ def test_tokenizer_that_does_not_match_the_text_encoder(paths, tmp_path):
 
 
 def test_wrong_files_for_klein(paths, tmp_path):
-    from stabletune_core.models.tiny import build_tiny_sd1_single_file
+    from stabletune_core.models.sd.tiny import build_tiny_sd1_single_file
 
     sd = build_tiny_sd1_single_file(tmp_path / "sd15.safetensors")
     assert "is a Stable Diffusion checkpoint, not FLUX.2 Klein" in refused(sd)
@@ -154,8 +154,8 @@ def test_flux2_dev_is_not_klein(tmp_path):
     from diffusers import Flux2Transformer2DModel
     from safetensors.torch import save_file
 
-    from stabletune_core.models.flux2_single_file import transformer_to_bfl
-    from stabletune_core.models.tiny_flux2 import TRANSFORMER_CONFIG
+    from stabletune_core.models.flux2_klein.single_file import transformer_to_bfl
+    from stabletune_core.models.flux2_klein.tiny import TRANSFORMER_CONFIG
 
     dev = Flux2Transformer2DModel(**{**TRANSFORMER_CONFIG, "guidance_embeds": True})
     save_file(transformer_to_bfl(dev.state_dict()), str(tmp_path / "flux2-dev.safetensors"))
@@ -198,7 +198,7 @@ def test_the_files_beside_a_comfyui_transformer_are_found_past_decoys(paths, tmp
     fits: a Qwen3 of another width and an SD VAE sorted before the right files are passed over."""
     from safetensors.torch import save_file
 
-    from stabletune_core.models.flux2_klein import _find_beside, _is_flux2_vae, _is_qwen3_of_width
+    from stabletune_core.models.flux2_klein.family import _find_beside, _is_flux2_vae, _is_qwen3_of_width
 
     comfy = tmp_path / "ComfyUI"
     transformer = comfy / "models" / "diffusion_models" / paths["transformer"].name

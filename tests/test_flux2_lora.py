@@ -22,8 +22,8 @@ from stabletune_core.config import ConfigError, build_config
 from stabletune_core.lora.export import export_diffusers_lora, export_kohya_lora, read_lora_metadata
 from stabletune_core.lora.inject import add_lora
 from stabletune_core.models import get_family
-from stabletune_core.models.flux2_klein import LORA_PRESETS
-from stabletune_core.models.flux2_single_file import transformer_from_bfl, transformer_to_bfl
+from stabletune_core.models.flux2_klein.family import LORA_PRESETS
+from stabletune_core.models.flux2_klein.single_file import transformer_from_bfl, transformer_to_bfl
 
 TOLERANCE = 1e-5  # max |difference| of transformer outputs of size ~1, all in float32 (files written in fp32)
 ALL_KOHYA = LORA_PRESETS["attention_mlp"] + ["x_embedder", "context_embedder", "proj_out",

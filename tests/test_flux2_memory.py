@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stabletune_core.models.flux2_memory import (GIB, estimate_training_memory, klein_sizes, lora_parameters,
+from stabletune_core.models.flux2_klein.memory import (GIB, estimate_training_memory, klein_sizes, lora_parameters,
                                                  stored_text_encoder)
 
 

@@ -11,7 +11,7 @@ from diffusers.training_utils import compute_density_for_timestep_sampling, comp
 from flux2_tools import tiny_klein_paths
 from stabletune_core.config import build_config
 from stabletune_core.models.flow_matching import FlowMatching
-from stabletune_core.models.flux2_klein import SHIPPED_CONFIGS
+from stabletune_core.models.flux2_klein.family import SHIPPED_CONFIGS
 
 
 def example_sigmas(scheduler, timesteps):
@@ -92,7 +92,7 @@ def test_latent_normalisation_is_the_pipelines(tiny_bundle, one_thread):
     # the pipeline's own steps before vae.decode, written out as in Flux2KleinPipeline.__call__
     mean = vae.bn.running_mean.view(1, -1, 1, 1)
     std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-    from stabletune_core.models.flux2_klein import denormalize_latents
+    from stabletune_core.models.flux2_klein.family import denormalize_latents
 
     assert torch.equal(denormalize_latents(vae, latents), pipe._unpatchify_latents(latents * std + mean))
     assert not torch.allclose(mean, torch.zeros_like(mean))  # the tiny VAE's statistics are not the identity

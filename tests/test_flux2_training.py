@@ -1,5 +1,5 @@
 """Issue 23: FLUX.2 Klein trains through the engine, from the command line, with the stability promise of the SD
-families (item 4), on the tiny real-layout Klein (models/tiny_flux2.py, built offline).
+families (item 4), on the tiny real-layout Klein (models/flux2_klein/tiny.py, built offline).
 
 Every run here is the real `python -m stabletune_core train` (or the loop in-process where only the loop's
 behaviour is looked at); the SD tests' helpers (test_faults.py) drive the processes.
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from flux2_tools import one_sentence, tiny_klein_paths
 from stabletune_core.config import TrainConfig
 from stabletune_core.config.families import KLEIN_LORA_TARGETS
-from stabletune_core.models.flux2_klein import LORA_PRESETS
+from stabletune_core.models.flux2_klein.family import LORA_PRESETS
 from stabletune_core.runs.reader import RunReader
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +106,7 @@ def events_of(run: Path, kind: str) -> list[dict]:
 def trained(paths, shapes_dataset, tmp_path_factory):
     """One 4-step CLI run on the tiny Klein base: validation images from a separate (distilled) preview model, the
     LoRA exported in both formats."""
-    from stabletune_core.models.tiny_flux2 import build_tiny_klein
+    from stabletune_core.models.flux2_klein.tiny import build_tiny_klein
 
     root = tmp_path_factory.mktemp("klein-cli")
     preview = build_tiny_klein(root / "distilled-seed1", seed=1, distilled=True)  # other weights than the base
@@ -348,7 +348,7 @@ def test_max_sequence_length_is_the_text_length_of_training_the_cache_and_valida
     validation pipeline call; the default stays the pipeline's 512."""
     from stabletune_core.config import build_config
     from stabletune_core.data.caches import EmbeddingCache
-    from stabletune_core.models.flux2_klein import text_length
+    from stabletune_core.models.flux2_klein.family import text_length
     from stabletune_core.models.loading import load_model
 
     session, metrics = in_process(paths, shapes_dataset, tmp_path / "short", max_sequence_length=32,

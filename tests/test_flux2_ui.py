@@ -12,7 +12,7 @@ import pytest
 
 from flux2_tools import tiny_klein_paths
 from stabletune_core.config import build_config, read_toml
-from stabletune_core.models.flux2_klein import SHIPPED_CONFIGS
+from stabletune_core.models.flux2_klein.family import SHIPPED_CONFIGS
 from test_ui_parts import raw_form, ui  # noqa: F401  (the whole UI built in-process, as the UI tests use it)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +20,7 @@ KLEIN_PRESETS = sorted((ROOT / "presets").glob("flux2-klein-*gb.toml"))
 
 
 def test_klein_presets_are_valid_and_their_estimate_fits_the_card_they_name():
-    from stabletune_core.models.flux2_memory import config_memory_sentence
+    from stabletune_core.models.flux2_klein.memory import config_memory_sentence
 
     # the next smaller card each must not fit (issue 36 added the 8, 12 and 16 GB ones: int8, swap)
     smaller = {"flux2-klein-4b-8gb": 6, "flux2-klein-4b-12gb": 8, "flux2-klein-9b-12gb": 8, "flux2-klein-9b-16gb": 12,

@@ -14,8 +14,8 @@ import torch
 
 from flux2_tools import one_sentence, tiny_klein_paths
 from stabletune_core.config import ConfigError, TrainConfig, build_config
-from stabletune_core.models.flux2_klein import SHIPPED_CONFIGS
-from stabletune_core.models.flux2_memory import GIB, estimate_training_memory, stored_transformer
+from stabletune_core.models.flux2_klein.family import SHIPPED_CONFIGS
+from stabletune_core.models.flux2_klein.memory import GIB, estimate_training_memory, stored_transformer
 from stabletune_core.models.memory_plan import plan_memory
 from stabletune_core.models.quantize import quantise_linear_layers, storage_bytes, stored_bytes
 from stabletune_core.runs.reader import RunReader
@@ -42,7 +42,7 @@ def test_bytes_from_shapes_are_what_quantising_stores(storage):
     """storage_bytes (meta device, shapes only) is exactly what quantise_linear_layers + a bf16 cast store."""
     from diffusers import Flux2Transformer2DModel, UNet2DConditionModel
 
-    from stabletune_core.models.tiny_flux2 import TRANSFORMER_CONFIG
+    from stabletune_core.models.flux2_klein.tiny import TRANSFORMER_CONFIG
 
     torch.manual_seed(0)
     for model in (Flux2Transformer2DModel(**TRANSFORMER_CONFIG),
@@ -81,7 +81,7 @@ def test_the_issues_targets_fit_by_the_estimate():
 def test_the_set_up_peak_is_counted_and_fits_the_targets():
     """Caching holds Qwen3 (stored like the base) and the VAE on the device, the transformer not yet there: Klein 9B's
     Qwen3-8B in bf16 alone is more than 12 GiB, so the plan that fits 12 GiB stores it in int8 for the caching too."""
-    from stabletune_core.models.flux2_memory import stored_text_encoder
+    from stabletune_core.models.flux2_klein.memory import stored_text_encoder
 
     base = dict(precision="bf16", gradient_checkpointing=True, resolution=1024, cache_text_embeddings=True)
     planned = estimate_training_memory("9b", **base, base_storage="int8", blocks_to_swap=10)
@@ -143,7 +143,7 @@ def test_plan_picks_the_cheapest_settings_that_fit(tmp_path):
     assert plan.update["base_storage"] == "int8" and plan.update["blocks_to_swap"] > 0
     fewer = klein_config(nine, vram_gb=12).model_copy(update={**plan.update,
                                                                "blocks_to_swap": plan.update["blocks_to_swap"] - 1})
-    from stabletune_core.models.flux2_memory import config_memory_sentence
+    from stabletune_core.models.flux2_klein.memory import config_memory_sentence
 
     assert not config_memory_sentence(fewer)[1].fits(12)  # one block fewer would not fit: the cheapest that does
     small = plan_memory(klein_config(nine, vram_gb=8))  # caching with Qwen3-8B in int8 needs 10.3 GiB: 4 bits
@@ -259,7 +259,7 @@ def test_sdxl_estimate_counts_exact_weights_and_the_unets_saved_activations():
     """SDXL at 1024 px: the UNet's bytes per storage are exact (the bench table's), the activations are what autograd
     saves in the real UNet's forward on fake tensors (checkpointing keeps a small part of it); by this model the
     issue's target, SDXL within 6 GiB, needs int8 (or nf4) + gradient checkpointing + the text cache."""
-    from stabletune_core.models.sdxl_memory import (estimate_sdxl_training_memory, frozen_part_parameters,
+    from stabletune_core.models.sd.sdxl_memory import (estimate_sdxl_training_memory, frozen_part_parameters,
                                                     saved_activation_bytes, stored_unet)
 
     assert stored_unet("full") == 5_134_927_368 and stored_unet("int8") == 2_908_099_848

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from stabletune_core.models import ModelLoadError, detect_family, get_family
-from stabletune_core.models.sd1 import SD15_CONFIG_DIR, SD1
-from stabletune_core.models.tiny import build_tiny_sd1_single_file
+from stabletune_core.models.sd.sd1 import SD15_CONFIG_DIR, SD1
+from stabletune_core.models.sd.tiny import build_tiny_sd1_single_file
 
 PROMPTS = [
     "a photo of a cat",
@@ -75,7 +75,7 @@ def test_tiny_model_loads_and_encodes(tiny_model, tiny_bundle):
 
 
 def test_tiny_build_is_deterministic(tmp_path):
-    from stabletune_core.models.tiny import build_tiny_components
+    from stabletune_core.models.sd.tiny import build_tiny_components
 
     a, b = build_tiny_components(seed=5), build_tiny_components(seed=5)
     for name in ("unet", "vae", "text_encoder"):

@@ -50,7 +50,7 @@ class RectifiedFlow:
 
 
 def test_a_flow_objective_trains_through_the_same_step(tiny_config, one_thread, monkeypatch):
-    from stabletune_core.models.sd1 import SD1
+    from stabletune_core.models.sd.sd1 import SD1
     from stabletune_core.train.loop import train
 
     flow = RectifiedFlow()

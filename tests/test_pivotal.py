@@ -201,7 +201,7 @@ def test_a_resume_with_other_tokens_is_refused(tiny_config, token_dataset, tmp_p
 
 
 def test_sdxl_gets_rows_in_both_encoders_as_clip_l_and_clip_g(tmp_path, token_dataset, small_config, one_thread):
-    from stabletune_core.models.tiny import build_tiny_sdxl
+    from stabletune_core.models.sd.tiny import build_tiny_sdxl
     from stabletune_core.train.loop import train
 
     model = build_tiny_sdxl(tmp_path / "xl", seed=0)
@@ -290,7 +290,7 @@ def comfy_vectors(data: dict, embed_key: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl"])
 def test_the_files_load_by_the_webuis_rules(family, tmp_path, token_dataset, small_config, one_thread):
-    from stabletune_core.models import tiny
+    from stabletune_core.models.sd import tiny
     from stabletune_core.train.loop import train
 
     model = getattr(tiny, f"build_tiny_{family}")(tmp_path / "model", seed=0)
@@ -433,7 +433,7 @@ def test_sdxl_pools_at_the_end_token_not_at_a_new_token(tmp_path):
     is the largest, so without the fix the pooled text embedding of "a <p1> circle" would be read at <p1>."""
     from stabletune_core.lora.pivotal import add_pivotal_tokens
     from stabletune_core.models import get_family
-    from stabletune_core.models.tiny import build_tiny_sdxl
+    from stabletune_core.models.sd.tiny import build_tiny_sdxl
 
     bundle = get_family("sdxl").load(str(build_tiny_sdxl(tmp_path / "xl", seed=0)))
     tok, te = bundle.tokenizers[1], bundle.text_encoders[1]

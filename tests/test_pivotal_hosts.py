@@ -31,7 +31,7 @@ def forge_refuses(lora: dict[str, torch.Tensor]) -> bool:
 def sdxl_run(tmp_path_factory, shapes_dataset):
     import shutil
 
-    from stabletune_core.models.tiny import build_tiny_sdxl
+    from stabletune_core.models.sd.tiny import build_tiny_sdxl
 
     root = tmp_path_factory.mktemp("pivotal-hosts")
     data = root / "data"

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from stabletune_core.lora.export import REQUIRED_METADATA_KEYS, compute_sshs_hash, export_kohya_lora
 from stabletune_core.lora.resize import resize_file, suggest_rank
 from stabletune_core.lora.svd import spectra
-from stabletune_core.models.sd1 import SD1
+from stabletune_core.models.sd.sd1 import SD1
 
 RANK, ALPHA, TRUE_RANK = 8, 4.0, 3
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "conv1"]  # proj_in is a 1x1 conv, conv1 a 3x3 one

@@ -11,14 +11,14 @@ from safetensors import safe_open
 
 from stabletune_core.lora.export import read_lora_metadata
 from stabletune_core.models import detect_family, get_family
-from stabletune_core.models.sd2 import SD21_BASE_CONFIG_DIR, SD21_CONFIG_DIR
+from stabletune_core.models.sd.sd2 import SD21_BASE_CONFIG_DIR, SD21_CONFIG_DIR
 
 PROMPTS = ["a photo of sks", "a red square on blue"]
 
 
 @pytest.fixture(scope="module")
 def tiny_sd2(tmp_path_factory) -> Path:
-    from stabletune_core.models.tiny import build_tiny_sd2
+    from stabletune_core.models.sd.tiny import build_tiny_sd2
 
     return build_tiny_sd2(tmp_path_factory.mktemp("tiny-sd2") / "model", seed=0)
 
@@ -57,7 +57,7 @@ def test_loads_as_v_prediction_with_open_clip_padding(tiny_sd2, bundle):
 
 
 def test_single_file_round_trip_and_config_choice(tiny_sd2, bundle, tmp_path):
-    from stabletune_core.models.tiny import build_tiny_sd2_single_file
+    from stabletune_core.models.sd.tiny import build_tiny_sd2_single_file
 
     path = build_tiny_sd2_single_file(tmp_path / "tiny.safetensors", seed=0)
     with safe_open(str(path), framework="pt") as f:

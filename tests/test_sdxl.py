@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from stabletune_core.lora.export import read_lora_metadata
 from stabletune_core.models import detect_family, get_family
-from stabletune_core.models.sdxl import SDXL_BASE_CONFIG_DIR
+from stabletune_core.models.sd.sdxl import SDXL_BASE_CONFIG_DIR
 
 PROMPTS = ["a photo of sks", "a red square on blue"]
 SIZES = [{"original_size": (96, 64), "crop_top_left": (8, 0), "target_size": (64, 64)},
@@ -20,7 +20,7 @@ SIZES = [{"original_size": (96, 64), "crop_top_left": (8, 0), "target_size": (64
 
 @pytest.fixture(scope="module")
 def tiny_sdxl(tmp_path_factory) -> Path:
-    from stabletune_core.models.tiny import build_tiny_sdxl
+    from stabletune_core.models.sd.tiny import build_tiny_sdxl
 
     return build_tiny_sdxl(tmp_path_factory.mktemp("tiny-sdxl") / "model", seed=0)
 
@@ -65,7 +65,7 @@ def test_loads_encodes_and_conditions_on_sizes(tiny_sdxl, bundle):
 
 
 def test_single_file_round_trip(tiny_sdxl, bundle, tmp_path):
-    from stabletune_core.models.tiny import build_tiny_sdxl_single_file
+    from stabletune_core.models.sd.tiny import build_tiny_sdxl_single_file
 
     path = build_tiny_sdxl_single_file(tmp_path / "xl.safetensors", seed=0)
     with safe_open(str(path), framework="pt") as f:

@@ -15,8 +15,8 @@ from flux2_tools import one_sentence, tiny_klein_paths
 from stabletune_core.cli import main
 from stabletune_core.lora.export import export_kohya_lora
 from stabletune_core.models import get_family
-from stabletune_core.models.flux2_klein import LORA_PRESETS
-from stabletune_core.models.flux2_single_file import transformer_from_bfl
+from stabletune_core.models.flux2_klein.family import LORA_PRESETS
+from stabletune_core.models.flux2_klein.single_file import transformer_from_bfl
 from tests.test_flux2_lora import adapted, output
 from tests.test_tools_merge import trained_lora
 

@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from stabletune_core.cli import main
 from stabletune_core.lora.export import export_kohya_lora
 from stabletune_core.lora.inject import is_adapter_parameter
-from stabletune_core.models import get_family, tiny
+from stabletune_core.models import get_family
+from stabletune_core.models.sd import tiny
 from tests.test_export_keys import bundle_with_lora
 from tests.tools_helpers import read_only
 

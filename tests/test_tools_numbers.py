@@ -104,7 +104,7 @@ def test_two_inputs_of_one_name_are_told_apart(tmp_path, capsys):
 
 
 def test_inspect_says_what_a_text_encoder_file_is(tmp_path, capsys):
-    from stabletune_core.models import tiny
+    from stabletune_core.models.sd import tiny
 
     encoder = tiny.build_tiny_components(0)["text_encoder"]
     path = tmp_path / "clip_l.safetensors"

@@ -75,7 +75,7 @@ def test_the_shipped_toy_klein_is_a_klein_base_the_family_loads(klein_base):
     import hashlib
     import json
 
-    from stabletune_core.models.flux2_klein import Flux2Klein
+    from stabletune_core.models.flux2_klein.family import Flux2Klein
     from stabletune_core.toy.klein import WEIGHTS
 
     manifest = json.loads((WEIGHTS / "manifest.json").read_text())

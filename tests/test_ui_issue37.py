@@ -148,7 +148,7 @@ def test_the_estimate_names_the_klein_it_reads_and_no_number_for_one_it_cannot(t
     a 4B guess said 17.8 GiB for the toy Klein and 10.3 GiB under the 9B preset."""
     from extension.validation import memory_estimate
     from flux2_tools import tiny_klein_paths
-    from stabletune_core.models.flux2_klein import SHIPPED_CONFIGS
+    from stabletune_core.models.flux2_klein.family import SHIPPED_CONFIGS
 
     tiny = tiny_klein_paths(tmp_path_factory)["folder"]
     said = memory_estimate({"pretrained_model_name_or_path": str(tiny)}, sys.executable)

@@ -1,5 +1,5 @@
 """Issue 39 items 2-4 (core): Z-Image (Base and Turbo) as a family behind the same face, on a tiny real-layout Z-Image
-built offline (models/tiny_z_image.py): loading and detection, the Qwen3 text path (the pipeline's own encoding),
+built offline (models/z_image/tiny.py): loading and detection, the Qwen3 text path (the pipeline's own encoding),
 training from the command line, the exported LoRA in diffusers' ZImagePipeline.load_lora_weights and under
 ComfyUI's key rule, the Turbo sentence, bad input, NaN rollback and exact resume after SIGKILL.
 """
@@ -17,7 +17,7 @@ from flux2_tools import one_sentence
 from test_flux2_training import cli, events_of, small_args
 from stabletune_core.config import TrainConfig
 from stabletune_core.config.families import Z_IMAGE_LORA_TARGETS
-from stabletune_core.models.z_image import LORA_PRESETS
+from stabletune_core.models.z_image.family import LORA_PRESETS
 from stabletune_core.runs.reader import RunReader
 
 TOLERANCE = 1e-5
@@ -30,7 +30,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     if not _BUILT:
         import shutil
 
-        from stabletune_core.models.tiny_z_image import build_tiny_z_image
+        from stabletune_core.models.z_image.tiny import build_tiny_z_image
 
         root = tmp_path_factory.mktemp("tiny-z-image")
         _BUILT["base"] = build_tiny_z_image(root / "Z-Image-tiny", seed=0)
@@ -221,7 +221,7 @@ def test_turbo_is_named_as_distilled_in_one_sentence_before_training(folders, sh
 
 
 def test_distillation_is_judged_by_the_released_names():
-    from stabletune_core.models.z_image import detect_distillation
+    from stabletune_core.models.z_image.family import detect_distillation
 
     assert detect_distillation("/m/Z-Image-Turbo").verdict == "distilled"
     assert detect_distillation("/m/z_image_turbo_bf16.safetensors").verdict == "distilled"

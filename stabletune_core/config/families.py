@@ -28,14 +28,14 @@ WEIGHTING_SCHEMES = ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap")
 #: The UNet LoRA targets every SD family starts from (the schema's default of unet_lora_targets).
 SD_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 #: Klein's default: the attention of the double blocks (both streams) and both fused layers of the single blocks.
-#: The same list as models/flux2_klein.py LORA_PRESETS["attention"] (a test keeps them equal): a single block's
+#: The same list as models/flux2_klein/family.py LORA_PRESETS["attention"] (a test keeps them equal): a single block's
 #: attention and MLP share those two layers, so attention alone cannot be chosen there.
 KLEIN_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                       "attn.add_v_proj", "attn.to_add_out", "attn.to_qkv_mlp_proj",
                       "single_transformer_blocks.*.attn.to_out"]
 
 #: Z-Image's default: the attention of every block (main layers and both refiners); the same list as
-#: models/z_image.py LORA_PRESETS["attention"] (a test keeps them equal).
+#: models/z_image/family.py LORA_PRESETS["attention"] (a test keeps them equal).
 Z_IMAGE_LORA_TARGETS = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"]
 _FLOW_LORA_TARGETS = {"flux2_klein": KLEIN_LORA_TARGETS, "z_image": Z_IMAGE_LORA_TARGETS}
 

@@ -5,7 +5,7 @@ kind with diffusers' real loader and with ComfyUI's rules (re-stated in tests/te
 "loads" here computes what was trained and each limit here is real. The UI (before Start), the console (a note before
 training and at the end of the run) say the limits of the run's kind from `klein_host_limits`.
 
-The file is the kohya-style one StableTune writes (lora/flux2.py): LoRA under BFL module names, DoRA / LoHa under
+The file is the kohya-style one StableTune writes (models/flux2_klein/lora.py): LoRA under BFL module names, DoRA / LoHa under
 diffusers module paths in LyCORIS naming, LoKr as transformer.<diffusers path> with alpha folded in (a magnitude or a
 Hadamard / Kronecker product cannot be fused onto BFL's q/k/v weight exactly). A LoKr used to be LyCORIS-named too,
 which diffusers 0.42.1 refuses whole when it adapts x_embedder, context_embedder or proj_out.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 HOSTS = ("ComfyUI", "diffusers 0.42")
-#: The Klein modules outside the blocks that a DoRA / LoHa / LoKr file can adapt (lora/flux2.py LYCORIS_TOP_LEVEL).
+#: The Klein modules outside the blocks that a DoRA / LoHa / LoKr file can adapt (models/flux2_klein/lora.py LYCORIS_TOP_LEVEL).
 TOP_LEVEL = ("x_embedder", "context_embedder", "proj_out")
 
 #: {kind: {host: None (loads) or what stops it, ending in the host version that first loads it}}.

@@ -188,10 +188,10 @@ def kohya_named_layers(unet, text_encoders: list | None, family, walk) -> Iterat
     encoder under its family prefix; `walk` is a layer walker that yields (module path, ...)."""
     if unet is not None:
         naming = family.kohya_unet_naming
-        if naming == "bfl":  # FLUX.2: LyCORIS names of the transformer's modules (lora/flux2.py)
-            from .flux2 import lycoris_name as unet_name
+        if naming == "bfl":  # FLUX.2: LyCORIS names of the transformer's modules (models/flux2_klein/lora.py)
+            from ..models.flux2_klein.lora import lycoris_name as unet_name
         elif naming == "diffusion_model":  # Z-Image: diffusers' module path under ai-toolkit's prefix
-            from ..models.z_image import LORA_KEY_PREFIX
+            from ..models.z_image.family import LORA_KEY_PREFIX
 
             unet_name = lambda path: LORA_KEY_PREFIX + path  # noqa: E731
         elif naming == "sgm":
@@ -221,8 +221,8 @@ def kohya_state_dict(
     from .lycoris import iter_lycoris_modules, lycoris_tensors, network_of
 
     if unet is not None and network_of(unwrap(unet)) == "lokr" and \
-            family.kohya_unet_naming == "bfl":  # FLUX.2 LoKr: lora/flux2.py's naming
-        from .flux2 import bake_lokr_alpha, diffusers_lokr_name
+            family.kohya_unet_naming == "bfl":  # FLUX.2 LoKr: models/flux2_klein/lora.py's naming
+        from ..models.flux2_klein.lora import bake_lokr_alpha, diffusers_lokr_name
 
         try:
             tensors = bake_lokr_alpha(lycoris_tensors(((diffusers_lokr_name(path), parts) for path, parts in
@@ -236,7 +236,7 @@ def kohya_state_dict(
         except ValueError as exc:
             raise LoraExportError(str(exc)) from None
     elif family.kohya_unet_naming == "bfl":  # not one module per name: q/k/v fused (FLUX.2)
-        from .flux2 import kohya_lora_tensors
+        from ..models.flux2_klein.lora import kohya_lora_tensors
 
         if any(te is not None for te in text_encoders or []):
             raise LoraExportError(f"The {family.name} family trains no text encoder, so none can be exported.")

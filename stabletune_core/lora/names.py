@@ -34,7 +34,7 @@ def kohya_unet_name(module_path: str) -> str:
 def kohya_sgm_unet_name(module_path: str, unet_config) -> str:
     """SDXL: the module under its original SGM name, as kohya's sd-scripts write SDXL LoRAs:
     ``down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`` -> ``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``."""
-    from ..models.single_file import sgm_unet_module_path
+    from ..models.sd.single_file import sgm_unet_module_path
 
     return kohya_unet_name(sgm_unet_module_path(module_path, unet_config))
 

@@ -16,25 +16,25 @@ def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:
 
 
 def _sd1():
-    from .sd1 import SD1
+    from .sd.sd1 import SD1
 
     return SD1()
 
 
 def _sd2():
-    from .sd2 import SD2
+    from .sd.sd2 import SD2
 
     return SD2()
 
 
 def _sdxl():
-    from .sdxl import SDXL
+    from .sd.sdxl import SDXL
 
     return SDXL()
 
 
 def _flux2_klein():
-    from .flux2_klein import Flux2Klein
+    from .flux2_klein.family import Flux2Klein
 
     return Flux2Klein()
 
@@ -43,7 +43,7 @@ register_family("sd1", _sd1)
 register_family("sd2", _sd2)
 register_family("sdxl", _sdxl)
 def _z_image():
-    from .z_image import ZImage
+    from .z_image.family import ZImage
 
     return ZImage()
 
@@ -65,9 +65,9 @@ def get_family(name: str) -> ModelFamily:
 def detect_family(source: str | Path) -> str:
     """Best-effort guess of the family from configs or checkpoint keys; "sd1" when unsure."""
     path = Path(str(source)).expanduser()
-    from .flux2_klein import looks_like_klein
+    from .flux2_klein.family import looks_like_klein
 
-    from .z_image import looks_like_z_image
+    from .z_image.family import looks_like_z_image
 
     if looks_like_klein(path):
         return "flux2_klein"

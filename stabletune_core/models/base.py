@@ -127,7 +127,7 @@ class ModelFamily(Protocol):
     text_encoder_kohya_prefixes: list[str]  # one per text encoder: ["lora_te"] or ["lora_te1", "lora_te2"]
     display_name: str  # what a sentence calls the family, e.g. "Stable Diffusion 1.x"
     # the kohya names of the denoiser's modules: "diffusers" (lora_unet_ + diffusers path), "sgm" (SDXL's
-    # input_blocks...) or "bfl" (FLUX.2's double_blocks..., q/k/v fused); see lora/names.py, lora/flux2.py
+    # input_blocks...) or "bfl" (FLUX.2's double_blocks..., q/k/v fused); see lora/names.py, models/flux2_klein/lora.py
     kohya_unet_naming: str
     denoiser_name: str  # what a sentence calls the denoiser: "UNet" or "transformer"
     modelspec_implementation: str  # the LoRA file's modelspec.implementation

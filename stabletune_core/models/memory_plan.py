@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ConfigError
-from .flux2_memory import GIB, MemoryEstimate, config_memory_sentence, klein_sizes, variant_of
+from .flux2_klein.memory import GIB, MemoryEstimate, config_memory_sentence, klein_sizes, variant_of
 
 
 @dataclass(frozen=True)

@@ -222,12 +222,12 @@ def kohya_layers(bundle) -> dict[str, LayerTarget]:
 
 
 def bfl_layers(transformer: torch.nn.Module, *, blocks_only: bool) -> dict[str, LayerTarget]:
-    """A FLUX.2 transformer's Linear layers under the names its adapter files use (lora/flux2.py): kohya names of
+    """A FLUX.2 transformer's Linear layers under the names its adapter files use (models/flux2_klein/lora.py): kohya names of
     BFL's modules (q, k and v one fused module) and, unless `blocks_only`, LyCORIS names of diffusers' paths and
     diffusers' own `transformer.` paths (our LoKr files).
     `blocks_only`: just the BFL modules of the double and single blocks (what a LoRA usually trains)."""
-    from ..lora.flux2 import DIFFUSERS_LOKR_PREFIX, LYCORIS_PREFIX, kohya_name
-    from ..models.flux2_single_file import SWAPPED_HALVES, bfl_module
+    from ..models.flux2_klein.lora import DIFFUSERS_LOKR_PREFIX, LYCORIS_PREFIX, kohya_name
+    from ..models.flux2_klein.single_file import SWAPPED_HALVES, bfl_module
 
     layers: dict[str, LayerTarget] = {}
     fused: dict[str, dict[int, torch.nn.Module]] = {}
@@ -236,7 +236,7 @@ def bfl_layers(transformer: torch.nn.Module, *, blocks_only: bool) -> dict[str, 
             continue
         if not blocks_only:
             layers[LYCORIS_PREFIX + path.replace(".", "_")] = LayerTarget([module])
-            layers[DIFFUSERS_LOKR_PREFIX + path] = LayerTarget([module])  # our LoKr files (lora/flux2.py)
+            layers[DIFFUSERS_LOKR_PREFIX + path] = LayerTarget([module])  # our LoKr files (models/flux2_klein/lora.py)
         name = bfl_module(path)
         if name is None or (blocks_only and not name.path.startswith(("double_blocks.", "single_blocks."))):
             continue

@@ -154,10 +154,10 @@ def merge_into(bundle, read: list[tuple[Path, float, dict[str, Any]]]) -> tuple[
 def original_layout(bundle, components: set[str]) -> dict[str, Any]:
     """The given components' tensors under their original (CompVis / SGM / OpenCLIP; FLUX.2: BFL) checkpoint
     keys."""
-    from ..models import single_file as sf
+    from ..models.sd import single_file as sf
 
     if bundle.family.kohya_unet_naming == "bfl":  # a FLUX.2 single file is the transformer alone (ComfyUI's layout)
-        from ..models.flux2_single_file import transformer_to_bfl
+        from ..models.flux2_klein.single_file import transformer_to_bfl
 
         return transformer_to_bfl(bundle.unet.state_dict()) if "unet" in components else {}
     state: dict[str, torch.Tensor] = {}
@@ -178,7 +178,7 @@ def original_layout(bundle, components: set[str]) -> dict[str, Any]:
 
 
 def full_original(bundle) -> dict[str, Any]:
-    from ..models import single_file as sf
+    from ..models.sd import single_file as sf
 
     unet, vae, encoders = bundle.unet, bundle.vae, bundle.text_encoders
     if bundle.family.kohya_unet_naming == "bfl":
@@ -196,7 +196,7 @@ def write_single_file(bundle, source: Path, target: Path, components: set[str], 
     from safetensors import safe_open
 
     from ..lora.export import _atomic_save
-    from ..models.flux2_single_file import DIFFUSION_MODEL_PREFIX
+    from ..models.flux2_klein.single_file import DIFFUSION_MODEL_PREFIX
 
     if source.is_file():
         with safe_open(str(source), framework="pt") as f:

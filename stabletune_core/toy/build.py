@@ -201,7 +201,7 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
     """Train the toy base and write its shipped files and manifest into `out`."""
     from safetensors.torch import save_file
 
-    from ..models.tiny import TEXT_ENCODER_CONFIG, UNET_CONFIG, VAE_CONFIG, build_tiny_components
+    from ..models.sd.tiny import TEXT_ENCODER_CONFIG, UNET_CONFIG, VAE_CONFIG, build_tiny_components
     from . import load_toy_pipeline, materialize
     from .evaluate import base_report
 

@@ -47,7 +47,7 @@ def materialize(weights: Path, target: Path | None = None) -> Path:
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from ..models.flux2_klein import SHIPPED_CONFIGS
+    from ..models.flux2_klein.family import SHIPPED_CONFIGS
 
     configs = json.loads(configs_text)
 

@@ -8,7 +8,7 @@ concept once a LoRA asks for it), with build.py's codec loss, and its latent bat
 toy world's patchified latents; then the Flux2Transformer2DModel learns the base vocabulary (every base colour x
 shape, never the concept colour) with the family's own flow-matching objective (models/flow_matching.py, through
 the family face: text encoding, latents, conditioning, noise path, target and loss are the ones a LoRA run uses),
-conditioned by the tiny Qwen3 of models/tiny_flux2.py, which stays at its seeded random initialisation (frozen, as
+conditioned by the tiny Qwen3 of models/flux2_klein/tiny.py, which stays at its seeded random initialisation (frozen, as
 Klein's text encoder is). The shipped weights are the transformer's exponential moving average, in fp16, with the
 tokenizer files; `manifest.json` records the seed, steps, final losses, scores, the build's CPU seconds and the
 sha256 of every shipped file.
@@ -31,7 +31,7 @@ from .klein import TEXT_LENGTH
 from .world import BASE_COLORS, SHAPES, base_scenes, draw_scene
 
 WEIGHTS = Path(__file__).resolve().parent / "weights_flux2"
-#: Wider than the tests' random tiny Klein (models/tiny_flux2.py), for the reason build.py's TOY_VAE_CONFIG gives:
+#: Wider than the tests' random tiny Klein (models/flux2_klein/tiny.py), for the reason build.py's TOY_VAE_CONFIG gives:
 #: one channel per norm group erases colour ratios; four per group keep colours apart.
 TOY_VAE_CONFIG = dict(block_out_channels=(16, 32, 32, 32), norm_num_groups=4)
 TOY_TRANSFORMER_CONFIG = dict(num_attention_heads=4)  # 64 wide (4 heads of 16); two double, two single blocks
@@ -55,7 +55,7 @@ def toy_components(seed: int = BUILD_SEED) -> dict:
     """transformer, vae, text_encoder, tokenizer, scheduler of the toy Klein at initialisation (deterministic)."""
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
-    from ..models.tiny_flux2 import TRANSFORMER_CONFIG, VAE_CONFIG, build_tiny_klein_components
+    from ..models.flux2_klein.tiny import TRANSFORMER_CONFIG, VAE_CONFIG, build_tiny_klein_components
 
     parts = build_tiny_klein_components(seed)  # the frozen random Qwen3, its tokenizer, Klein's scheduler
     embeddings = parts["text_encoder"].get_input_embeddings().weight
@@ -72,7 +72,7 @@ def toy_components(seed: int = BUILD_SEED) -> dict:
 def bundle_of(parts: dict):
     """The family's ModelBundle over in-memory parts, so the build encodes and trains as a LoRA run does."""
     from ..models.base import ModelBundle
-    from ..models.flux2_klein import Distillation, Flux2Klein, use_klein_chat_template
+    from ..models.flux2_klein.family import Distillation, Flux2Klein, use_klein_chat_template
 
     use_klein_chat_template(parts["tokenizer"])
     return ModelBundle(family=Flux2Klein(), denoiser=parts["transformer"], vae=parts["vae"],
@@ -86,7 +86,7 @@ def bundle_of(parts: dict):
 def set_latent_statistics(vae, scenes: list, batch: int = 128) -> torch.Tensor:
     """Give the VAE's latent batch norm the mean and variance of the toy world's patchified latents (the mode, as
     the family encodes); returns the raw latents of `scenes`."""
-    from ..models.flux2_klein import patchify
+    from ..models.flux2_klein.family import patchify
 
     raws = [vae.encode(pixels([draw_scene(s) for s in scenes[i:i + batch]])).latent_dist.mode()
             for i in range(0, len(scenes), batch)]
@@ -180,7 +180,7 @@ def build(out: Path, *, vae_steps: int = 1500, vae_batch: int = 16, transformer_
     scenes = base_scenes(scenes_per_combo * len(BASE_COLORS) * len(SHAPES), seed=BUILD_SEED + 5)
     raw = set_latent_statistics(vae, scenes)
     bundle = bundle_of(parts)
-    from ..models.flux2_klein import normalize_latents
+    from ..models.flux2_klein.family import normalize_latents
 
     latents = normalize_latents(vae, raw).float()
     log(f"latent bank: {len(scenes)} scenes, normalised latents {tuple(latents.shape)}")

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from .base import (Conditioning, ModelBundle, ModelLoadError, denormalize_latents, flow_model_metadata,
+from ..base import (Conditioning, ModelBundle, ModelLoadError, denormalize_latents, flow_model_metadata,
                    load_errors_in_one_sentence, normalize_latents)
-from .qwen3_text import MAX_SEQUENCE_LENGTH, text_length
+from ..qwen3_text import MAX_SEQUENCE_LENGTH, text_length
 
 PIPELINE_CLASS = "ZImagePipeline"
 #: The hidden state ZImagePipeline reads (hidden_states[-2]); its default prompt length is qwen3_text's.
@@ -144,7 +144,7 @@ class ZImage:
              **files: Any) -> ModelBundle:
         """A Z-Image diffusers folder (Base or Turbo). Single-file checkpoints and separate model files are not
         read yet: one sentence says so. Bad input raises ModelLoadError, one sentence."""
-        from .sd1 import check_source
+        from ..sd.sd1 import check_source
 
         if any(files.values()) or config_dir:
             raise ModelLoadError("Z-Image is read from its diffusers folder only for now (text_encoder_path, "
@@ -160,7 +160,7 @@ class ZImage:
         where = str(path) if path is not None else str(source)
         with load_errors_in_one_sentence(source, self.display_name):
             parts = self._load_diffusers(where, local_files_only, torch_dtype)
-        from .flux2_klein import check_tokenizer
+        from ..flux2_klein.family import check_tokenizer
 
         check_tokenizer(parts["tokenizer"], parts["text_encoder"])
         width = parts["text_encoder"].config.hidden_size
@@ -200,7 +200,7 @@ class ZImage:
     def encode_text(self, bundle: ModelBundle, prompts: list[str]) -> dict[str, torch.Tensor]:
         """{"prompt_embeds": [B, max_sequence_length, hidden], "attention_mask": [B, max_sequence_length]}: the
         pipeline's second-to-last hidden state, padded; the mask says which rows are the prompt's."""
-        from .qwen3_text import qwen3_hidden_states
+        from ..qwen3_text import qwen3_hidden_states
 
         te = bundle.text_encoders[0]
         hidden, mask = qwen3_hidden_states(bundle.tokenizers[0], te, prompts, max_length=text_length(bundle),
@@ -235,12 +235,12 @@ class ZImage:
         return 2 ** (len(bundle.vae.config.block_out_channels) - 1)
 
     def objective(self, bundle: ModelBundle, options: Any):
-        from .flow_matching import FlowMatching
+        from ..flow_matching import FlowMatching
 
         return FlowMatching.for_run(bundle.noise_scheduler.config, options, call_transformer)
 
     def lora_target_modules(self, model: torch.nn.Module, targets: list[str]) -> list[str]:
-        from .flux2_klein import lora_target_modules
+        from ..flux2_klein.family import lora_target_modules
 
         return lora_target_modules(model, targets)
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from ..models.flux2_single_file import bfl_module
-from .dora import dora_scale
-from .layers import LoraLayerView
-from .names import DORA_SCALE, kohya_keys
+from ...lora.dora import dora_scale
+from ...lora.layers import LoraLayerView
+from ...lora.names import DORA_SCALE, kohya_keys
+from .single_file import bfl_module
 
 KOHYA_PREFIX = "lora_unet_"
 LYCORIS_PREFIX = "lycoris_"

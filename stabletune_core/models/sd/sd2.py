@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import ModelBundle
+from ..base import ModelBundle
 from .sd1 import CONFIGS_DIR, SD1
 
 SD21_CONFIG_DIR = CONFIGS_DIR / "sd21"  # stabilityai/stable-diffusion-2-1: 768 px, v-prediction

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .tokenizer import write_clip_tokenizer_files
+from ..tokenizer import write_clip_tokenizer_files
 
 #: 64x64 images -> 8x8 latents (the VAE has 4 levels, so it downscales by 8).
 TINY_IMAGE_SIZE = 64
@@ -169,7 +169,7 @@ SDXL_TEXT_ENCODER_2_CONFIG = dict(TEXT_ENCODER_CONFIG, hidden_act="gelu", hidden
 def _save_pipeline(out_dir: Path, parts: dict, model_index: dict, pads: dict[str, str]) -> Path:
     import diffusers
 
-    from .tokenizer import EOS
+    from ..tokenizer import EOS
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -189,7 +189,7 @@ def build_tiny_sd2_components(seed: int = 0) -> dict:
 
 def build_tiny_sd2(out_dir: Path, seed: int = 0) -> Path:
     """Write a complete tiny SD 2.x (v-prediction) diffusers folder and return its path."""
-    from .tokenizer import OPEN_CLIP_PAD
+    from ..tokenizer import OPEN_CLIP_PAD
 
     index = {"_class_name": "StableDiffusionPipeline", "feature_extractor": [None, None], "image_encoder": [None, None],
              "requires_safety_checker": False, "safety_checker": [None, None],
@@ -230,7 +230,7 @@ def build_tiny_sdxl_components(seed: int = 0) -> dict:
 
 def build_tiny_sdxl(out_dir: Path, seed: int = 0) -> Path:
     """Write a complete tiny SDXL diffusers folder (random weights) and return its path."""
-    from .tokenizer import OPEN_CLIP_PAD
+    from ..tokenizer import OPEN_CLIP_PAD
 
     index = {"_class_name": "StableDiffusionXLPipeline", "force_zeros_for_empty_prompt": True,
              "scheduler": ["diffusers", "EulerDiscreteScheduler"], "text_encoder": ["transformers", "CLIPTextModel"],

@@ -11,7 +11,7 @@ What differs from the SD families, all of it behind the family face:
   the feature axis (3 x 2560 = 7680 wide for 4B), exactly as ``Flux2KleinPipeline._get_qwen3_prompt_embeds``.
 * latents: the VAE's mode (not a sample), patchified 2 x 2 (32 -> 128 channels, 1/16 of the image side) and
   normalised with the VAE's own batch-norm statistics, as the pipeline and diffusers' Klein script do.
-* LoRA: the transformer's Linear layers; exported with the BFL names ComfyUI and diffusers read (lora/flux2.py).
+* LoRA: the transformer's Linear layers; exported with the BFL names ComfyUI and diffusers read (models/flux2_klein/lora.py).
 * distilled vs base: the step-distilled Klein is a poor base for LoRAs (they come out grey or generic); the family
   says which one it was given (``detect_distillation``) before any training.
 
@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 import torch
 
-from .base import Conditioning, ModelBundle, ModelLoadError, flow_model_metadata, load_errors_in_one_sentence
-from .qwen3_text import MAX_SEQUENCE_LENGTH, text_length
+from ..base import Conditioning, ModelBundle, ModelLoadError, flow_model_metadata, load_errors_in_one_sentence
+from ..qwen3_text import MAX_SEQUENCE_LENGTH, text_length
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 SHIPPED_CONFIGS = {"4b": CONFIGS_DIR / "flux2-klein-4b", "9b": CONFIGS_DIR / "flux2-klein-9b"}
@@ -314,7 +314,7 @@ class Flux2Klein:
     diffusers_pipeline_class = "Flux2KleinPipeline"
     diffusers_lora_layers_argument = "transformer_lora_layers"  # the save_lora_weights argument for the denoiser
     diffusers_lora_key_names = "peft"  # lora_A / lora_B, as diffusers' Klein script saves (see lora/export.py)
-    # kohya files in BFL's module names, q/k/v fused (LoRA), or LyCORIS names (DoRA, LoHa, LoKr): lora/flux2.py,
+    # kohya files in BFL's module names, q/k/v fused (LoRA), or LyCORIS names (DoRA, LoHa, LoKr): models/flux2_klein/lora.py,
     # which lora/export.py picks by this name (models never import lora/: lora's names come from the families)
     kohya_unet_naming = "bfl"
 
@@ -327,7 +327,7 @@ class Flux2Klein:
         VAE and tokenizer given or found where ComfyUI keeps them; every prompt is then encoded at
         `max_sequence_length` tokens (training, cached embeddings, validation images). Bad input raises
         ModelLoadError, one sentence."""
-        from .sd1 import check_source
+        from ..sd.sd1 import check_source
 
         kind, path = check_source(source, local_files_only=local_files_only)
         given = {k: Path(str(v)).expanduser() if v else None
@@ -402,7 +402,7 @@ class Flux2Klein:
         from accelerate import init_empty_weights
         from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
-        from .flux2_single_file import bfl_shape_facts, transformer_config_facts, transformer_from_bfl
+        from .single_file import bfl_shape_facts, transformer_config_facts, transformer_from_bfl
 
         shapes, metadata = _safetensors_header(path)
         kind = checkpoint_kind(shapes)
@@ -459,7 +459,7 @@ class Flux2Klein:
     def _config_for(self, facts: dict, path: Path) -> Path:
         from diffusers import Flux2Transformer2DModel
 
-        from .flux2_single_file import transformer_config_facts
+        from .single_file import transformer_config_facts
 
         for variant, folder in SHIPPED_CONFIGS.items():
             if transformer_config_facts(Flux2Transformer2DModel.load_config(str(folder / "transformer"))) == facts:
@@ -473,7 +473,7 @@ class Flux2Klein:
         from accelerate import init_empty_weights
         from diffusers import AutoencoderKLFlux2
 
-        from .flux2_single_file import vae_from_ldm
+        from .single_file import vae_from_ldm
 
         path = Path(path)
         if path.is_dir():
@@ -550,7 +550,7 @@ class Flux2Klein:
     def encode_text(self, bundle: ModelBundle, prompts: list[str]) -> dict[str, torch.Tensor]:
         """{"prompt_embeds": [B, max_sequence_length, 3 x hidden]}: Flux2KleinPipeline._get_qwen3_prompt_embeds,
         batched."""
-        from .qwen3_text import qwen3_hidden_states
+        from ..qwen3_text import qwen3_hidden_states
 
         te = bundle.text_encoders[0]
         hidden, _ = qwen3_hidden_states(bundle.tokenizers[0], te, prompts, max_length=text_length(bundle),
@@ -603,7 +603,7 @@ class Flux2Klein:
     def objective(self, bundle: ModelBundle, options: Any):
         """The flow-matching objective of this bundle, drawn and weighted as `options` (the TrainConfig) asks:
         weighting_scheme, logit_mean, logit_std, mode_scale and flow_shift."""
-        from .flow_matching import FlowMatching
+        from ..flow_matching import FlowMatching
 
         return FlowMatching.for_run(bundle.noise_scheduler.config, options, call_transformer)
 

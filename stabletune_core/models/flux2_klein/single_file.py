@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .single_file import _VAE_ATTN, _rename, _vae_prefix_table
+from ..sd.single_file import _VAE_ATTN, _rename, _vae_prefix_table
 
 DIFFUSION_MODEL_PREFIX = "model.diffusion_model."  # a full (all-in-one) checkpoint's transformer keys
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from .flux2_memory import CONTEXT_BYTES, FRAGMENTATION, LORA_BYTES_PER_PARAMETER, PRECISION_BYTES, MemoryEstimate
+from ..flux2_klein.memory import CONTEXT_BYTES, FRAGMENTATION, LORA_BYTES_PER_PARAMETER, PRECISION_BYTES, MemoryEstimate
 
 SDXL_CONFIGS = Path(__file__).resolve().parent / "configs" / "sdxl_base"
 SD_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
@@ -33,7 +33,7 @@ def _meta_unet():
 @lru_cache(maxsize=None)
 def stored_unet(storage: str = "full", dtype_bytes: int = 2) -> int:
     """SDXL's UNet bytes in `storage` (base_storage), the unquantised tensors `dtype_bytes` wide."""
-    from .quantize import storage_bytes
+    from ..quantize import storage_bytes
 
     return storage_bytes(_meta_unet(), storage, dtype_bytes)
 

@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .base import (Conditioning, ModelBundle, ModelLoadError, denormalize_latents, load_errors_in_one_sentence,
+from ..base import (Conditioning, ModelBundle, ModelLoadError, denormalize_latents, load_errors_in_one_sentence,
                    normalize_latents)
 
 if TYPE_CHECKING:
-    from .ddpm import DDPMObjective
+    from ..ddpm import DDPMObjective
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 SD15_CONFIG_DIR = CONFIGS_DIR / "sd15"
@@ -162,7 +162,7 @@ class SD1:
     def objective(self, bundle: ModelBundle, options: Any) -> "DDPMObjective":
         """Epsilon or v-prediction on the model's DDPM schedule (models/ddpm.py), weighted as `options` (the
         TrainConfig) asks: snr_gamma, debiased_estimation_loss."""
-        from .ddpm import DDPMObjective
+        from ..ddpm import DDPMObjective
 
         return DDPMObjective(bundle.noise_scheduler, snr_gamma=options.snr_gamma,
                              debiased=options.debiased_estimation_loss)
@@ -181,7 +181,7 @@ class SD1:
 
     # ---------------------------------------------------------------- encode
     def tokenize(self, bundle: ModelBundle, prompts: list[str]) -> torch.Tensor:
-        from .tokenizer import expand_multi_vector
+        from ..tokenizer import expand_multi_vector
 
         tok = bundle.tokenizers[0]
         return tok(expand_multi_vector(tok, prompts), padding="max_length", max_length=tok.model_max_length,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .base import Conditioning, ModelBundle
+from ..base import Conditioning, ModelBundle
 from .sd1 import CONFIGS_DIR, SD1
 
 SDXL_BASE_CONFIG_DIR = CONFIGS_DIR / "sdxl_base"
@@ -59,7 +59,7 @@ class SDXL(SD1):
     def _load_single_file(self, path: Path, config_dir, local_files_only: bool, torch_dtype) -> dict[str, Any]:
         from diffusers import StableDiffusionXLPipeline
 
-        from .base import ModelLoadError
+        from ..base import ModelLoadError
 
         config_dir = Path(config_dir) if config_dir is not None else self.single_file_config_dir(path)
         if not (config_dir / "model_index.json").is_file():
@@ -75,7 +75,7 @@ class SDXL(SD1):
     def encode_text(self, bundle: ModelBundle, prompts: list[str]) -> dict[str, torch.Tensor]:
         """{"prompt_embeds": [B, 77, 768 + 1280], "pooled_prompt_embeds": [B, 1280]}, as diffusers' SDXL
         pipeline computes them: penultimate hidden states of both encoders, pooled projection of the second."""
-        from .tokenizer import expand_multi_vector
+        from ..tokenizer import expand_multi_vector
 
         hidden, pooled = [], None
         for tok, te in zip(bundle.tokenizers, bundle.text_encoders):

@@ -26,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .flux2_klein import LORA_PRESETS, MAX_SEQUENCE_LENGTH, SHIPPED_CONFIGS, lora_target_modules
+from .family import LORA_PRESETS, MAX_SEQUENCE_LENGTH, SHIPPED_CONFIGS, lora_target_modules
 
 GIB = 1024 ** 3
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -98,7 +98,7 @@ def stored_transformer(variant: str, storage: str = "full", dtype_bytes: int = 2
     unquantised tensors `dtype_bytes` wide."""
     import torch
 
-    from .quantize import storage_bytes
+    from ..quantize import storage_bytes
 
     model = _meta_transformer(variant)
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
@@ -114,7 +114,7 @@ def stored_text_encoder(variant: str, storage: str = "full", dtype_bytes: int = 
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from .quantize import storage_bytes
+    from ..quantize import storage_bytes
 
     with torch.device("meta"):
         text = Qwen3ForCausalLM(Qwen3Config.from_pretrained(str(SHIPPED_CONFIGS[variant] / "text_encoder")))
@@ -200,8 +200,8 @@ def estimate_training_memory(variant: str = "4b", *, precision: str = "bf16", gr
 def variant_of(source: str | Path) -> str | None:
     """"4b" or "9b" for a released Klein's diffusers folder or BFL transformer file, read from its config or header
     (no weights); None when it cannot be told (not there yet, another width)."""
-    from .flux2_klein import RELEASED_WIDTHS, _safetensors_header
-    from .flux2_single_file import bfl_shape_facts
+    from .family import RELEASED_WIDTHS, _safetensors_header
+    from .single_file import bfl_shape_facts
 
     path = Path(str(source)).expanduser()
     try:
@@ -226,7 +226,7 @@ def config_memory_sentence(config: Any, *, unknown_as: str | None = None) -> tup
     SD default LoRA targets stand for Klein's own, as the run resolves them). A model whose size cannot be read
     has no number (UnknownSize), unless `unknown_as` ("4b" or "9b") names the size to plan it as: the memory plan
     of a run must choose something, and its sentence then says the size was assumed."""
-    from ..config.families import family_defaults
+    from ...config.families import family_defaults
 
     config = config.model_copy(update=family_defaults(config, "flux2_klein"))
     variant = variant_of(config.pretrained_model_name_or_path)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .flux2_klein import KLEIN_CHAT_TEMPLATE, SHIPPED_CONFIGS
+from .family import KLEIN_CHAT_TEMPLATE, SHIPPED_CONFIGS
 
 TINY_IMAGE_SIZE = 64
 
@@ -183,7 +183,7 @@ def build_tiny_klein_single_files(root: Path, seed: int = 0, *, distilled: bool 
     file is named as BFL names theirs (``flux-2-klein-base-...`` for the base model)."""
     from safetensors.torch import save_file
 
-    from .flux2_single_file import transformer_to_bfl, vae_to_ldm
+    from .single_file import transformer_to_bfl, vae_to_ldm
 
     root = Path(root)
     parts = build_tiny_klein_components(seed)

@@ -63,7 +63,7 @@ def measure(size: str, pairs: int, many: int) -> dict:
     s = setup(config)
     for module in s.trained.values():
         module.train()
-    parameters = sum(p.numel() for p in s.bundle.unet.parameters())
+    parameters = sum(p.numel() for p in s.bundle.denoiser.parameters())
 
     def step(threads: int) -> float:
         torch.set_num_threads(threads)

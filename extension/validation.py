@@ -7,10 +7,10 @@ makes before it loads a model, so Start never spawns a run that dies on a folder
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from stabletune_core.family_files import files_name_klein, is_flux2_klein
 from stabletune_core.launch import ask_engine
 
 
@@ -96,7 +96,7 @@ def family_mismatch(values: dict[str, Any]) -> list[str]:
     if family == "auto" or not path or not Path(path).expanduser().exists():
         return []
     klein = names_klein({"pretrained_model_name_or_path": path})
-    if klein == (family == "flux2_klein"):
+    if klein == is_flux2_klein(family):
         return []
     what = "a FLUX.2 Klein model" if klein else "not a FLUX.2 Klein model"
     return [f"pretrained_model_name_or_path: {Path(path).name} is {what} but model_family is {family}; choose a "
@@ -105,34 +105,12 @@ def family_mismatch(values: dict[str, Any]) -> list[str]:
 
 def names_klein(values: dict[str, Any]) -> bool:
     """The form trains FLUX.2 Klein: the family says so, or (auto) the folder's model_index.json or the single
-    file's tensor names do (read with the standard library: the host may have neither torch nor safetensors)."""
+    file's tensor names do (stabletune_core/family_files.py, the engine's own rule, read with the standard library:
+    the host may have neither torch nor safetensors)."""
     family = values.get("model_family") or "auto"
     if family != "auto":
-        return family == "flux2_klein"
-    path = Path(str(values.get("pretrained_model_name_or_path") or "")).expanduser()
-    try:
-        if path.is_file() and path.suffix.lower() == ".safetensors":
-            bare = {k.removeprefix("model.diffusion_model.") for k in _safetensors_keys(path)}
-            # the engine's rule (models/flux2_klein/family.py checkpoint_kind): FLUX.2 modulation, no guidance input
-            return "double_stream_modulation_img.lin.weight" in bare and "guidance_in.in_layer.weight" not in bare
-        return str(json.loads((path / "model_index.json").read_text()).get("_class_name", "")).startswith(
-            "Flux2Klein")
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-#: A safetensors header larger than this is not a model's (the real 9B's is well under 1 MB).
-MAX_HEADER_BYTES = 100 * 2 ** 20
-
-
-def _safetensors_keys(path: Path) -> set[str]:
-    """The tensor names of a .safetensors file: an 8-byte little-endian length, then that much JSON."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if not 0 < size <= MAX_HEADER_BYTES:
-            raise ValueError(f"{path.name} has no safetensors header")
-        header = json.loads(f.read(size))
-    return {k for k in header if k != "__metadata__"}
+        return is_flux2_klein(family)
+    return files_name_klein(str(values.get("pretrained_model_name_or_path") or ""))
 
 
 def memory_estimate(values: dict[str, Any], engine_python: str) -> str:

@@ -182,11 +182,14 @@ def _word_lines(config: TrainConfig, lora: Path) -> list[str]:
         return []
     from .config.tokens import parse_tokens
     from .lora.pivotal import word_loading_lines
+    from .models import get_family
     from .runs.layout import LORA_SUFFIX, forge_name
 
     tokens = [t.token for t in parse_tokens(config.pivotal_tokens)]
     forge_file = lora.with_name(forge_name(lora.stem) + LORA_SUFFIX).is_file()
-    return word_loading_lines(tokens, _run_family(config) == "sdxl", lora.stem, forge_file=forge_file)
+    family = _run_family(config)
+    two_encoders = family is not None and len(get_family(family).text_encoder_parts) == 2  # SDXL's clip_l, clip_g
+    return word_loading_lines(tokens, two_encoders, lora.stem, forge_file=forge_file)
 
 
 def _run_family(config: TrainConfig) -> str | None:

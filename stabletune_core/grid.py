@@ -106,7 +106,7 @@ def load_with_adapters(config: TrainConfig, device: Any) -> tuple[Any, dict[str,
     amp = MixedPrecision(config.mixed_precision, device)
     dtype = amp.weight_dtype
     place_models(bundle, device, dtype, config.mixed_precision)
-    adapted = {"unet": bundle.unet, **({f"te{i}": e for i, e in enumerate(bundle.text_encoders)}
+    adapted = {"unet": bundle.denoiser, **({f"te{i}": e for i, e in enumerate(bundle.text_encoders)}
                                        if config.train_text_encoder else {})}  # the prefixes of train/state.py
     for module in adapted.values():
         for p in lora_parameters(module):  # adapters in fp32, as they trained (train/setup.py)

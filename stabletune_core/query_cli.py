@@ -70,11 +70,12 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     """Values (JSON on stdin) -> the training-memory estimate of a FLUX.2 Klein run ({"memory": sentence, "gib"}),
     or {"memory": None} for a family the estimate does not cover."""
     from .config import build_config
+    from .family_files import is_flux2_klein
     from .models.loading import family_name
 
     config = build_config(json.load(sys.stdin))
     family = family_name(config) if config.pretrained_model_name_or_path or config.model_family != "auto" else "auto"
-    if family != "flux2_klein":
+    if not is_flux2_klein(family):
         return {"memory": None, "gib": None}
     from .models.flux2_klein.memory import GIB, UnknownSize, config_memory_sentence
 

@@ -125,7 +125,7 @@ def test_fp16_that_keeps_overflowing_falls_back_and_a_resumed_run_continues_exac
     assert switch["precision"] == target and switch["step"] == 4
     assert [e["step"] for e in events_of(run_dir, "fp16_overflow")] == [2, 3, 4]
     assert s.amp.precision == target and s.amp.scaler is None and s.amp.weight_dtype == dtype
-    assert {p.dtype for n, p in s.bundle.unet.named_parameters() if "lora_" not in n} == {dtype}
+    assert {p.dtype for n, p in s.bundle.denoiser.named_parameters() if "lora_" not in n} == {dtype}
     assert {p.dtype for p in s.params} == {torch.float32}
     metrics = RunReader(run_dir).metrics()
     assert [m["loss_scale"] for m in metrics[:4]] == [2.0**16, 2.0**15, 2.0**14, 2.0**13]

@@ -80,7 +80,7 @@ def test_klein_trains_on_a_quantised_base_and_the_lora_file_is_the_same_kind(pat
                                                                             one_thread, storage):
     _, full = klein_run(paths, shapes_dataset, tmp_path / "full")
     session, quantised = klein_run(paths, shapes_dataset, tmp_path / storage, base_storage=storage)
-    layers = [m for m in session.bundle.unet.modules() if isinstance(m, QuantisedLinear)]
+    layers = [m for m in session.bundle.denoiser.modules() if isinstance(m, QuantisedLinear)]
     assert layers and all(m.storage == storage for m in layers)
     assert all(p.dtype == torch.float32 for p in session.params)  # the LoRA trains in fp32
     # the same step draws the same batch and noise: the loss moves by what the weights' rounding moves, no more
@@ -119,8 +119,8 @@ def test_sd_unet_trains_on_an_int8_base(tiny_model, small_config, tmp_path, one_
     config = small_config(tiny_model, tmp_path / "run", base_storage="int8", max_train_steps=2)
     session = setup(config)
     train(config, session=session)
-    assert any(isinstance(m, QuantisedLinear) for m in session.bundle.unet.modules())
-    assert stored_bytes(session.bundle.unet) > 0
+    assert any(isinstance(m, QuantisedLinear) for m in session.bundle.denoiser.modules())
+    assert stored_bytes(session.bundle.denoiser) > 0
     assert RunReader(tmp_path / "run").status()["state"] == "finished"
 
 

@@ -154,7 +154,7 @@ def test_cached_away_modules_leave_the_gpu_and_sampling_brings_the_vae_back(tiny
     config = tiny_config(cache_latents=True, cache_text_embeddings=True, validation_prompt="a red circle",
                          num_validation_images=1, validation_inference_steps=2)
     s = setup(config)
-    assert module_device(s.bundle.unet).type == "cuda"
+    assert module_device(s.bundle.denoiser).type == "cuda"
     assert module_device(s.bundle.vae).type == "cpu" and module_device(s.bundle.text_encoders[0]).type == "cpu"
     before = torch.cuda.memory_allocated()
     sample(s)

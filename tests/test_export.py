@@ -29,17 +29,17 @@ def trained(tiny_model):
     family = SD1()
     bundle = family.load(str(tiny_model))
     cfg = dict(r=RANK, lora_alpha=ALPHA, lora_dropout=0.1, init_lora_weights="gaussian")
-    bundle.unet.add_adapter(LoraConfig(target_modules=family.unet_lora_targets, **cfg))
+    bundle.denoiser.add_adapter(LoraConfig(target_modules=family.unet_lora_targets, **cfg))
     te = bundle.text_encoders[0]
     # transformers >= 5.x's te.add_adapter() demands peft >= 0.22 (not released); peft's own injector is equivalent.
     inject_adapter_in_model(LoraConfig(target_modules=family.text_encoder_lora_targets, **cfg), te, adapter_name="default")
     gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
-        for model in (bundle.unet, te):
+        for model in (bundle.denoiser, te):
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    bundle.unet.eval(), te.eval()
+    bundle.denoiser.eval(), te.eval()
     return bundle
 
 
@@ -86,12 +86,12 @@ def test_kohya_export(trained, tiny_model, tmp_path):
     path = tmp_path / "out" / "my_lora.safetensors"
     user_meta = {"ss_steps": 10, "ss_learning_rate": "0.0001", "ss_tag_frequency": {"data": {"sks": 3}},
                  "ss_resolution": "(64, 64)", "ss_sd_model_name": "model"}
-    export_kohya_lora(path, bundle.unet, [te], family, rank=RANK, alpha=ALPHA, metadata=user_meta, dtype=torch.float32)
+    export_kohya_lora(path, bundle.denoiser, [te], family, rank=RANK, alpha=ALPHA, metadata=user_meta, dtype=torch.float32)
 
     # --- keys
     with safe_open(str(path), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    n_modules = len(_lora_modules(bundle.unet)) + len(_lora_modules(te))
+    n_modules = len(_lora_modules(bundle.denoiser)) + len(_lora_modules(te))
     # 10 transformer blocks (3 down + 1 mid + 6 up) x (attn1, attn2) x 4 targets; 2 CLIP layers x 4 targets
     assert n_modules == 10 * 2 * 4 + 2 * 4
     assert len(tensors) == 3 * n_modules
@@ -125,8 +125,8 @@ def test_kohya_export(trained, tiny_model, tmp_path):
 
     # --- refuses to overwrite, no temp files left behind
     with pytest.raises(FileExistsError, match="overwrite=True"):
-        export_kohya_lora(path, bundle.unet, [te], family, rank=RANK, alpha=ALPHA)
-    export_kohya_lora(path, bundle.unet, [te], family, rank=RANK, alpha=ALPHA, overwrite=True)  # fp16 default
+        export_kohya_lora(path, bundle.denoiser, [te], family, rank=RANK, alpha=ALPHA)
+    export_kohya_lora(path, bundle.denoiser, [te], family, rank=RANK, alpha=ALPHA, overwrite=True)  # fp16 default
     assert sorted(p.name for p in path.parent.iterdir()) == ["my_lora.safetensors"]
     with safe_open(str(path), framework="pt") as f:
         assert f.get_tensor("lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight").dtype == torch.float16
@@ -135,9 +135,9 @@ def test_kohya_export(trained, tiny_model, tmp_path):
 def test_kohya_file_loads_in_diffusers_with_same_outputs(trained, tiny_model, tmp_path):
     bundle = trained
     te, tok = bundle.text_encoders[0], bundle.tokenizers[0]
-    path = export_kohya_lora(tmp_path / "k.safetensors", bundle.unet, [te], bundle.family, rank=RANK, alpha=ALPHA,
+    path = export_kohya_lora(tmp_path / "k.safetensors", bundle.denoiser, [te], bundle.family, rank=RANK, alpha=ALPHA,
                              dtype=torch.float32)
-    want_hidden, want_unet = _outputs(bundle.unet, te, tok)
+    want_hidden, want_unet = _outputs(bundle.denoiser, te, tok)
 
     pipe = _fresh_pipe(tiny_model)
     base_hidden, base_unet = _outputs(pipe.unet, pipe.text_encoder, pipe.tokenizer)
@@ -152,11 +152,11 @@ def test_kohya_file_loads_in_diffusers_with_same_outputs(trained, tiny_model, tm
 def test_diffusers_export_loads_with_same_outputs(trained, tiny_model, tmp_path):
     bundle = trained
     te, tok = bundle.text_encoders[0], bundle.tokenizers[0]
-    target = export_diffusers_lora(tmp_path / "dlora", bundle.unet, [te], bundle.family)
+    target = export_diffusers_lora(tmp_path / "dlora", bundle.denoiser, [te], bundle.family)
     assert target.name == "pytorch_lora_weights.safetensors" and target.is_file()
     with pytest.raises(FileExistsError):
-        export_diffusers_lora(tmp_path / "dlora", bundle.unet, [te], bundle.family)
-    want_hidden, want_unet = _outputs(bundle.unet, te, tok)
+        export_diffusers_lora(tmp_path / "dlora", bundle.denoiser, [te], bundle.family)
+    want_hidden, want_unet = _outputs(bundle.denoiser, te, tok)
 
     pipe = _fresh_pipe(tiny_model)
     pipe.load_lora_weights(str(target.parent))

@@ -139,7 +139,7 @@ def test_kohya_names_are_checkpoint_weights(family_name, preset, network_type, t
     with safe_open(str(checkpoint), "pt") as f:
         keys = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     bundle = bundle_with_lora(family_name, targets, train_te, network_type)
-    tensors = kohya_state_dict(bundle.unet, bundle.text_encoders if train_te else None, bundle.family,
+    tensors = kohya_state_dict(bundle.denoiser, bundle.text_encoders if train_te else None, bundle.family,
                                dtype=torch.float32)
     names = sorted({k.split(".", 1)[0] for k in tensors})
     te_names = [n for n in names if n.startswith("lora_te")]
@@ -148,7 +148,7 @@ def test_kohya_names_are_checkpoint_weights(family_name, preset, network_type, t
         assert {n.split("_text_model_")[0] for n in te_names} == {"lora_te1", "lora_te2"}
     used = set()
     for name in names:
-        key, shape = checkpoint_weight(name, family_name, bundle.unet.config, keys)
+        key, shape = checkpoint_weight(name, family_name, bundle.denoiser.config, keys)
         flat = (shape[0], math.prod(shape[1:]))
         assert update_shape(tensors, name) == flat, f"{name} -> {key}: {update_shape(tensors, name)} != {flat}"
         if network_type == "dora":  # one magnitude per input channel of that weight, shaped as the WebUIs divide
@@ -245,7 +245,7 @@ def test_text_encoder_lora_loads_and_switches_in_diffusers(tiny_model, tmp_path)
         for name, p in bundle.text_encoders[0].named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
-    path = export_kohya_lora(tmp_path / "te.safetensors", bundle.unet, bundle.text_encoders, family, rank=2, alpha=2)
+    path = export_kohya_lora(tmp_path / "te.safetensors", bundle.denoiser, bundle.text_encoders, family, rank=2, alpha=2)
 
     pipe = StableDiffusionPipeline.from_pretrained(str(tiny_model), local_files_only=True, safety_checker=None)
     ids = pipe.tokenizer(["a red square"], padding="max_length", max_length=77, return_tensors="pt").input_ids

@@ -33,7 +33,7 @@ def declared_loads(kind: str, targets: list[str], host: str) -> bool:
 
 def written_file(paths, kind, targets, tmp_path):
     bundle = adapted(paths, targets, network=kind, rank=4, alpha=2.0)
-    file = export_kohya_lora(tmp_path / f"{kind}.safetensors", bundle.unet, None, bundle.family, rank=4, alpha=2.0,
+    file = export_kohya_lora(tmp_path / f"{kind}.safetensors", bundle.denoiser, None, bundle.family, rank=4, alpha=2.0,
                              dtype=torch.float32)
     return bundle, file
 
@@ -44,7 +44,7 @@ def diffusers_computes_ours(paths, bundle, file) -> bool:
         pipe.load_lora_weights(str(file))
     except (ValueError, KeyError, RuntimeError):  # "Invalid adapter checkpoint", unrecognised keys
         return False
-    return float((output(bundle.unet) - output(pipe.transformer)).abs().max()) <= TOLERANCE
+    return float((output(bundle.denoiser) - output(pipe.transformer)).abs().max()) <= TOLERANCE
 
 
 def comfyui_computes_ours(paths, bundle, file) -> bool:
@@ -52,13 +52,13 @@ def comfyui_computes_ours(paths, bundle, file) -> bool:
         theirs = comfy_patched_transformer(paths, read_keys(file))
     except AssertionError:  # a module ComfyUI would not map
         return False
-    return float((output(bundle.unet) - output(theirs)).abs().max()) <= TOLERANCE
+    return float((output(bundle.denoiser) - output(theirs)).abs().max()) <= TOLERANCE
 
 
 @pytest.mark.parametrize("case, kind, targets", CASES, ids=[c[0] for c in CASES])
 def test_each_kind_loads_where_the_matrix_says_and_only_there(case, kind, targets, paths, tmp_path, one_thread):
     bundle, file = written_file(paths, kind, targets, tmp_path)
-    assert (output(bundle.unet) - output(fresh_pipeline(paths).transformer)).abs().max() > 100 * TOLERANCE  # it acts
+    assert (output(bundle.denoiser) - output(fresh_pipeline(paths).transformer)).abs().max() > 100 * TOLERANCE  # it acts
     assert diffusers_computes_ours(paths, bundle, file) == declared_loads(kind, targets, "diffusers"), case
     assert comfyui_computes_ours(paths, bundle, file) == declared_loads(kind, targets, "ComfyUI"), case
 

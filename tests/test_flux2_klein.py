@@ -43,12 +43,12 @@ def test_family_is_registered_and_detected(paths, tiny_model, tmp_path):
 
 
 def test_single_files_load_exactly_as_the_folder(folder_bundle, file_bundle):
-    for a, b in [(folder_bundle.unet, file_bundle.unet), (folder_bundle.vae, file_bundle.vae),
+    for a, b in [(folder_bundle.denoiser, file_bundle.denoiser), (folder_bundle.vae, file_bundle.vae),
                  (folder_bundle.text_encoders[0], file_bundle.text_encoders[0])]:
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys()
         assert all(torch.equal(sa[k], sb[k]) for k in sa), type(a).__name__
-    assert not any(p.requires_grad for p in file_bundle.unet.parameters())  # frozen until LoRA is added
+    assert not any(p.requires_grad for p in file_bundle.denoiser.parameters())  # frozen until LoRA is added
     # ComfyUI's bundled tokenizer carries Qwen2.5's template (a default system turn): Klein's replaces it
     assert file_bundle.extra["chat_template_replaced"] and not folder_bundle.extra["chat_template_replaced"]
     prompts = ["a red circle", "a small purple star on a white background"]
@@ -83,7 +83,7 @@ def test_pipeline_runs_end_to_end_on_the_tiny_model(folder_bundle, one_thread):
     images = pipe(prompt=["a red circle"], height=64, width=64, num_inference_steps=3, guidance_scale=4.0,
                   generator=torch.Generator().manual_seed(0), output_type="pt").images
     assert images.shape == (1, 3, 64, 64) and torch.isfinite(images).all()
-    assert pipe.transformer is folder_bundle.unet  # the bundle's own modules, no copies
+    assert pipe.transformer is folder_bundle.denoiser  # the bundle's own modules, no copies
 
 
 def test_tiny_model_is_deterministic_from_its_seed():

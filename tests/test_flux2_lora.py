@@ -43,10 +43,10 @@ def adapted(paths, targets, network="lora", rank=4, alpha=2.0, seed=0):
                                        network_type="lora" if dora else network, use_dora=dora)))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in bundle.unet.named_parameters():
+        for name, p in bundle.denoiser.named_parameters():
             if p.requires_grad:
                 p.copy_(p + 0.2 * torch.randn(p.shape, generator=g))
-    bundle.unet.eval()
+    bundle.denoiser.eval()
     return bundle
 
 
@@ -76,7 +76,7 @@ def fresh_pipeline(paths):
 def adapted_names(bundle):
     from stabletune_core.lora.layers import iter_lora_layers
 
-    return [layer.path for layer in iter_lora_layers(bundle.unet)]
+    return [layer.path for layer in iter_lora_layers(bundle.denoiser)]
 
 
 def test_presets_and_a_custom_list_pick_the_transformers_linear_layers(paths, one_thread):
@@ -92,10 +92,10 @@ def test_presets_and_a_custom_list_pick_the_transformers_linear_layers(paths, on
     from stabletune_core.lora.layers import iter_lora_layers
     from stabletune_core.lora.lycoris import iter_lycoris_modules, network_of
 
-    dora = list(iter_lora_layers(adapted(paths, LORA_PRESETS["attention"], "dora").unet))
+    dora = list(iter_lora_layers(adapted(paths, LORA_PRESETS["attention"], "dora").denoiser))
     assert len(dora) == len(names) and all(layer.dora_on_input for layer in dora)
     for network in ("loha", "lokr"):
-        unet = adapted(paths, LORA_PRESETS["attention"], network).unet
+        unet = adapted(paths, LORA_PRESETS["attention"], network).denoiser
         assert network_of(unet) == network and len(list(iter_lycoris_modules(unet))) == len(names)
 
 
@@ -117,29 +117,29 @@ def test_lora_loads_in_diffusers_and_computes_what_we_trained(paths, fmt, tmp_pa
     bundle = adapted(paths, ALL_KOHYA, rank=4, alpha=2.0)
     family = bundle.family
     if fmt == "kohya":
-        file = export_kohya_lora(tmp_path / "klein.safetensors", bundle.unet, None, family, rank=4, alpha=2.0,
+        file = export_kohya_lora(tmp_path / "klein.safetensors", bundle.denoiser, None, family, rank=4, alpha=2.0,
                                  dtype=torch.float32)
     else:
-        file = export_diffusers_lora(tmp_path / "out", bundle.unet, None, family)
+        file = export_diffusers_lora(tmp_path / "out", bundle.denoiser, None, family)
     pipe = fresh_pipeline(paths)
     base = output(pipe.transformer)
     loaded = pipe.lora_state_dict(str(file))
     trained = {f"transformer.{p}" for p in adapted_names(bundle)}
     assert {re.sub(r"\.lora(_[AB]|\.down|\.up)\.weight$", "", k) for k in loaded} == trained  # none dropped or extra
     pipe.load_lora_weights(str(file))
-    ours, theirs = output(bundle.unet), output(pipe.transformer)
+    ours, theirs = output(bundle.denoiser), output(pipe.transformer)
     assert (ours - base).abs().max() > 0.05  # the LoRA does change the model
     assert (ours - theirs).abs().max() <= TOLERANCE
 
 
 def test_lokr_loads_in_diffusers(paths, tmp_path, one_thread):
     bundle = adapted(paths, LORA_PRESETS["attention_mlp"], network="lokr", rank=4, alpha=2.0)
-    file = export_kohya_lora(tmp_path / "lokr.safetensors", bundle.unet, None, bundle.family, rank=4, alpha=2.0,
+    file = export_kohya_lora(tmp_path / "lokr.safetensors", bundle.denoiser, None, bundle.family, rank=4, alpha=2.0,
                              dtype=torch.float32)
     assert any(k.startswith("transformer.transformer_blocks.0.attn.to_q.lokr_") for k in read_keys(file))
     pipe = fresh_pipeline(paths)
     pipe.load_lora_weights(str(file))
-    assert (output(bundle.unet) - output(pipe.transformer)).abs().max() <= TOLERANCE
+    assert (output(bundle.denoiser) - output(pipe.transformer)).abs().max() <= TOLERANCE
 
 
 def read_keys(file):
@@ -151,7 +151,7 @@ def read_keys(file):
 
 def test_metadata_names_klein(paths, tmp_path):
     bundle = adapted(paths, LORA_PRESETS["attention"])
-    meta = read_lora_metadata(export_kohya_lora(tmp_path / "m.safetensors", bundle.unet, None, bundle.family,
+    meta = read_lora_metadata(export_kohya_lora(tmp_path / "m.safetensors", bundle.denoiser, None, bundle.family,
                                                 rank=4, alpha=2.0))
     assert meta["ss_base_model_version"] == "flux2_klein_4b"  # as ai-toolkit writes it
     assert meta["modelspec.architecture"] == "Flux.2-klein-4b/lora"  # as musubi-tuner writes it
@@ -287,7 +287,7 @@ def comfy_patched_transformer(paths, tensors):
 def test_comfyui_applies_our_file_as_trained(paths, network, tmp_path, one_thread):
     targets = ALL_KOHYA if network == "lora" else LORA_PRESETS["attention_mlp"]
     bundle = adapted(paths, targets, network=network, rank=4, alpha=2.0)
-    file = export_kohya_lora(tmp_path / f"{network}.safetensors", bundle.unet, None, bundle.family, rank=4,
+    file = export_kohya_lora(tmp_path / f"{network}.safetensors", bundle.denoiser, None, bundle.family, rank=4,
                              alpha=2.0, dtype=torch.float32)
     tensors = read_keys(file)
     prefixes = {k.split("_", 1)[0] for k in tensors}
@@ -297,7 +297,7 @@ def test_comfyui_applies_our_file_as_trained(paths, network, tmp_path, one_threa
         assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in tensors  # q, k, v fused, rank 12
         assert tensors["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"].shape[0] == 12
     theirs = comfy_patched_transformer(paths, tensors)
-    assert (output(bundle.unet) - output(theirs)).abs().max() <= TOLERANCE
+    assert (output(bundle.denoiser) - output(theirs)).abs().max() <= TOLERANCE
 
 
 def test_comfyui_applies_the_diffusers_format_file_as_trained(paths, tmp_path, one_thread):
@@ -305,11 +305,11 @@ def test_comfyui_applies_the_diffusers_format_file_as_trained(paths, tmp_path, o
     so it applies exactly there too. (ComfyUI does not map FLUX.2's time_guidance_embed in this format; the kohya
     file carries it as time_in.)"""
     bundle = adapted(paths, ALL_KOHYA[:-1], rank=4, alpha=2.0)
-    file = export_diffusers_lora(tmp_path / "out", bundle.unet, None, bundle.family)
+    file = export_diffusers_lora(tmp_path / "out", bundle.denoiser, None, bundle.family)
     tensors = read_keys(file)
     assert all(k.startswith("transformer.") and ".lora_" in k for k in tensors)
     theirs = comfy_patched_transformer(paths, tensors)
-    assert (output(bundle.unet) - output(theirs)).abs().max() <= TOLERANCE
+    assert (output(bundle.denoiser) - output(theirs)).abs().max() <= TOLERANCE
 
 
 def test_lycoris_layers_comfyui_cannot_map_are_refused(paths, tmp_path):
@@ -317,6 +317,6 @@ def test_lycoris_layers_comfyui_cannot_map_are_refused(paths, tmp_path):
 
     bundle = adapted(paths, ["to_q", "time_guidance_embed.timestep_embedder.linear_1"], network="loha")
     with pytest.raises(LoraExportError) as err:
-        export_kohya_lora(tmp_path / "x.safetensors", bundle.unet, None, bundle.family, rank=4, alpha=2.0)
+        export_kohya_lora(tmp_path / "x.safetensors", bundle.denoiser, None, bundle.family, rank=4, alpha=2.0)
     assert "has no LyCORIS name that ComfyUI reads" in str(err.value) and one_sentence(str(err.value))
     assert not (tmp_path / "x.safetensors").exists()

@@ -108,12 +108,12 @@ def test_predict_is_the_examples_transformer_call(tiny_bundle, one_thread):
     noisy, noise, timesteps = objective.add_noise(latents, torch.Generator().manual_seed(5))
     with torch.no_grad():
         cond = family.encode_prompts(tiny_bundle, ["a red circle", "a blue square"])
-        ours = objective.predict(tiny_bundle.unet, noisy, timesteps, cond)
+        ours = objective.predict(tiny_bundle.denoiser, noisy, timesteps, cond)
         # train_dreambooth_lora_flux2_klein.py, lines "packed_noisy_model_input = ..." to "_unpack_latents_with_ids"
         ids = Flux2KleinPipeline._prepare_latent_ids(noisy)
         packed = Flux2KleinPipeline._pack_latents(noisy)
         prompt_embeds, text_ids = family.make_pipeline(tiny_bundle).encode_prompt(["a red circle", "a blue square"])
-        pred = tiny_bundle.unet(hidden_states=packed, timestep=timesteps / 1000, guidance=None,
+        pred = tiny_bundle.denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=None,
                                 encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=ids,
                                 return_dict=False)[0][:, : packed.size(1):]
         pred = Flux2KleinPipeline._unpack_latents_with_ids(pred, ids)

@@ -155,7 +155,7 @@ def test_preview_model_makes_the_validation_images(trained, paths, tmp_path):
             from stabletune_core.train.preview import load_preview, with_trained_adapters
 
             bundle = with_trained_adapters(load_preview(config, bundle, torch.device("cpu"), torch.float32),
-                                           bundle.unet)
+                                           bundle.denoiser)
         from stabletune_core.train.validation_images import make_validation_images
 
         path = make_validation_images(bundle, config, tmp_path / name, torch.device("cpu"))[0]
@@ -173,8 +173,8 @@ def trained_bundle(paths, run: Path, step: int):
     bundle = get_family("flux2_klein").load(paths["folder"])
     add_lora(bundle, config)
     adapter = load_file(run / "checkpoints" / f"step_{step:06d}" / "adapter.safetensors")
-    load_lora_state_dict(bundle.unet, {k.removeprefix("unet."): v for k, v in adapter.items()})
-    bundle.unet.eval()
+    load_lora_state_dict(bundle.denoiser, {k.removeprefix("unet."): v for k, v in adapter.items()})
+    bundle.denoiser.eval()
     return bundle
 
 
@@ -185,7 +185,7 @@ def test_exported_lora_gives_the_trained_models_output_in_diffusers(trained, pat
     from test_flux2_lora import TOLERANCE, fresh_pipeline, output
 
     run, _ = trained
-    expected = output(trained_bundle(paths, run, 4).unet)
+    expected = output(trained_bundle(paths, run, 4).denoiser)
     pipe = fresh_pipeline(paths)
     base = output(pipe.transformer)
     file = run / "output" / ("lora.safetensors" if fmt == "kohya" else "lora_diffusers")
@@ -314,7 +314,7 @@ def test_gradient_checkpointing_recomputes_and_changes_no_number(paths, shapes_d
     original = setup_module.enable_fast_attention
 
     def count_block_calls(bundle, config, run):  # a set-up step after checkpointing is on: count block 0's forward
-        block = bundle.unet.transformer_blocks[0]  # (a forward hook would not see the recomputation)
+        block = bundle.denoiser.transformer_blocks[0]  # (a forward hook would not see the recomputation)
         forward = type(block).forward
         block.forward = lambda *args, **kwargs: (calls.append(1), forward(block, *args, **kwargs))[1]
         return original(bundle, config, run)
@@ -324,7 +324,7 @@ def test_gradient_checkpointing_recomputes_and_changes_no_number(paths, shapes_d
         session, checkpointed = in_process(paths, shapes_dataset, tmp_path / "ckpt", gradient_checkpointing=True)
     finally:
         setup_module.enable_fast_attention = original
-    assert session.bundle.unet.is_gradient_checkpointing
+    assert session.bundle.denoiser.is_gradient_checkpointing
     assert len(calls) == 2 * 4  # each step's block forward runs again in the backward pass
     assert losses(checkpointed) == losses(plain)
 
@@ -369,7 +369,7 @@ def test_max_sequence_length_is_the_text_length_of_training_the_cache_and_valida
 
 def test_bf16_trains_and_fp16_that_keeps_overflowing_falls_back(paths, shapes_dataset, tmp_path, one_thread):
     session, bf16 = in_process(paths, shapes_dataset, tmp_path / "bf16", mixed_precision="bf16")
-    assert session.bundle.unet.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in session.params)
+    assert session.bundle.denoiser.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in session.params)
     assert all(m["loss"] == m["loss"] for m in bf16)
     # A rate of 1.0 overflows fp16 from step 4 on; two overflowing steps in a row switch the run to fp32 (what a
     # CPU falls back to; a bf16 GPU picks bf16), and it trains on finite.
@@ -380,7 +380,7 @@ def test_bf16_trains_and_fp16_that_keeps_overflowing_falls_back(paths, shapes_da
                                preview_model=str(paths["distilled_folder"]))
     (switch,) = [e for e in events_of(tmp_path / "fp16", "precision") if e.get("precision")]
     assert switch["precision"] == "no" and session.amp.precision == "no" and session.amp.scaler is None
-    assert session.bundle.unet.dtype == torch.float32 and session.preview.unet.dtype == torch.float32
+    assert session.bundle.denoiser.dtype == torch.float32 and session.preview.denoiser.dtype == torch.float32
     assert (tmp_path / "fp16" / "samples" / "step_000009" / "p00_s3.png").is_file()
     after = [m for m in fp16 if m["step"] > switch["step"]]
     assert after and all(m["loss"] == m["loss"] and "loss_scale" not in m for m in after)

@@ -159,7 +159,7 @@ def test_text_encoder_lr_is_the_text_encoder_groups_rate(knob_session):
     assert te_group["lr"] == 3e-4
     training_step(s, next_batches(s.feed, s.state, 1))
     te_max = max(float(b.abs().max()) for b in lora_b(s.bundle.text_encoders[0]))
-    unet_max = max(float(b.abs().max()) for b in lora_b(s.bundle.unet))
+    unet_max = max(float(b.abs().max()) for b in lora_b(s.bundle.denoiser))
     assert te_max == pytest.approx(3e-4, rel=1e-3) and unet_max == pytest.approx(1e-3, rel=1e-3)
 
 
@@ -179,7 +179,7 @@ def test_gradient_checkpointing_is_on_in_the_unet_and_gives_the_same_gradients(k
     from stabletune_core.train.step import next_batches
 
     s = knob_session(gradient_checkpointing=True)
-    unet = s.bundle.unet
+    unet = s.bundle.denoiser
     assert unet.is_gradient_checkpointing
     recomputed = []
     for module in unet.modules():
@@ -202,7 +202,7 @@ def test_bf16_runs_the_unet_in_bf16_and_keeps_the_lora_in_fp32(knob_session):
     from stabletune_core.train.loop import train
 
     s = knob_session(mixed_precision="bf16", max_train_steps=2)
-    unet = s.bundle.unet
+    unet = s.bundle.denoiser
     base = [p for n, p in unet.named_parameters() if "lora_" not in n]
     assert {p.dtype for p in base} == {torch.bfloat16}
     assert {p.dtype for p in s.params} == {torch.float32}

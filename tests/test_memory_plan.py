@@ -131,7 +131,7 @@ def test_the_caches_are_built_before_the_denoiser_is_placed(tmp_path_factory, sh
     session = setup.setup(config)
     assert at_caching == [["AutoencoderKLFlux2", "Qwen3ForCausalLM"]]  # the transformer is not there yet
     assert on_device == ["Flux2Transformer2DModel"]  # encoders back on the CPU, then the transformer placed
-    assert type(session.bundle.unet).__name__ == "Flux2Transformer2DModel"
+    assert type(session.bundle.denoiser).__name__ == "Flux2Transformer2DModel"
     assert not [e for e in RunReader(tmp_path / "run").events() if e.get("kind") == "memory_plan"]  # CPU: no plan
 
 

@@ -57,14 +57,14 @@ def tiny_bundle(tiny_model):
 def test_tiny_model_loads_and_encodes(tiny_model, tiny_bundle):
     b = tiny_bundle
     assert b.family.name == "sd1" and b.prediction_type == "epsilon"
-    assert b.vae_scale_factor == 8 and b.unet.config.sample_size == 8
+    assert b.vae_scale_factor == 8 and b.denoiser.config.sample_size == 8
     assert type(b.noise_scheduler).__name__ == "DDPMScheduler"
     assert b.noise_scheduler.config.beta_schedule == "scaled_linear"
     cond = b.family.encode_prompts(b, PROMPTS[:3])
     assert cond.encoder_hidden_states.shape == (3, 77, 32)
     with torch.no_grad():
         latents = torch.randn(3, 4, 8, 8)
-        out = b.unet(latents, torch.tensor([10, 500, 999]), cond.encoder_hidden_states).sample
+        out = b.denoiser(latents, torch.tensor([10, 500, 999]), cond.encoder_hidden_states).sample
         assert out.shape == latents.shape and torch.isfinite(out).all()
         z = b.vae.encode(torch.rand(1, 3, 64, 64) * 2 - 1).latent_dist.mean
         assert z.shape == (1, 4, 64 // b.vae_scale_factor, 64 // b.vae_scale_factor)
@@ -96,7 +96,7 @@ def test_single_file_round_trip(tiny_model, tiny_bundle, tmp_path):
 
     single = SD1().load(str(path), config_dir=tiny_model)
     folder = tiny_bundle
-    for name in ("unet", "vae"):
+    for name in ("denoiser", "vae"):
         sa, sb = getattr(folder, name).state_dict(), getattr(single, name).state_dict()
         assert set(sa) == set(sb)
         assert all(torch.equal(sa[k], sb[k]) for k in sa), name
@@ -109,7 +109,7 @@ def test_single_file_round_trip(tiny_model, tiny_bundle, tmp_path):
         ca = folder.family.encode_prompts(folder, PROMPTS[:2]).encoder_hidden_states
         cb = single.family.encode_prompts(single, PROMPTS[:2]).encoder_hidden_states
         torch.testing.assert_close(ca, cb, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(folder.unet(latents, t, ca).sample, single.unet(latents, t, cb).sample, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(folder.denoiser(latents, t, ca).sample, single.denoiser(latents, t, cb).sample, rtol=1e-5, atol=1e-6)
         image = torch.rand(1, 3, 64, 64) * 2 - 1
         torch.testing.assert_close(folder.vae(image).sample, single.vae(image).sample, rtol=1e-5, atol=1e-6)
 
@@ -185,7 +185,7 @@ def test_encode_text_make_conditioning_and_pipeline(tiny_bundle):
         cond = b.family.make_conditioning(b, text, None)
         torch.testing.assert_close(cond.encoder_hidden_states, b.family.encode_prompts(b, PROMPTS[:2]).encoder_hidden_states)
     pipe = b.family.make_pipeline(b)
-    assert pipe.unet is b.unet and pipe.vae_scale_factor == b.vae_scale_factor
+    assert pipe.unet is b.denoiser and pipe.vae_scale_factor == b.vae_scale_factor
     out = pipe("a cat", height=64, width=64, num_inference_steps=2, generator=torch.Generator().manual_seed(0),
                output_type="np").images
     assert out.shape == (1, 64, 64, 3)

@@ -25,11 +25,11 @@ def lora_file(tiny_model, tmp_path_factory):
     lora_up = C @ D with C (out x 3), so up @ down = C @ (D @ down) has rank exactly 3 in general position."""
     family = SD1()
     bundle = family.load(str(tiny_model))
-    bundle.unet.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, init_lora_weights="gaussian"))
+    bundle.denoiser.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, init_lora_weights="gaussian"))
     gen = torch.Generator().manual_seed(5)
     convs = 0
     with torch.no_grad():
-        for name, p in bundle.unet.named_parameters():
+        for name, p in bundle.denoiser.named_parameters():
             if "lora_B" in name:
                 out = p.shape[0]
                 low = torch.randn(out, TRUE_RANK, generator=gen) @ torch.randn(TRUE_RANK, RANK, generator=gen)
@@ -37,7 +37,7 @@ def lora_file(tiny_model, tmp_path_factory):
                 convs += p.ndim == 4
     assert convs >= 2  # conv modules really are in the file
     path = tmp_path_factory.mktemp("resize") / "style.safetensors"
-    export_kohya_lora(path, bundle.unet, None, family, rank=RANK, alpha=ALPHA, dtype=torch.float32,
+    export_kohya_lora(path, bundle.denoiser, None, family, rank=RANK, alpha=ALPHA, dtype=torch.float32,
                       metadata={"ss_training_comment": "made for the test"})
     return path
 

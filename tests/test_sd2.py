@@ -68,7 +68,7 @@ def test_single_file_round_trip_and_config_choice(tiny_sd2, bundle, tmp_path):
         a = bundle.family.encode_prompts(bundle, PROMPTS).encoder_hidden_states
         b = single.family.encode_prompts(single, PROMPTS).encoder_hidden_states
     torch.testing.assert_close(a, b)
-    torch.testing.assert_close(_unet_out(bundle.unet, a), _unet_out(single.unet, b))
+    torch.testing.assert_close(_unet_out(bundle.denoiser, a), _unet_out(single.denoiser, b))
     family = get_family("sd2")
     assert family.single_file_config_dir(Path("v2-1_768-ema-pruned.safetensors")) == SD21_CONFIG_DIR
     assert family.single_file_config_dir(Path("v2-1_512-ema-pruned.safetensors")) == SD21_BASE_CONFIG_DIR
@@ -109,10 +109,10 @@ def test_training_and_kohya_export(trained, bundle, tiny_sd2):
     assert len(metrics) == 3 and all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
     fixed = torch.randn(2, 77, 32, generator=torch.Generator().manual_seed(9))
     b = session.bundle
-    for m in (b.unet, *b.text_encoders):
+    for m in (b.denoiser, *b.text_encoders):
         m.eval()
-    want_unet = _unet_out(b.unet, fixed)
-    assert not torch.allclose(_unet_out(bundle.unet, fixed), want_unet, atol=1e-4)
+    want_unet = _unet_out(b.denoiser, fixed)
+    assert not torch.allclose(_unet_out(bundle.denoiser, fixed), want_unet, atol=1e-4)
 
     with safe_open(str(path), framework="pt") as f:
         keys = set(f.keys())

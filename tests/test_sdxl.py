@@ -56,8 +56,8 @@ def test_loads_encodes_and_conditions_on_sizes(tiny_sdxl, bundle):
     torch.testing.assert_close(pooled, text["pooled_prompt_embeds"])
     # the sizes really reach the UNet
     other = family.make_conditioning(bundle, text, [SIZES[1], SIZES[1]])
-    assert not torch.allclose(_unet_out(bundle.unet, cond)[0], _unet_out(bundle.unet, other)[0])
-    torch.testing.assert_close(_unet_out(bundle.unet, cond)[1], _unet_out(bundle.unet, other)[1])
+    assert not torch.allclose(_unet_out(bundle.denoiser, cond)[0], _unet_out(bundle.denoiser, other)[0])
+    torch.testing.assert_close(_unet_out(bundle.denoiser, cond)[1], _unet_out(bundle.denoiser, other)[1])
     meta = family.metadata(bundle)
     assert meta["ss_base_model_version"] == "sdxl_base_v1-0"
     assert meta["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora"
@@ -79,7 +79,7 @@ def test_single_file_round_trip(tiny_sdxl, bundle, tmp_path):
         b = single.family.encode_prompts(single, PROMPTS, sizes=SIZES)
     torch.testing.assert_close(a.encoder_hidden_states, b.encoder_hidden_states)
     torch.testing.assert_close(a.added_cond_kwargs["text_embeds"], b.added_cond_kwargs["text_embeds"])
-    torch.testing.assert_close(_unet_out(bundle.unet, a), _unet_out(single.unet, b))
+    torch.testing.assert_close(_unet_out(bundle.denoiser, a), _unet_out(single.denoiser, b))
 
 
 def test_shipped_sdxl_config_tree():
@@ -117,7 +117,7 @@ def test_training_changes_the_model_and_exports_kohya_names(trained, bundle):
     assert len(metrics) == 4 and all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
     with torch.no_grad():
         cond = bundle.family.encode_prompts(bundle, PROMPTS, sizes=SIZES)
-    assert not torch.allclose(_unet_out(bundle.unet, cond), _unet_out(session.bundle.unet, cond), atol=1e-4)
+    assert not torch.allclose(_unet_out(bundle.denoiser, cond), _unet_out(session.bundle.denoiser, cond), atol=1e-4)
 
     with safe_open(str(path), framework="pt") as f:
         keys = set(f.keys())
@@ -132,7 +132,7 @@ def test_training_changes_the_model_and_exports_kohya_names(trained, bundle):
     assert "lora_te2_text_model_encoder_layers_0_self_attn_out_proj" in modules
     # every transformer block x (attn1, attn2) x 4 targets; 2 encoders x 2 layers x 4 targets
     n_unet = sum(1 for m in modules if m.startswith("lora_unet_"))
-    n_blocks = sum(1 for n, _ in session.bundle.unet.named_modules() if n.endswith("attn1.to_q"))
+    n_blocks = sum(1 for n, _ in session.bundle.denoiser.named_modules() if n.endswith("attn1.to_q"))
     assert n_unet == n_blocks * 2 * 4 and sum(1 for m in modules if m.startswith("lora_te")) == 16
     meta = read_lora_metadata(path)
     assert meta["ss_base_model_version"] == "sdxl_base_v1-0"
@@ -158,9 +158,9 @@ def test_kohya_export_loads_in_diffusers_with_same_outputs(trained, tiny_sdxl):
 
     session, path = trained
     b = session.bundle
-    for m in (b.unet, *b.text_encoders):
+    for m in (b.denoiser, *b.text_encoders):
         m.eval()
-    want_text, want_unet = _outputs(b.unet, b.text_encoders, b.tokenizers, b.family, b)
+    want_text, want_unet = _outputs(b.denoiser, b.text_encoders, b.tokenizers, b.family, b)
 
     pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl), local_files_only=True)
     encoders, tokenizers = [pipe.text_encoder, pipe.text_encoder_2], [pipe.tokenizer, pipe.tokenizer_2]

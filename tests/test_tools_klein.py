@@ -30,7 +30,7 @@ def paths(tmp_path_factory):
 
 def klein_lora(paths, path: Path, network: str = "lora", seed: int = 0):
     bundle = adapted(paths, LORA_PRESETS["attention_mlp"], network=network, rank=4, alpha=2.0, seed=seed)
-    return bundle, export_kohya_lora(path, bundle.unet, None, bundle.family, rank=4, alpha=2.0, dtype=torch.float32)
+    return bundle, export_kohya_lora(path, bundle.denoiser, None, bundle.family, rank=4, alpha=2.0, dtype=torch.float32)
 
 
 def tensors_of(path: Path) -> dict[str, torch.Tensor]:
@@ -47,10 +47,10 @@ def test_our_klein_lora_merges_into_the_klein_folder_as_trained(paths, network, 
     assert main(["merge", "--model", str(paths["folder"]), "--lora", str(lora), "--output", str(out)]) == 0
     assert "diffusers folder" in capsys.readouterr().out
     merged = get_family("flux2_klein").load(str(out))
-    base = output(get_family("flux2_klein").load(str(paths["folder"])).unet)
-    ours = output(bundle.unet)
+    base = output(get_family("flux2_klein").load(str(paths["folder"])).denoiser)
+    ours = output(bundle.denoiser)
     assert (ours - base).abs().max() > 50 * TOLERANCE  # the LoRA does change the model
-    assert (output(merged.unet) - ours).abs().max() <= TOLERANCE
+    assert (output(merged.denoiser) - ours).abs().max() <= TOLERANCE
 
 
 def test_a_klein_lora_merges_into_the_comfyui_transformer_file(paths, tmp_path, one_thread, capsys):
@@ -64,8 +64,8 @@ def test_a_klein_lora_merges_into_the_comfyui_transformer_file(paths, tmp_path, 
     assert set(written) == set(source)  # the same keys, every untouched tensor copied as it was
     assert torch.equal(written["img_in.weight"], source["img_in.weight"])
     fresh = get_family("flux2_klein").load(str(paths["folder"]))
-    fresh.unet.load_state_dict(transformer_from_bfl(written))
-    assert (output(fresh.unet) - output(bundle.unet)).abs().max() <= TOLERANCE
+    fresh.denoiser.load_state_dict(transformer_from_bfl(written))
+    assert (output(fresh.denoiser) - output(bundle.denoiser)).abs().max() <= TOLERANCE
     capsys.readouterr()
     assert main(["merge", "--model", str(paths["transformer"]), "--lora", str(lora), "--output",
                  str(tmp_path / "folder-out")]) == 2
@@ -84,7 +84,7 @@ def test_extract_on_klein_recovers_the_lora(paths, tmp_path, one_thread, capsys)
     again = tmp_path / "again"
     assert main(["merge", "--model", str(paths["folder"]), "--lora", str(extracted), "--output", str(again)]) == 0
     remerged = get_family("flux2_klein").load(str(again))
-    assert (output(remerged.unet) - output(bundle.unet)).abs().max() <= TOLERANCE
+    assert (output(remerged.denoiser) - output(bundle.denoiser)).abs().max() <= TOLERANCE
     capsys.readouterr()
     assert main(["extract", "--base", str(paths["folder"]), "--tuned", str(merged), "--output",
                  str(tmp_path / "conv.safetensors"), "--conv_rank", "4"]) == 2

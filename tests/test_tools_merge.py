@@ -43,18 +43,18 @@ def trained_lora(family: str, network_type: str, path: Path, seed: int, targets=
     bundle = bundle_with_lora(family, targets, True, network_type)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for model in (bundle.unet, *bundle.text_encoders):
+        for model in (bundle.denoiser, *bundle.text_encoders):
             for name, p in model.named_parameters():
                 if is_adapter_parameter(name):
                     p.copy_(p + 0.2 * torch.randn(p.shape, generator=gen))
-    export_kohya_lora(path, bundle.unet, bundle.text_encoders, bundle.family, rank=2, alpha=2, dtype=torch.float32)
+    export_kohya_lora(path, bundle.denoiser, bundle.text_encoders, bundle.family, rank=2, alpha=2, dtype=torch.float32)
     return bundle, path
 
 
 def outputs(bundle) -> list[torch.Tensor]:
     """The UNet's noise prediction and every text encoder's last hidden state on fixed inputs."""
     gen = torch.Generator().manual_seed(11)
-    unet = bundle.unet
+    unet = bundle.denoiser
     latents, t = torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([17, 640])
     hidden = torch.randn(2, 77, unet.config.cross_attention_dim, generator=gen)
     extra = None
@@ -112,10 +112,10 @@ def test_merge_into_a_diffusers_folder_at_a_weight(bases, tmp_path, one_thread):
     full = outputs(bundle)
     got = outputs(get_family("sd1").load(str(out)))
     # at weight 0.5 every merged weight is base + 0.5 x dW (the outputs lie between, not on either end)
-    merged_unet = get_family("sd1").load(str(out)).unet.state_dict()
-    base_unet = load("sd1", folder, folder).unet.state_dict()
+    merged_unet = get_family("sd1").load(str(out)).denoiser.state_dict()
+    base_unet = load("sd1", folder, folder).denoiser.state_dict()
     key = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight"
-    full_delta = bundle.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q.get_delta_weight("default")
+    full_delta = bundle.denoiser.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q.get_delta_weight("default")
     torch.testing.assert_close(merged_unet[key], base_unet[key] + 0.5 * full_delta, **TOL)
     assert not torch.allclose(got[0], base[0], **TOL) and not torch.allclose(got[0], full[0], **TOL)
 
@@ -238,15 +238,15 @@ def test_toy_base_merge_matches_diffusers_load_lora_weights(toy_base, tmp_path, 
 
     family = get_family("sd1")
     bundle = family.load(str(toy_base))
-    bundle.unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=ATTENTION_AND_CONV,
+    bundle.denoiser.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=ATTENTION_AND_CONV,
                                        init_lora_weights="gaussian"))
     gen = torch.Generator().manual_seed(8)
     with torch.no_grad():
-        for name, p in bundle.unet.named_parameters():
+        for name, p in bundle.denoiser.named_parameters():
             if "lora_B" in name:
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
     lora = tmp_path / "toy.safetensors"
-    export_kohya_lora(lora, bundle.unet, None, family, rank=4, alpha=4, dtype=torch.float32)
+    export_kohya_lora(lora, bundle.denoiser, None, family, rank=4, alpha=4, dtype=torch.float32)
     out = tmp_path / "toy-merged"
     assert main(["merge", "--model", str(toy_base), "--lora", str(lora), "--output", str(out),
                  "--save_precision", "fp32"]) == 0

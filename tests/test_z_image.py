@@ -76,10 +76,10 @@ def test_our_velocity_is_the_pipelines_noise_prediction(folders, one_thread):
     noisy = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     t = objective.draw_timesteps(2, torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ours = objective.predict(bundle.unet, noisy, t, cond)
+        ours = objective.predict(bundle.denoiser, noisy, t, cond)
         mask = cond.added_cond_kwargs["attention_mask"].bool()
         caps = [e[m] for e, m in zip(cond.encoder_hidden_states, mask)]
-        out = bundle.unet(list(noisy.unsqueeze(2).unbind(0)), (1000 - t) / 1000, caps, return_dict=False)[0]
+        out = bundle.denoiser(list(noisy.unsqueeze(2).unbind(0)), (1000 - t) / 1000, caps, return_dict=False)[0]
     # 1 - t / 1000 (ours) and (1000 - t) / 1000 (the pipeline's) round differently in the last bit
     pipeline = -torch.stack([o.float() for o in out]).squeeze(2)
     assert torch.allclose(ours, pipeline, rtol=0, atol=1e-5) and ours.abs().max() > 0.1
@@ -123,8 +123,8 @@ def trained_bundle(folder: Path, run: Path, step: int):
     bundle = load(folder)
     add_lora(bundle, config)
     adapter = load_file(run / "checkpoints" / f"step_{step:06d}" / "adapter.safetensors")
-    load_lora_state_dict(bundle.unet, {k.removeprefix("unet."): v for k, v in adapter.items()})
-    bundle.unet.eval()
+    load_lora_state_dict(bundle.denoiser, {k.removeprefix("unet."): v for k, v in adapter.items()})
+    bundle.denoiser.eval()
     return bundle
 
 
@@ -146,12 +146,12 @@ def test_exported_lora_loads_in_diffusers_and_computes_the_trained_model(trained
 
     run, _ = trained
     ours = trained_bundle(folders["base"], run, 4)
-    expected = output(ours.unet)
+    expected = output(ours.denoiser)
     pipe = ZImagePipeline.from_pretrained(str(folders["base"]), local_files_only=True)
     base = output(pipe.transformer)
     file = run / "output" / ("lora.safetensors" if fmt == "kohya" else "lora_diffusers")
     loaded = pipe.lora_state_dict(str(file))
-    adapted = {f"transformer.{layer.path}" for layer in iter_lora_layers(ours.unet)}
+    adapted = {f"transformer.{layer.path}" for layer in iter_lora_layers(ours.denoiser)}
     assert {re.sub(r"\.lora_[AB]\.weight$", "", k) for k in loaded} == adapted
     pipe.load_lora_weights(str(file))
     got = output(pipe.transformer)
@@ -199,7 +199,7 @@ def comfy_z_image_key_map(n_layers: int, dim: int, n_refiner_layers: int = 2) ->
 def test_every_key_of_the_exported_file_is_one_comfyui_matches(trained, folders):
     run, _ = trained
     tensors = load_file(run / "output" / "lora.safetensors")
-    config = load(folders["base"]).unet.config
+    config = load(folders["base"]).denoiser.config
     key_map = comfy_z_image_key_map(config["n_layers"], config["dim"], config["n_refiner_layers"])
     matched = set()
     for lora_key, target in key_map.items():

@@ -55,7 +55,7 @@ def trained_and_merged_outputs(session, tensors: dict[str, torch.Tensor], model_
     family = get_family("sd1")
     fresh = family.load(model_path)
     modules = {k.split(".", 1)[0] for k in tensors}
-    applied = (merge_into(fresh.unet, tensors, unet_name, rule)
+    applied = (merge_into(fresh.denoiser, tensors, unet_name, rule)
                | merge_into(fresh.text_encoders[0], tensors, te_name, rule))
     assert applied == modules, modules - applied
 
@@ -63,14 +63,14 @@ def trained_and_merged_outputs(session, tensors: dict[str, torch.Tensor], model_
     trained_te = session.ranks.unwrap(session.trained["te0"]).eval()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, fresh.text_encoders[0].config.vocab_size, (2, 77), generator=generator)
-    latents = torch.randn(2, fresh.unet.config.in_channels, 8, 8, generator=generator)
+    latents = torch.randn(2, fresh.denoiser.config.in_channels, 8, 8, generator=generator)
     steps = torch.tensor([10, 500])
     base = family.load(model_path)
     with torch.no_grad():
         te_trained = trained_te(ids)[0]
 
         def unet_with(other: dict[str, torch.Tensor]) -> torch.Tensor:
-            unet = family.load(model_path).unet
+            unet = family.load(model_path).denoiser
             merge_into(unet, other, unet_name, rule)
             with torch.no_grad():
                 return unet.eval()(latents, steps, encoder_hidden_states=te_trained).sample
@@ -79,6 +79,6 @@ def trained_and_merged_outputs(session, tensors: dict[str, torch.Tensor], model_
             te_trained=te_trained, te_merged=fresh.text_encoders[0].eval()(ids)[0],
             te_base=base.text_encoders[0](ids)[0],
             unet_trained=trained_unet(latents, steps, encoder_hidden_states=te_trained).sample,
-            unet_merged=fresh.unet.eval()(latents, steps, encoder_hidden_states=te_trained).sample,
-            unet_base=base.unet(latents, steps, encoder_hidden_states=te_trained).sample)
+            unet_merged=fresh.denoiser.eval()(latents, steps, encoder_hidden_states=te_trained).sample,
+            unet_base=base.denoiser(latents, steps, encoder_hidden_states=te_trained).sample)
     return outputs, unet_with

@@ -11,6 +11,7 @@ from ..compat import listen, make, unchanged, update
 from ..context import UIContext
 from ..form import field_of
 from ..validation import is_klein_model, memory_estimate, validate
+from stabletune_core.family_files import is_flux2_klein
 from stabletune_core.launch import ask_engine
 
 TITLE = "Model & hyperparameters"
@@ -167,7 +168,7 @@ def family_changed(preset_values: dict[str, Any], current: dict[str, Any]) -> bo
     path = str(current.get("pretrained_model_name_or_path") or "").strip()
     if family == "auto" or not path or preset_values.get("pretrained_model_name_or_path") != path:
         return False
-    return is_klein_model(path) != (family == "flux2_klein")
+    return is_klein_model(path) != is_flux2_klein(family)
 
 
 def _save(ctx: UIContext, name: str, *raw: Any) -> list[Any]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..family_files import is_flux2_klein
+
 #: What `model_family` accepts: auto (detected from the checkpoint) and every family the engine trains.
 FAMILY_CHOICES = ("auto", "sd1", "sd2", "sdxl", "flux2_klein", "z_image")
 #: The names users know them by (the UI's picker, sentences).
@@ -113,7 +115,7 @@ def family_problems(config: Any, family: str) -> list[str]:
         problems = [f"{name} is set to {getattr(config, name)!r}, but it {why.replace('FLUX.2 Klein', flow_name)}; "
                     f"{_leave(config, name)} for model_family {family}."
                     for name, why in _SD_ONLY if _changed(config, name)]
-        if family != "flux2_klein":
+        if not is_flux2_klein(family):
             problems += [f"{name} is set to {getattr(config, name)!r}, but it belongs to FLUX.2 Klein "
                          f"({_what_it_is(name)}), which {flow_name} does not have yet; {_leave(config, name)}."
                          for name in _KLEIN_ONLY if _changed(config, name)]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..family_files import is_flux2_klein
+
 HOSTS = ("ComfyUI", "diffusers 0.42")
 #: The Klein modules outside the blocks that a DoRA / LoHa / LoKr file can adapt (models/flux2_klein/lora.py LYCORIS_TOP_LEVEL).
 TOP_LEVEL = ("x_embedder", "context_embedder", "proj_out")
@@ -64,6 +66,6 @@ def kind_words(kind: str) -> str:
 def run_host_limits(config: Any, family: str) -> list[str]:
     """`klein_host_limits` of a run's config (nothing for the SD families: their table row has no limits by kind
     beyond what the README says)."""
-    if family != "flux2_klein":
+    if not is_flux2_klein(family):
         return []
     return klein_host_limits(adapter_kind(config.network_type, config.use_dora))

@@ -1,6 +1,6 @@
 """The one face every model family shows to the loop, the exporter and the UI.
 
-A family (sd1, sd2, sdxl) is one module that builds a `ModelFamily` object. The
+A family is one folder (models/sd/, models/flux2_klein/, models/z_image/) whose class is a `ModelFamily`. The
 loop never asks "is this SDXL?" or "is this a flow model?": it asks the family to
 load, to encode images and prompts, for its training objective and to name its
 LoRA keys.
@@ -63,12 +63,6 @@ class ModelBundle:
         """How much the VAE downscales. Never assume 8: tiny test VAEs differ."""
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
-    @property
-    def unet(self) -> Any:
-        """The denoiser under SD's name for it, for the modules not moved to `denoiser` yet (tools/, grid.py, setup.py,
-        tests): on FLUX.2 Klein this is a transformer, not a UNet."""
-        return self.denoiser
-
 
 class Objective(Protocol):
     """How a family trains (DESIGN.md, "Model families behind one face"): how timesteps are drawn, how noise is
@@ -130,6 +124,12 @@ class ModelFamily(Protocol):
     # input_blocks...) or "bfl" (FLUX.2's double_blocks..., q/k/v fused); see lora/names.py, models/flux2_klein/lora.py
     kohya_unet_naming: str
     denoiser_name: str  # what a sentence calls the denoiser: "UNet" or "transformer"
+    denoiser_folder: str  # the denoiser's folder in a diffusers model folder: "unet" or "transformer"
+    # What a LoRA file made for this family says of itself: lowercase words its ss_base_model_version or
+    # modelspec.architecture holds (tools/lora_file.py), and module-name prefixes only this family's files use
+    # (empty where another family's files share them: SD 1.x and 2.x, which shapes tell apart)
+    lora_file_markers: tuple[str, ...]
+    lora_module_prefixes: tuple[str, ...]
     modelspec_implementation: str  # the LoRA file's modelspec.implementation
     default_resolution: tuple[int, int]  # (width, height) the family trains at by default (kohya's metadata)
     is_v2: bool  # kohya's ss_v2 (SD 2.x)
@@ -209,6 +209,17 @@ class ModelFamily(Protocol):
         ...
 
     def metadata(self, bundle: ModelBundle) -> dict[str, str]: ...
+
+    def original_state_dict(self, bundle: ModelBundle, components: set[str]) -> dict[str, torch.Tensor]:
+        """The given components ("unet" = the denoiser, "text_encoder", "text_encoder_2") under the keys of the
+        single-file checkpoints users run (CompVis / SGM / OpenCLIP; FLUX.2: BFL's transformer file); a merged
+        model is written in it (tools/merge.py)."""
+        ...
+
+    def full_original_state_dict(self, bundle: ModelBundle) -> dict[str, torch.Tensor]:
+        """The whole model in that single-file layout (a family whose single file is the denoiser alone: the
+        denoiser)."""
+        ...
 
 
 def normalize_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:

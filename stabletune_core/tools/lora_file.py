@@ -26,14 +26,6 @@ from .common import refuse
 
 LORA_PARTS = (DOWN, UP)
 KNOWN_PARTS = set(LORA_PARTS) | set(LOHA_PARTS) | set(LOKR_PARTS) | {ALPHA, DORA_SCALE}
-#: ss_base_model_version (or modelspec.architecture) prefixes -> family, as the trainers write them
-VERSION_FAMILY = (("sdxl", "sdxl"), ("sd_v2", "sd2"), ("sd_v1", "sd1"), ("flux2_klein", "flux2_klein"),
-                  ("flux.2-klein", "flux2_klein"))
-#: module-name prefixes only one family's files use (SD 1.x and 2.x share theirs: shapes tell those apart)
-NAME_FAMILY = ((("lora_te1_", "lora_te2_", "lora_unet_input_blocks", "lora_unet_output_blocks",
-                 "lora_unet_middle_block"), "sdxl"),
-               (("lora_unet_double_blocks", "lora_unet_single_blocks", "lycoris_transformer_blocks",
-                 "lycoris_single_transformer_blocks"), "flux2_klein"))
 
 
 def family_display_name(family: str) -> str:
@@ -144,23 +136,26 @@ def word_names(keys: Iterable[str]) -> list[str]:
 
 
 def family_of_metadata(metadata: dict[str, str]) -> str | None:
+    """The family whose declared `lora_file_markers` the file's ss_base_model_version (or modelspec.architecture)
+    holds, as the trainers write them; the longest marker wins. None: the metadata does not say."""
+    from ..models import FAMILIES, get_family
+
     version = (metadata.get("ss_base_model_version", "") or metadata.get("modelspec.architecture", "")).lower()
-    for prefix, family in VERSION_FAMILY:
-        if version.startswith(prefix) or (prefix == "sdxl" and "stable-diffusion-xl" in version):
-            return family
-    if "stable-diffusion-v2" in version:
-        return "sd2"
-    if "stable-diffusion-v1" in version:
-        return "sd1"
-    return None
+    found = [(len(marker), name) for name in FAMILIES for marker in get_family(name).lora_file_markers
+             if version and marker in version]
+    return max(found)[1] if found else None
 
 
 def family_of_names(names: list[str]) -> str | None:
-    """A guess from the module names alone: SDXL files have two text encoders and SGM UNet names, FLUX.2 Klein
-    files BFL's block names (LoRA) or diffusers' transformer paths (LyCORIS); SD 1.x and 2.x share their names."""
-    for prefixes, family in NAME_FAMILY:
-        if any(n.startswith(prefixes) for n in names):
-            return family
+    """A guess from the module names alone, by the prefixes only one family's files use (its declared
+    `lora_module_prefixes`: SDXL's two text encoders and SGM UNet names, FLUX.2 Klein's BFL block names, ...);
+    SD 1.x and 2.x share their names."""
+    from ..models import FAMILIES, get_family
+
+    for name in FAMILIES:
+        prefixes = tuple(get_family(name).lora_module_prefixes)
+        if prefixes and any(n.startswith(prefixes) for n in names):
+            return name
     return None
 
 
@@ -204,16 +199,16 @@ def kohya_layers(bundle) -> dict[str, LayerTarget]:
     UNet and text encoders (SDXL's UNet layers also under their diffusers-style name, which some SDXL files use);
     for FLUX.2 Klein the transformer's modules under BFL's names (q/k/v fused) and diffusers' (LyCORIS files)."""
     if bundle.family.kohya_unet_naming == "bfl":
-        return bfl_layers(bundle.unet, blocks_only=False)
+        return bfl_layers(bundle.denoiser, blocks_only=False)
     family = bundle.family
     sgm = family.kohya_unet_naming == "sgm"
     layers: dict[str, LayerTarget] = {}
     kinds = (torch.nn.Linear, torch.nn.Conv2d)
-    for path, module in bundle.unet.named_modules():
+    for path, module in bundle.denoiser.named_modules():
         if isinstance(module, kinds):
             layers[kohya_unet_name(path)] = LayerTarget([module])
             if sgm:
-                layers[kohya_sgm_unet_name(path, bundle.unet.config)] = LayerTarget([module])
+                layers[kohya_sgm_unet_name(path, bundle.denoiser.config)] = LayerTarget([module])
     for prefix, encoder in zip(family.text_encoder_kohya_prefixes, bundle.text_encoders):
         for path, module in encoder.named_modules():
             if isinstance(module, kinds):
@@ -263,11 +258,11 @@ def walk_layers(bundle, *, conv: bool) -> Iterator[tuple[str, str, LayerTarget]]
     convolutions."""
     family = bundle.family
     if family.kohya_unet_naming == "bfl":
-        for name, target in bfl_layers(bundle.unet, blocks_only=True).items():
+        for name, target in bfl_layers(bundle.denoiser, blocks_only=True).items():
             yield "unet", name, target
         return
     sgm = family.kohya_unet_naming == "sgm"
-    for path, module in bundle.unet.named_modules():
+    for path, module in bundle.denoiser.named_modules():
         if not isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
             continue
         where = f".{path}."
@@ -275,7 +270,7 @@ def walk_layers(bundle, *, conv: bool) -> Iterator[tuple[str, str, LayerTarget]]
         is_conv = isinstance(module, torch.nn.Conv2d) and module.kernel_size != (1, 1)
         beside = not in_transformer and (is_conv or any(block in where for block in CONV_BLOCKS))
         if (in_transformer and not is_conv) or (conv and beside):
-            name = kohya_sgm_unet_name(path, bundle.unet.config) if sgm else kohya_unet_name(path)
+            name = kohya_sgm_unet_name(path, bundle.denoiser.config) if sgm else kohya_unet_name(path)
             yield "unet", name, LayerTarget([module])
     for i, (prefix, encoder) in enumerate(zip(family.text_encoder_kohya_prefixes, bundle.text_encoders)):
         for path, module in encoder.named_modules():

@@ -124,7 +124,7 @@ def merge_into(bundle, read: list[tuple[Path, float, dict[str, Any]]]) -> tuple[
     from .lora_file import kohya_layers
 
     layers = kohya_layers(bundle)
-    owner = {id(m): "unet" for m in bundle.unet.modules()}
+    owner = {id(m): "unet" for m in bundle.denoiser.modules()}
     for i, encoder in enumerate(bundle.text_encoders):
         owner.update({id(m): "text_encoder" if i == 0 else "text_encoder_2" for m in encoder.modules()})
     labels = input_labels([path for path, _, _ in read])
@@ -151,43 +151,18 @@ def merge_into(bundle, read: list[tuple[Path, float, dict[str, Any]]]) -> tuple[
     return changed, records
 
 
-def original_layout(bundle, components: set[str]) -> dict[str, Any]:
-    """The given components' tensors under their original (CompVis / SGM / OpenCLIP; FLUX.2: BFL) checkpoint
-    keys."""
-    from ..models.sd import single_file as sf
+def original_layout(bundle, components: set[str] | None = None) -> dict[str, Any]:
+    """The given components' tensors (None: the whole model) under their original checkpoint keys, the family's
+    single-file layout; one sentence for a family that has none."""
+    from ..models import ModelLoadError
 
-    if bundle.family.kohya_unet_naming == "bfl":  # a FLUX.2 single file is the transformer alone (ComfyUI's layout)
-        from ..models.flux2_klein.single_file import transformer_to_bfl
-
-        return transformer_to_bfl(bundle.unet.state_dict()) if "unet" in components else {}
-    state: dict[str, torch.Tensor] = {}
-    name = bundle.family.name
-    if "unet" in components:
-        state.update(sf.convert_unet_state_dict(bundle.unet))
-    if "text_encoder" in components:
-        if name == "sd2":
-            state.update(sf.convert_open_clip_text_encoder(bundle.text_encoders[0], sf.OPEN_CLIP_PREFIX_SD2))
-        else:
-            clip = sf.convert_text_encoder_state_dict(bundle.text_encoders[0])
-            if name == "sdxl":
-                clip = {sf.SDXL_TEXT_ENCODER_PREFIX + k.removeprefix(sf.TEXT_ENCODER_PREFIX): v for k, v in clip.items()}
-            state.update(clip)
-    if "text_encoder_2" in components:
-        state.update(sf.convert_open_clip_text_encoder(bundle.text_encoders[1], sf.OPEN_CLIP_PREFIX_SDXL))
-    return state
-
-
-def full_original(bundle) -> dict[str, Any]:
-    from ..models.sd import single_file as sf
-
-    unet, vae, encoders = bundle.unet, bundle.vae, bundle.text_encoders
-    if bundle.family.kohya_unet_naming == "bfl":
-        return original_layout(bundle, {"unet"})
-    if bundle.family.name == "sdxl":
-        return sf.diffusers_to_original_sdxl(unet, vae, encoders[0], encoders[1])
-    if bundle.family.name == "sd2":
-        return sf.diffusers_to_original_sd2(unet, vae, encoders[0])
-    return sf.diffusers_to_original_sd(unet, vae, encoders[0])
+    family = bundle.family
+    try:
+        if components is None:
+            return family.full_original_state_dict(bundle)
+        return family.original_state_dict(bundle, components)
+    except ModelLoadError as exc:
+        raise refuse(str(exc)) from None
 
 
 def write_single_file(bundle, source: Path, target: Path, components: set[str], dtype, note: dict[str, Any]) -> int:
@@ -220,7 +195,7 @@ def write_single_file(bundle, source: Path, target: Path, components: set[str], 
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     else:
         state = {k: v.to(dtype or torch.float16) if v.is_floating_point() else v
-                 for k, v in full_original(bundle).items()}
+                 for k, v in original_layout(bundle).items()}
         metadata, replaced = {"format": "pt"}, -1
     metadata["stabletune_merge"] = json.dumps(note)
     _atomic_save({k: v.contiguous() for k, v in state.items()}, target, metadata)
@@ -238,7 +213,7 @@ def write_folder(bundle, source: Path, target: Path, dtype, note: dict[str, Any]
         shutil.copy(layout / "model_index.json", tmp / "model_index.json")
         for part in ("scheduler", *family.tokenizer_parts):
             shutil.copytree(layout / part, tmp / part)
-        modules = {denoiser_part(bundle): bundle.unet, "vae": bundle.vae}
+        modules = {denoiser_part(bundle): bundle.denoiser, "vae": bundle.vae}
         modules.update(zip(family.text_encoder_parts, bundle.text_encoders))
         for name, module in modules.items():
             module.to(dtype).save_pretrained(str(tmp / name), safe_serialization=True)
@@ -246,8 +221,8 @@ def write_folder(bundle, source: Path, target: Path, dtype, note: dict[str, Any]
 
 
 def denoiser_part(bundle) -> str:
-    """The diffusers folder name of the bundle's denoiser ("unet", FLUX.2's "transformer")."""
-    return "transformer" if bundle.family.kohya_unet_naming == "bfl" else "unet"
+    """The diffusers folder name of the bundle's denoiser ("unet", a transformer family's "transformer")."""
+    return bundle.family.denoiser_folder
 
 
 def source_dtype(source: Path):

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from ...family_files import files_name_klein, flux2_file_kind
 from ..base import Conditioning, ModelBundle, ModelLoadError, flow_model_metadata, load_errors_in_one_sentence
 from ..qwen3_text import MAX_SEQUENCE_LENGTH, text_length
 
@@ -218,26 +219,18 @@ SD_MARKERS = ("model.diffusion_model.input_blocks.", "conditioner.embedders.", "
 
 def checkpoint_kind(keys: dict[str, tuple[int, ...]] | set[str]) -> str:
     """'klein', 'flux2_dev', 'sd' or 'other' for a single file's keys (ComfyUI's and diffusers' markers)."""
-    bare = {k.removeprefix("model.diffusion_model.") for k in keys}
-    if "double_stream_modulation_img.lin.weight" in bare:
-        return "flux2_dev" if "guidance_in.in_layer.weight" in bare else "klein"
+    kind = flux2_file_kind(keys)
+    if kind:
+        return kind
     if any(k.startswith(SD_MARKERS) for k in keys):
         return "sd"
     return "other"
 
 
 def looks_like_klein(source: str | Path) -> bool:
-    """Cheap test for detect_family: a Klein diffusers folder or a BFL Klein transformer file."""
-    path = Path(str(source)).expanduser()
-    try:
-        if path.is_dir():
-            index = path / "model_index.json"
-            return index.is_file() and json.loads(index.read_text()).get("_class_name", "").startswith("Flux2Klein")
-        if path.is_file() and path.suffix.lower() == ".safetensors":
-            return checkpoint_kind(_safetensors_header(path)[0]) == "klein"
-    except (OSError, ValueError):
-        pass
-    return False
+    """Cheap test for detect_family: a Klein diffusers folder or a BFL Klein transformer file (family_files.py: the
+    rule the UI reads too)."""
+    return files_name_klein(source)
 
 
 def _comfy_root(path: Path) -> Path | None:
@@ -298,6 +291,11 @@ class Flux2Klein:
     display_name = "FLUX.2 Klein"
     objective_kind = "flow_matching"
     denoiser_name = "transformer"
+    denoiser_folder = "transformer"
+    lora_file_markers = ("flux2_klein", "flux.2-klein")  # ai-toolkit's ss_base_model_version, musubi's modelspec
+    # BFL's block names (LoRA) and the LyCORIS names of diffusers' paths (DoRA, LoHa): models/flux2_klein/lora.py
+    lora_module_prefixes = ("lora_unet_double_blocks", "lora_unet_single_blocks", "lycoris_transformer_blocks",
+                            "lycoris_single_transformer_blocks")
     # Until a model is loaded the family describes Klein 4B; load() and metadata() follow the model's width.
     variant = "4b"
     base_model_version = "flux2_klein_4b"  # what ai-toolkit writes into ss_base_model_version
@@ -680,6 +678,15 @@ class Flux2Klein:
     def metadata(self, bundle: ModelBundle) -> dict[str, str]:
         self.describe(bundle)
         return flow_model_metadata(self, bundle)
+
+    def original_state_dict(self, bundle: ModelBundle, components: set[str]) -> dict[str, torch.Tensor]:
+        """BFL's transformer keys: a FLUX.2 single file is the transformer alone (ComfyUI's layout)."""
+        from .single_file import transformer_to_bfl
+
+        return transformer_to_bfl(bundle.denoiser.state_dict()) if "unet" in components else {}
+
+    def full_original_state_dict(self, bundle: ModelBundle) -> dict[str, torch.Tensor]:
+        return self.original_state_dict(bundle, {"unet"})
 
 
 

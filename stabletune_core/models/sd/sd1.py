@@ -70,6 +70,9 @@ class SD1:
     diffusers_lora_key_names = "diffusers"
     diffusers_lora_layers_argument = "unet_lora_layers"
     denoiser_name = "UNet"
+    denoiser_folder = "unet"
+    lora_file_markers = ("sd_v1", "stable-diffusion-v1")  # kohya's ss_base_model_version, modelspec's architecture
+    lora_module_prefixes: tuple[str, ...] = ()  # SD 2.x files share SD 1.x's names
     lora_target_modules = None  # the suffixes are peft's target names as they are
     text_encoder_parts = ("text_encoder",)  # pipeline component names, in kohya prefix order
     tokenizer_parts = ("tokenizer",)
@@ -283,3 +286,28 @@ class SD1:
             "modelspec.prediction_type": "epsilon" if bundle.prediction_type == "epsilon" else "v",
             "modelspec.resolution": f"{w}x{h}",
         }
+
+    # ------------------------------------------------------------------ the original single-file layout
+    def original_state_dict(self, bundle: ModelBundle, components: set[str]) -> dict[str, torch.Tensor]:
+        """The given components under CompVis's keys (SDXL: SGM's; the text encoders: CLIP's or OpenCLIP's)."""
+        from . import single_file as sf
+
+        state: dict[str, torch.Tensor] = {}
+        if "unet" in components:
+            state.update(sf.convert_unet_state_dict(bundle.denoiser))
+        if "text_encoder" in components:
+            state.update(self.original_text_encoder(bundle.text_encoders[0]))
+        if "text_encoder_2" in components:
+            state.update(sf.convert_open_clip_text_encoder(bundle.text_encoders[1], sf.OPEN_CLIP_PREFIX_SDXL))
+        return state
+
+    def original_text_encoder(self, encoder: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The first text encoder under the single file's keys (SD 1.x: CLIP's, under cond_stage_model.)."""
+        from .single_file import convert_text_encoder_state_dict
+
+        return convert_text_encoder_state_dict(encoder)
+
+    def full_original_state_dict(self, bundle: ModelBundle) -> dict[str, torch.Tensor]:
+        from .single_file import diffusers_to_original_sd
+
+        return diffusers_to_original_sd(bundle.denoiser, bundle.vae, bundle.text_encoders[0])

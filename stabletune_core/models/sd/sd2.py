@@ -33,6 +33,7 @@ class SD2(SD1):
     base_model_version = "sd_v2_v"
     modelspec_architecture = "stable-diffusion-v2-768-v/lora"
     default_resolution = (768, 768)
+    lora_file_markers = ("sd_v2", "stable-diffusion-v2")
 
     def load(self, source, *, local_files_only: bool = True, config_dir=None, torch_dtype=None, **kw) -> ModelBundle:
         import torch
@@ -59,3 +60,14 @@ class SD2(SD1):
     def metadata(self, bundle: ModelBundle) -> dict[str, str]:
         self.describe(bundle)
         return super().metadata(bundle)
+
+    def original_text_encoder(self, encoder):
+        """OpenCLIP's keys, as SD 2.x single files store its text encoder."""
+        from .single_file import OPEN_CLIP_PREFIX_SD2, convert_open_clip_text_encoder
+
+        return convert_open_clip_text_encoder(encoder, OPEN_CLIP_PREFIX_SD2)
+
+    def full_original_state_dict(self, bundle: ModelBundle):
+        from .single_file import diffusers_to_original_sd2
+
+        return diffusers_to_original_sd2(bundle.denoiser, bundle.vae, bundle.text_encoders[0])

@@ -44,6 +44,9 @@ class SDXL(SD1):
     default_config_dir = SDXL_BASE_CONFIG_DIR
     text_encoder_parts = ("text_encoder", "text_encoder_2")
     tokenizer_parts = ("tokenizer", "tokenizer_2")
+    lora_file_markers = ("sdxl", "stable-diffusion-xl")
+    lora_module_prefixes = ("lora_te1_", "lora_te2_", "lora_unet_input_blocks", "lora_unet_output_blocks",
+                            "lora_unet_middle_block")  # two text encoders, SGM UNet names
 
     # ------------------------------------------------------------------ load
     def _load_diffusers(self, where: str, local_files_only: bool, torch_dtype) -> dict[str, Any]:
@@ -123,3 +126,16 @@ class SDXL(SD1):
         meta = super().metadata(bundle)
         meta["ss_v2"] = "False"
         return meta
+
+    def original_text_encoder(self, encoder):
+        """CLIP's keys under SGM's conditioner.embedders.0. (SDXL's first text encoder)."""
+        from . import single_file as sf
+
+        clip = sf.convert_text_encoder_state_dict(encoder)
+        return {sf.SDXL_TEXT_ENCODER_PREFIX + k.removeprefix(sf.TEXT_ENCODER_PREFIX): v for k, v in clip.items()}
+
+    def full_original_state_dict(self, bundle: ModelBundle):
+        from .single_file import diffusers_to_original_sdxl
+
+        encoders = bundle.text_encoders
+        return diffusers_to_original_sdxl(bundle.denoiser, bundle.vae, encoders[0], encoders[1])

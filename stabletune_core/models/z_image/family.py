@@ -121,6 +121,9 @@ class ZImage:
     display_name = "Z-Image"
     objective_kind = "flow_matching"
     denoiser_name = "transformer"
+    denoiser_folder = "transformer"
+    lora_file_markers = ("z_image", "z-image")
+    lora_module_prefixes = (LORA_KEY_PREFIX,)
     base_model_version = "z_image"
     modelspec_architecture = "Z-Image/lora"
     modelspec_implementation = "https://github.com/Tongyi-MAI/Z-Image"
@@ -294,4 +297,12 @@ class ZImage:
     # -------------------------------------------------------------- metadata
     def metadata(self, bundle: ModelBundle) -> dict[str, str]:
         return flow_model_metadata(self, bundle)
+
+    def original_state_dict(self, bundle: ModelBundle, components: set[str]) -> dict[str, torch.Tensor]:
+        """Z-Image has no single-file layout here yet (the family loads diffusers folders only)."""
+        raise ModelLoadError("StableTune cannot write a Z-Image model as one single file yet; give an output path "
+                             "without .safetensors to write a diffusers folder.")
+
+    def full_original_state_dict(self, bundle: ModelBundle) -> dict[str, torch.Tensor]:
+        return self.original_state_dict(bundle, {"unet"})
 

@@ -1,0 +1,130 @@
+"""Issue 39.1 / 38.4: one family, one folder, one declared face.
+
+- Every piece one family knows lives in its folder under models/ (the family class, its single-file layout, its LoRA
+  names, its memory model, its tiny builder, its shipped configs); models/ keeps only what the families share, and
+  lora/ no family's names.
+- No module outside the family folders and config's family rules compares a family name with a literal
+  (`== "flux2_klein"`, `in ("sd1", ...)`): callers ask the family's declared face (models/base.py ModelFamily) or,
+  without torch, stabletune_core/family_files.py. Nobody probes a family with getattr(..., default).
+- ModelBundle's denoiser has one name: `.unet` is gone.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ROOT / "stabletune_core"
+MODELS = CORE / "models"
+#: The names a config's model_family takes (config/families.py FAMILY_CHOICES, "auto" aside).
+FAMILY_NAMES = {"sd1", "sd2", "sdxl", "flux2_klein", "z_image"}
+#: The places allowed to spell family names in comparisons: the family folders and config's family rules.
+ALLOWED = ("stabletune_core/models/sd/", "stabletune_core/models/flux2_klein/", "stabletune_core/models/z_image/",
+           "stabletune_core/config/families.py", "stabletune_core/family_files.py")
+#: Not clean yet, owned elsewhere: the lead empties this list as those branches land.
+#: train/: the engineer who owns it removes its literals (issue 38). toy/__main__.py: the toy Z-Image base (issue
+#: 39.5) adds its build there; ToyBase should declare its build instead of `args.family == ...`.
+NOT_YET = ["stabletune_core/train/", "stabletune_core/toy/__main__.py"]
+#: Each family folder and the pieces it holds (one file per piece, moved whole from models/ and lora/).
+FOLDERS = {
+    "sd": {"sd1.py", "sd2.py", "sdxl.py", "single_file.py", "sdxl_memory.py", "tiny.py", "configs"},
+    "flux2_klein": {"family.py", "single_file.py", "lora.py", "memory.py", "tiny.py", "configs"},
+    "z_image": {"family.py", "tiny.py"},
+}
+#: What models/ shares among the families (the face, the objectives, the text path, memory and loading helpers).
+SHARED = {"__init__.py", "base.py", "ddpm.py", "flow_matching.py", "qwen3_text.py", "block_swap.py", "quantize.py",
+          "memory_plan.py", "loading.py", "tokenizer.py"}
+
+
+def sources(skip: tuple[str, ...]) -> dict[str, ast.AST]:
+    found = {}
+    for path in [*CORE.rglob("*.py"), *(ROOT / "extension").rglob("*.py")]:
+        where = path.relative_to(ROOT).as_posix()
+        if not where.startswith(skip):
+            found[where] = ast.parse(path.read_text(encoding="utf-8"))
+    return found
+
+
+def names_in(node: ast.AST) -> set[str]:
+    """The family names spelled as literals in `node`: a string, or a tuple / list / set of strings."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & FAMILY_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(names_in(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def literal_comparisons(trees: dict[str, ast.AST]) -> list[str]:
+    """Comparisons with a family name literal on one side: `x == "sdxl"`, `family in ("sd1", "sd2")`,
+    `"flux2_klein" != x`."""
+    found = []
+    for where, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(names_in(side) for side in [node.left, *node.comparators]):
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def family_probes(trees: dict[str, ast.AST]) -> list[str]:
+    return [f"{where}:{node.lineno} {ast.unparse(node)}" for where, tree in trees.items() for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr") and node.args and
+            "family" in ast.unparse(node.args[0])]
+
+
+def test_no_module_outside_the_family_folders_compares_a_family_name_with_a_literal():
+    found = literal_comparisons(sources(ALLOWED + tuple(NOT_YET)))
+    assert not found, found
+
+
+def test_the_scan_finds_a_planted_comparison():
+    planted = {"planted.py": ast.parse('if family == "flux2_klein" or name in ("sd1", "sd2"):\n    pass\n'
+                                       'ok = family == "auto"\n')}
+    assert literal_comparisons(planted) == ["planted.py:1 family == 'flux2_klein'",
+                                            "planted.py:1 name in ('sd1', 'sd2')"]
+    assert family_probes({"planted.py": ast.parse('getattr(bundle.family, "lora_presets", None)')})
+
+
+def test_nobody_probes_a_family_with_getattr_outside_its_folder():
+    found = family_probes(sources(ALLOWED))
+    assert not found, found
+
+
+def test_each_family_folder_holds_every_piece_of_its_family():
+    from stabletune_core.models import FAMILIES, get_family
+
+    for folder, pieces in FOLDERS.items():
+        held = {p.name for p in (MODELS / folder).iterdir() if p.name != "__pycache__"}
+        assert pieces | {"__init__.py"} <= held, (folder, sorted(pieces - held))
+    homes = {name: Path(inspect.getsourcefile(type(get_family(name)))).parent.relative_to(MODELS).as_posix()
+             for name in FAMILIES}
+    assert homes == {"sd1": "sd", "sd2": "sd", "sdxl": "sd", "flux2_klein": "flux2_klein", "z_image": "z_image"}
+    flat = {p.name for p in MODELS.iterdir() if p.is_file()}
+    assert flat == SHARED, sorted(flat ^ SHARED)  # nothing of one family left beside the shared pieces
+    assert {p.name for p in MODELS.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(FOLDERS)
+    lora = {p.stem for p in (CORE / "lora").glob("*.py")}
+    assert not lora & {"flux2", "sdxl", "sd1", "z_image", "klein"}, lora  # a family's LoRA names live in its folder
+
+
+def test_the_family_folders_import_without_loading_a_family_they_do_not_name():
+    """A family folder's __init__ is a table of contents, not an import of its pieces."""
+    for folder in FOLDERS:
+        tree = ast.parse((MODELS / folder / "__init__.py").read_text(encoding="utf-8"))
+        assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], folder
+
+
+def test_the_bundles_denoiser_has_one_name():
+    from stabletune_core.models.base import ModelBundle
+
+    assert not hasattr(ModelBundle, "unet")
+    bundle = ModelBundle(family=None, denoiser=object(), vae=None, text_encoders=[], tokenizers=[],
+                         noise_scheduler=None, source="x")
+    with pytest.raises(AttributeError):
+        bundle.unet  # noqa: B018
+    uses = [f"{p.relative_to(ROOT)}:{i}" for p in [*CORE.rglob("*.py"), *(ROOT / "tests").glob("*.py"),
+                                                  *(ROOT / "bench").glob("*.py")]
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if "bundle.unet" in line
+            and p.name != Path(__file__).name]
+    assert not uses, uses

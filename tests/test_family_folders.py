@@ -128,3 +128,19 @@ def test_the_bundles_denoiser_has_one_name():
             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if "bundle.unet" in line
             and p.name != Path(__file__).name]
     assert not uses, uses
+
+
+def test_the_tools_tell_every_familys_lora_file_by_what_the_family_declares():
+    """tools/lora_file.py has no table of family names: a LoRA file's metadata (as each family writes it) and the
+    module names only one family uses name that family, Z-Image's included."""
+    from stabletune_core.models import FAMILIES, get_family
+    from stabletune_core.tools.lora_file import family_of_metadata, family_of_names
+
+    for name in FAMILIES:
+        family = get_family(name)
+        assert family_of_metadata({"ss_base_model_version": family.base_model_version}) == name
+        assert family_of_metadata({"modelspec.architecture": family.modelspec_architecture}) == name
+        for prefix in family.lora_module_prefixes:
+            assert family_of_names([prefix + "x.lora_down.weight"]) == name
+    assert family_of_names(["lora_unet_down_blocks_0_attentions_0_proj_in"]) is None  # SD 1.x and 2.x share it
+    assert family_of_metadata({}) is None

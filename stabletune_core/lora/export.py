@@ -28,7 +28,7 @@ import torch
 from ..atomic import atomic_path, user_permissions  # noqa: F401  (user_permissions: old home)
 from .dora import dora_scale
 from .layers import LoraLayerView, iter_lora_layers, unwrap
-from .names import DORA_SCALE, kohya_keys, kohya_sgm_unet_name, kohya_te_name, kohya_unet_name
+from .names import DORA_SCALE, kohya_keys, kohya_te_name
 
 #: Metadata keys every kohya export carries (filled with defaults when the caller has none).
 REQUIRED_METADATA_KEYS = (
@@ -186,21 +186,9 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
 def kohya_named_layers(unet, text_encoders: list | None, family, walk) -> Iterator[tuple[str, Any]]:
     """(kohya module name, what `walk(model)` yields after the module path) for the UNet, then each text
     encoder under its family prefix; `walk` is a layer walker that yields (module path, ...)."""
-    if unet is not None:
-        naming = family.kohya_unet_naming
-        if naming == "bfl":  # FLUX.2: LyCORIS names of the transformer's modules (models/flux2_klein/lora.py)
-            from ..models.flux2_klein.lora import lycoris_name as unet_name
-        elif naming == "diffusion_model":  # Z-Image: diffusers' module path under ai-toolkit's prefix
-            from ..models.z_image.family import LORA_KEY_PREFIX
-
-            unet_name = lambda path: LORA_KEY_PREFIX + path  # noqa: E731
-        elif naming == "sgm":
-            config = unwrap(unet).config
-            unet_name = lambda path: kohya_sgm_unet_name(path, config)  # noqa: E731
-        else:
-            unet_name = kohya_unet_name
+    if unet is not None:  # the family names its denoiser's modules (its folder's names: SGM, BFL's LyCORIS, ...)
         for path, *rest in walk(unet):
-            yield unet_name(path), rest
+            yield family.kohya_denoiser_name(path, unet), rest
     text_encoders = [te for te in (text_encoders or [])]
     prefixes = list(family.text_encoder_kohya_prefixes)
     for i, te in enumerate(text_encoders):

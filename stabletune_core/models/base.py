@@ -140,6 +140,12 @@ class ModelFamily(Protocol):
     # (model, suffixes) -> names; None: the suffixes are peft's target names as they are.
     lora_target_modules: Callable[[torch.nn.Module, list[str]], list[str]] | None
 
+    def kohya_denoiser_name(self, module_path: str, denoiser: torch.nn.Module) -> str:
+        """The name a kohya-format LoRA file gives the adapter on the denoiser's module `module_path` (SD 1.x/2.x:
+        lora_unet_ + the diffusers path; SDXL: SGM's; FLUX.2 Klein: the LyCORIS name of a DoRA / LoHa, its LoRA
+        being fused by `kohya_unet_naming` "bfl"; Z-Image: diffusion_model. + the path)."""
+        ...
+
     def swappable_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The denoiser's blocks in the order they run, what block swap moves; [] for a family without blocks to
         swap."""

@@ -312,8 +312,8 @@ class Flux2Klein:
     diffusers_pipeline_class = "Flux2KleinPipeline"
     diffusers_lora_layers_argument = "transformer_lora_layers"  # the save_lora_weights argument for the denoiser
     diffusers_lora_key_names = "peft"  # lora_A / lora_B, as diffusers' Klein script saves (see lora/export.py)
-    # kohya files in BFL's module names, q/k/v fused (LoRA), or LyCORIS names (DoRA, LoHa, LoKr): models/flux2_klein/lora.py,
-    # which lora/export.py picks by this name (models never import lora/: lora's names come from the families)
+    # kohya files in BFL's module names, q/k/v fused (LoRA), or LyCORIS names (DoRA, LoHa, LoKr): this folder's
+    # lora.py, which lora/export.py picks by this name
     kohya_unet_naming = "bfl"
 
     # ------------------------------------------------------------------ load
@@ -678,6 +678,13 @@ class Flux2Klein:
     def metadata(self, bundle: ModelBundle) -> dict[str, str]:
         self.describe(bundle)
         return flow_model_metadata(self, bundle)
+
+    def kohya_denoiser_name(self, module_path: str, denoiser: torch.nn.Module) -> str:
+        """The LyCORIS name of a DoRA / LoHa module (lora.py); a LoRA's BFL names, q/k/v fused, come from
+        lora.py's kohya_lora_tensors, which lora/export.py calls for kohya_unet_naming "bfl"."""
+        from .lora import lycoris_name
+
+        return lycoris_name(module_path)
 
     def original_state_dict(self, bundle: ModelBundle, components: set[str]) -> dict[str, torch.Tensor]:
         """BFL's transformer keys: a FLUX.2 single file is the transformer alone (ComfyUI's layout)."""

@@ -78,6 +78,12 @@ class SD1:
     tokenizer_parts = ("tokenizer",)
     default_config_dir = SD15_CONFIG_DIR
 
+    def kohya_denoiser_name(self, module_path: str, denoiser: torch.nn.Module) -> str:
+        """kohya's lora_unet_ + the diffusers path with dots as underscores (lora/names.py)."""
+        from ...lora.names import kohya_unet_name
+
+        return kohya_unet_name(module_path)
+
     def swappable_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """No block swap for a UNet (its blocks differ in size and pass skip connections down to up)."""
         return []

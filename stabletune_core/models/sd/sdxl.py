@@ -127,6 +127,13 @@ class SDXL(SD1):
         meta["ss_v2"] = "False"
         return meta
 
+    def kohya_denoiser_name(self, module_path: str, denoiser: torch.nn.Module) -> str:
+        """kohya's SDXL names: the module under its original SGM path (input_blocks_4_1_...)."""
+        from ...lora.layers import unwrap
+        from ...lora.names import kohya_sgm_unet_name
+
+        return kohya_sgm_unet_name(module_path, unwrap(denoiser).config)
+
     def original_text_encoder(self, encoder):
         """CLIP's keys under SGM's conditioner.embedders.0. (SDXL's first text encoder)."""
         from . import single_file as sf

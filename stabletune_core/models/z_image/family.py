@@ -298,6 +298,10 @@ class ZImage:
     def metadata(self, bundle: ModelBundle) -> dict[str, str]:
         return flow_model_metadata(self, bundle)
 
+    def kohya_denoiser_name(self, module_path: str, denoiser: torch.nn.Module) -> str:
+        """diffusers' module path under ai-toolkit's diffusion_model. prefix (what ComfyUI maps)."""
+        return LORA_KEY_PREFIX + module_path
+
     def original_state_dict(self, bundle: ModelBundle, components: set[str]) -> dict[str, torch.Tensor]:
         """Z-Image has no single-file layout here yet (the family loads diffusers folders only)."""
         raise ModelLoadError("StableTune cannot write a Z-Image model as one single file yet; give an output path "

@@ -269,7 +269,7 @@ def setup(config: TrainConfig) -> Session:
     inputs = BatchInputs(bundle, amp, device, seed=config.seed, train_text_encoder=config.train_text_encoder,
                          pivotal=pivotal)
     # the caches first: the encoders they make redundant leave the device before the denoiser comes onto it, so the
-    # set-up never holds both (models/flux2_klein/memory.py counts the caching peak beside the training step's)
+    # set-up never holds both (models/flux2_memory.py counts the caching peak beside the training step's)
     build_caches(config, inputs, data, run, ranks)
     place_denoiser(bundle, device, amp.weight_dtype)
     trained = {"unet": bundle.denoiser, **({f"te{i}": e for i, e in enumerate(bundle.text_encoders)}

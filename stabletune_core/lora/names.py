@@ -4,7 +4,8 @@ kohya's sd-scripts name every LoRA module after its module path with dots
 replaced by underscores, under ``lora_unet_`` or ``lora_te_`` (SDXL:
 ``lora_te1_`` / ``lora_te2_``). For SD 1.x/2.x the UNet path is the diffusers
 one; for SDXL it is the original SGM one (``input_blocks_4_1_...``), because
-kohya's SDXL UNet uses those names (the family's ``kohya_unet_naming`` says which). A1111, Forge, ComfyUI and diffusers all map
+kohya's SDXL UNet uses those names (models/sd/single_file.py ``kohya_sgm_unet_name``; each family's
+``kohya_denoiser_name`` says which). A1111, Forge, ComfyUI and diffusers all map
 these names back to their own layouts, so this is the one format they share.
 
 Text encoder names always carry ``text_model_``: transformers >= 5.6 flattened
@@ -29,14 +30,6 @@ def _flat(module_path: str) -> str:
 def kohya_unet_name(module_path: str) -> str:
     """``down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.0`` -> ``lora_unet_down_blocks_0_..._to_out_0``."""
     return f"{UNET_PREFIX}_{_flat(module_path)}"
-
-
-def kohya_sgm_unet_name(module_path: str, unet_config) -> str:
-    """SDXL: the module under its original SGM name, as kohya's sd-scripts write SDXL LoRAs:
-    ``down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`` -> ``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``."""
-    from ..models.sd.single_file import sgm_unet_module_path
-
-    return kohya_unet_name(sgm_unet_module_path(module_path, unet_config))
 
 
 def text_model_path(module_path: str) -> str:

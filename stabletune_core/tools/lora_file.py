@@ -19,9 +19,10 @@ from typing import Iterable, Iterator
 import torch
 
 from ..lora.lycoris import LOHA_PARTS, LOKR_PARTS
-from ..lora.names import (ALPHA, DORA_SCALE, DOWN, UP, kohya_sgm_unet_name, kohya_te_name, kohya_unet_name,
+from ..lora.names import (ALPHA, DORA_SCALE, DOWN, UP, kohya_te_name, kohya_unet_name,
                           module_and_part)
 from ..lora.resize import is_bundled
+from ..models.sd.single_file import kohya_sgm_unet_name
 from .common import refuse
 
 LORA_PARTS = (DOWN, UP)

@@ -130,7 +130,7 @@ class SDXL(SD1):
     def kohya_denoiser_name(self, module_path: str, denoiser: torch.nn.Module) -> str:
         """kohya's SDXL names: the module under its original SGM path (input_blocks_4_1_...)."""
         from ...lora.layers import unwrap
-        from ...lora.names import kohya_sgm_unet_name
+        from .single_file import kohya_sgm_unet_name
 
         return kohya_sgm_unet_name(module_path, unwrap(denoiser).config)
 

@@ -217,3 +217,11 @@ def sgm_unet_module_path(module_path: str, unet_config) -> str:
     for SDXL, and ``down_blocks.1.resnets.0.conv1`` -> ``input_blocks.4.0.in_layers.2`` (the ResNet insides are
     renamed too, exactly as in the checkpoint). This is how kohya names SDXL LoRA modules."""
     return _original_unet_key(module_path + ".", _unet_prefix_table(unet_config))[:-1]
+
+
+def kohya_sgm_unet_name(module_path: str, unet_config) -> str:
+    """SDXL: the module under its original SGM name, as kohya's sd-scripts write SDXL LoRAs:
+    ``down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`` -> ``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``."""
+    from ...lora.names import kohya_unet_name
+
+    return kohya_unet_name(sgm_unet_module_path(module_path, unet_config))

@@ -70,7 +70,7 @@ class Distillation:
         if self.verdict == "distilled":
             return (f"This is Z-Image-Turbo, the step-distilled model ({self.evidence}), and LoRAs trained on it "
                     f"blur its 8-step images: train on Z-Image Base ({BASE_MODEL_REPO}) and preview on Turbo with "
-                    "preview_model.")
+                    "preview_model, or merge a de-distilling adapter while training with training_adapter.")
         if self.verdict == "unknown":
             return (f"Could not tell whether this is Z-Image Base or Z-Image-Turbo ({self.evidence}); LoRAs trained "
                     f"on the distilled Turbo blur its images, so make sure it is Base ({BASE_MODEL_REPO}).")
@@ -303,7 +303,7 @@ class ZImage:
         kind = {"distilled": "Z-Image-Turbo (step-distilled)", "base": "Z-Image Base"}.get(
             distillation.verdict, "Z-Image (Base or Turbo: not known)")
         name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)
-        warning = self.distillation_note(bundle)
+        warning = bundle.extra.get("training_adapter") or self.distillation_note(bundle)  # an adapter is the way out
         return [f"Loaded {name} as {kind} ({distillation.evidence})."] + ([warning] if warning else [])
 
     # -------------------------------------------------------------- metadata

@@ -89,36 +89,52 @@ def is_klein_model(path: str) -> bool:
 
 
 def family_mismatch(values: dict[str, Any]) -> list[str]:
-    """model_family names FLUX.2 Klein and the local model is a Stable Diffusion one, or the other way round: the
-    run would fail loading it (issue 37.7), so it is a problem before Start."""
+    """model_family names FLUX.2 Klein (or Z-Image) and the local model is another family's, or the other way round:
+    the run would fail loading it (issue 37.7), so it is a problem before Start."""
     family = values.get("model_family") or "auto"
     path = str(values.get("pretrained_model_name_or_path") or "").strip()
     if family == "auto" or not path or not Path(path).expanduser().exists():
         return []
-    klein = names_klein({"pretrained_model_name_or_path": path})
-    if klein == (family == "flux2_klein"):
+    found = transformer_family({"pretrained_model_name_or_path": path})
+    named = family if family in TRANSFORMER_FAMILIES else None
+    if found == named:
         return []
-    what = "a FLUX.2 Klein model" if klein else "not a FLUX.2 Klein model"
+    what = f"a {TRANSFORMER_FAMILIES[found][0]} model" if found else f"not a {TRANSFORMER_FAMILIES[named][0]} model"
     return [f"pretrained_model_name_or_path: {Path(path).name} is {what} but model_family is {family}; choose a "
             f"model of that family, or set model_family to auto."]
 
 
 def names_klein(values: dict[str, Any]) -> bool:
-    """The form trains FLUX.2 Klein: the family says so, or (auto) the folder's model_index.json or the single
-    file's tensor names do (read with the standard library: the host may have neither torch nor safetensors)."""
+    """The form trains FLUX.2 Klein: the family says so, or (auto) the folder or single file does."""
+    return transformer_family(values) == "flux2_klein"
+
+
+#: The families the WebUIs cannot run (their LoRAs load in ComfyUI and diffusers): {family: (words, pipeline)}.
+TRANSFORMER_FAMILIES = {"flux2_klein": ("FLUX.2 Klein", "Flux2KleinPipeline"), "z_image": ("Z-Image", "ZImagePipeline")}
+
+
+def transformer_family(values: dict[str, Any]) -> str | None:
+    """"flux2_klein" or "z_image" when the form trains one of them: the family says so, or (auto) the folder's
+    model_index.json or the single file's tensor names do (read with the standard library: the host may have neither
+    torch nor safetensors); None for the Stable Diffusion families and what cannot be read."""
     family = values.get("model_family") or "auto"
     if family != "auto":
-        return family == "flux2_klein"
+        return family if family in TRANSFORMER_FAMILIES else None
     path = Path(str(values.get("pretrained_model_name_or_path") or "")).expanduser()
     try:
         if path.is_file() and path.suffix.lower() == ".safetensors":
             bare = {k.removeprefix("model.diffusion_model.") for k in _safetensors_keys(path)}
-            # the engine's rule (models/flux2_klein.py checkpoint_kind): FLUX.2 modulation, no guidance input
-            return "double_stream_modulation_img.lin.weight" in bare and "guidance_in.in_layer.weight" not in bare
-        return str(json.loads((path / "model_index.json").read_text()).get("_class_name", "")).startswith(
-            "Flux2Klein")
+            # the engine's rules: models/flux2_klein.py checkpoint_kind (FLUX.2 modulation, no guidance input) and
+            # models/z_image_single_file.py file_layout (Lumina2's caption embedder with Z-Image's modulation)
+            if "double_stream_modulation_img.lin.weight" in bare and "guidance_in.in_layer.weight" not in bare:
+                return "flux2_klein"
+            z_image = "cap_embedder.1.weight" in bare and ("layers.0.adaLN_modulation.0.weight" in bare
+                                                           or "all_x_embedder.2-1.weight" in bare)
+            return "z_image" if z_image else None
+        name = str(json.loads((path / "model_index.json").read_text()).get("_class_name", ""))
+        return "flux2_klein" if name.startswith("Flux2Klein") else "z_image" if name == "ZImagePipeline" else None
     except (OSError, ValueError, AttributeError):
-        return False
+        return None
 
 
 #: A safetensors header larger than this is not a model's (the real 9B's is well under 1 MB).
@@ -145,20 +161,22 @@ def memory_estimate(values: dict[str, Any], engine_python: str) -> str:
 
 
 def detected_host_limits(values: dict[str, Any], config: Any) -> list[str]:
-    """With model_family auto and a Klein folder, where the run's adapter file will not load (config/hosts.py), as
-    config.notes() says for a Klein that is named."""
-    if (values.get("model_family") or "auto") != "auto" or not names_klein(values):
+    """With model_family auto and a Klein or Z-Image model, where the run's adapter file will not load
+    (config/hosts.py), as config.notes() says for a family that is named."""
+    family = transformer_family(values) if (values.get("model_family") or "auto") == "auto" else None
+    if family is None:
         return []
     from stabletune_core.config.hosts import run_host_limits
 
-    return run_host_limits(config, "flux2_klein")
+    return run_host_limits(config, family)
 
 
 def detected_family_problems(values: dict[str, Any], config: Any) -> list[str]:
-    """With model_family auto and a Klein folder, the knobs Klein refuses (config/families.py), as the engine
-    would at Start; the schema only judges a family that is named."""
-    if (values.get("model_family") or "auto") != "auto" or not names_klein(values):
+    """With model_family auto and a Klein or Z-Image model, the knobs that family refuses (config/families.py), as
+    the engine would at Start; the schema only judges a family that is named."""
+    family = transformer_family(values) if (values.get("model_family") or "auto") == "auto" else None
+    if family is None:
         return []
     from stabletune_core.config.families import family_problems
 
-    return family_problems(config, "flux2_klein")
+    return family_problems(config, family)

@@ -109,8 +109,10 @@ def names_klein(values: dict[str, Any]) -> bool:
     return transformer_family(values) == "flux2_klein"
 
 
-#: The families the WebUIs cannot run (their LoRAs load in ComfyUI and diffusers): {family: (words, pipeline)}.
-TRANSFORMER_FAMILIES = {"flux2_klein": ("FLUX.2 Klein", "Flux2KleinPipeline"), "z_image": ("Z-Image", "ZImagePipeline")}
+#: The families the WebUIs cannot run (their LoRAs load in ComfyUI and diffusers): {family: (name, short name,
+#: diffusers pipeline)}.
+TRANSFORMER_FAMILIES = {"flux2_klein": ("FLUX.2 Klein", "Klein", "Flux2KleinPipeline"),
+                        "z_image": ("Z-Image", "Z-Image", "ZImagePipeline")}
 
 
 def transformer_family(values: dict[str, Any]) -> str | None:

@@ -232,11 +232,6 @@ def trained_transformer_family(run_dir: Path) -> Optional[str]:
     return transformer_family(run_values(run_dir))
 
 
-def trains_klein(run_dir: Path) -> bool:
-    """Does the run train FLUX.2 Klein (named, or a Klein folder or transformer file under auto)?"""
-    return trained_transformer_family(run_dir) == "flux2_klein"
-
-
 def host_note(run_dir: Path, family: str) -> str:
     """Where a FLUX.2 Klein or Z-Image LoRA loads: AUTOMATIC1111 cannot run either, and Forge could not when this
     was written, so the file is not copied into the WebUI's Lora folder, where it would be listed and then fail."""
@@ -244,16 +239,11 @@ def host_note(run_dir: Path, family: str) -> str:
 
     from .validation import TRANSFORMER_FAMILIES
 
-    words, pipeline = TRANSFORMER_FAMILIES[family]
-    short = "Klein" if family == "flux2_klein" else words
+    words, short, pipeline = TRANSFORMER_FAMILIES[family]
     name = run_values(run_dir).get("output_name") or "NAME"
     return (f"{words} trains here in its own engine process, but AUTOMATIC1111 and Forge cannot load {short} "
             f"LoRAs: load {RunPaths(run_dir).output / f'{name}.safetensors'} in ComfyUI (models/loras) or in "
             f"diffusers ({pipeline}.load_lora_weights); it is not copied into the WebUI's Lora folder.")
-
-
-def klein_note(run_dir: Path) -> str:
-    return host_note(run_dir, "flux2_klein")
 
 
 def before_start(run_dir: Path, copy_to: Optional[Path]) -> str:

@@ -85,4 +85,3 @@ def test_the_webui_tab_says_which_programs_load_a_z_image_lora(folders, tmp_path
     assert note.startswith("Z-Image trains here") and "AUTOMATIC1111 and Forge cannot load Z-Image LoRAs" in note
     assert "ZImagePipeline.load_lora_weights" in note and "zlora.safetensors" in note and "ComfyUI" in note
     assert webui.run_note(run) == note  # the status line says it too, and nothing is copied
-    assert not webui.trains_klein(run)

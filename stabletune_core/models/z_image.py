@@ -167,9 +167,7 @@ class ZImage:
         where = str(path) if path is not None else str(source)
         with load_errors_in_one_sentence(source, self.display_name):
             if kind == "file":
-                from .z_image_single_file import load_single_file
-
-                parts = load_single_file(path, config_dir, torch_dtype)
+                parts = self._load_single_file(path, config_dir, torch_dtype)
             else:
                 parts = self._load_diffusers(where, local_files_only, torch_dtype)
         from .flux2_klein import check_tokenizer
@@ -207,6 +205,29 @@ class ZImage:
             "tokenizer": lambda: Qwen2TokenizerFast.from_pretrained(where, subfolder="tokenizer", **kw),
         }
         return {name: load() for name, load in loaders.items() if name not in skip}
+
+    def _load_single_file(self, path: Path, companions: str | Path | None, torch_dtype) -> dict[str, Any]:
+        """The transformer from one file (models/z_image_single_file.py), the rest from `companions`, a Z-Image
+        diffusers folder (its transformer weights are not read, its config is); checked before anything loads."""
+        from .z_image_single_file import check_transformer_file, load_transformer_file
+
+        shapes = check_transformer_file(path)
+        if not companions:
+            raise ModelLoadError(f"'{path.name}' holds Z-Image's transformer only, and Z-Image also needs its Qwen3 "
+                                 "text encoder, VAE and tokenizer: set model_config_dir to a Z-Image diffusers folder "
+                                 f"({BASE_MODEL_REPO} layout), which StableTune reads them from.")
+        folder = Path(str(companions)).expanduser()
+        if not looks_like_z_image(folder):
+            raise ModelLoadError(f"model_config_dir '{folder}' is not a Z-Image diffusers folder (no model_index.json "
+                                 f"naming {PIPELINE_CLASS}); point it at one ({BASE_MODEL_REPO} layout).")
+        missing = next((p for p in ("transformer", "scheduler", "vae", "text_encoder", "tokenizer")
+                        if not (folder / p).is_dir()), None)
+        if missing:
+            raise ModelLoadError(f"'{folder}' has no {missing}/ folder, which '{path.name}' needs beside it; use a "
+                                 f"complete Z-Image diffusers folder ({BASE_MODEL_REPO} layout) as model_config_dir.")
+        transformer = load_transformer_file(path, shapes, folder / "transformer", torch_dtype)
+        return {**self._load_diffusers(str(folder), True, torch_dtype, skip=("transformer",)),
+                "transformer": transformer}
 
     def distillation_note(self, bundle: ModelBundle) -> str | None:
         return bundle.extra["distillation"].sentence()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -122,45 +121,36 @@ def config_facts(config) -> dict[str, int]:
             "patch_features": config["in_channels"] * patch}
 
 
-# --------------------------------------------------------------------------- loading one file with its companions
-def load_single_file(path: Path, companions: str | Path | None, torch_dtype: torch.dtype) -> dict[str, Any]:
-    """transformer (from `path`), and scheduler, VAE, text encoder, tokenizer from `companions`: a Z-Image diffusers
-    folder (Tongyi-MAI/Z-Image or Z-Image-Turbo; its transformer weights are not read, its config is). Offline.
-    Bad input raises ModelLoadError, one sentence, before any weights load."""
-    from accelerate import init_empty_weights
-    from diffusers import ZImageTransformer2DModel
-
+# --------------------------------------------------------------------------- reading one file
+def check_transformer_file(path: Path) -> dict[str, tuple[int, ...]]:
+    """The file's keys and shapes (its header only), or ModelLoadError in one sentence when it is no Z-Image
+    transformer."""
     from .flux2_klein import _safetensors_header
-    from .z_image import BASE_MODEL_REPO, PIPELINE_CLASS, ZImage, looks_like_z_image
 
     shapes, _ = _safetensors_header(path)
-    layout = file_layout(shapes)
-    if layout == "other":
+    if file_layout(shapes) == "other":
         raise ModelLoadError(f"'{path.name}' is not a Z-Image transformer (it lacks cap_embedder.1.weight and "
                              "layers.0.adaLN_modulation.0.weight); point at z_image_turbo_bf16.safetensors, the Base "
                              "file, or a Z-Image diffusers folder.")
-    if not companions:
-        raise ModelLoadError(f"'{path.name}' holds Z-Image's transformer only, and Z-Image also needs its Qwen3 text "
-                             "encoder, VAE and tokenizer: set model_config_dir to a Z-Image diffusers folder "
-                             f"({BASE_MODEL_REPO} layout), which StableTune reads them from.")
-    folder = Path(str(companions)).expanduser()
-    if not looks_like_z_image(folder):
-        raise ModelLoadError(f"model_config_dir '{folder}' is not a Z-Image diffusers folder (no model_index.json "
-                             f"naming {PIPELINE_CLASS}); point it at one ({BASE_MODEL_REPO} layout).")
-    for part in ("transformer", "scheduler", "vae", "text_encoder", "tokenizer"):
-        if not (folder / part).is_dir():
-            raise ModelLoadError(f"'{folder}' has no {part}/ folder, which '{path.name}' needs beside it; use a "
-                                 f"complete Z-Image diffusers folder ({BASE_MODEL_REPO} layout) as model_config_dir.")
-    config = ZImageTransformer2DModel.load_config(str(folder / "transformer"))
-    if layout == "original" and shape_facts(shapes) != config_facts(config):
-        raise ModelLoadError(f"'{path.name}' does not fit the transformer config in '{folder}' (file: "
-                             f"{shape_facts(shapes)}, config: {config_facts(config)}); use the folder of the same "
-                             "Z-Image.")
+    return shapes
+
+
+def load_transformer_file(path: Path, shapes: dict[str, tuple[int, ...]], config_folder: Path,
+                          torch_dtype: torch.dtype):
+    """A ZImageTransformer2DModel of `config_folder`'s config (a Z-Image diffusers folder's transformer/) with the
+    weights of the file at `path`; one sentence (ModelLoadError) when they do not fit, before any weight is read."""
+    from accelerate import init_empty_weights
+    from diffusers import ZImageTransformer2DModel
     from safetensors.torch import load_file
 
+    config = ZImageTransformer2DModel.load_config(str(config_folder))
+    original = file_layout(shapes) == "original"
+    if original and shape_facts(shapes) != config_facts(config):
+        raise ModelLoadError(f"'{path.name}' does not fit the transformer config in '{config_folder.parent}' (file: "
+                             f"{shape_facts(shapes)}, config: {config_facts(config)}); use the folder of the same "
+                             "Z-Image.")
     state = load_file(str(path))
-    if layout == "original":
-        state = transformer_from_original(state)
+    state = transformer_from_original(state) if original else state
     with init_empty_weights():
         transformer = ZImageTransformer2DModel.from_config(config)
     expected = transformer.state_dict()
@@ -169,8 +159,7 @@ def load_single_file(path: Path, companions: str | Path | None, torch_dtype: tor
     if missing or extra or wrong:
         problem = (f"lacks '{missing[0]}'" if missing else f"has '{extra[0]}', which the config does not"
                    if extra else f"stores '{wrong[0]}' as {tuple(state[wrong[0]].shape)}")
-        raise ModelLoadError(f"'{path.name}' does not fit the transformer config in '{folder}': it {problem}.")
+        raise ModelLoadError(f"'{path.name}' does not fit the transformer config in '{config_folder.parent}': it "
+                             f"{problem}.")
     transformer.load_state_dict({k: v.to(torch_dtype) for k, v in state.items()}, strict=True, assign=True)
-    parts = ZImage._load_diffusers(str(folder), True, torch_dtype, skip=("transformer",))
-    parts["transformer"] = transformer
-    return parts
+    return transformer

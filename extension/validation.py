@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stabletune_core.family_files import files_name_klein, is_flux2_klein
+from stabletune_core.family_files import TRANSFORMER_FAMILIES, file_family, is_flux2_klein
 from stabletune_core.launch import ask_engine
 
 
@@ -89,28 +89,36 @@ def is_klein_model(path: str) -> bool:
 
 
 def family_mismatch(values: dict[str, Any]) -> list[str]:
-    """model_family names FLUX.2 Klein and the local model is a Stable Diffusion one, or the other way round: the
-    run would fail loading it (issue 37.7), so it is a problem before Start."""
+    """model_family names FLUX.2 Klein (or Z-Image) and the local model is another family's, or the other way round:
+    the run would fail loading it (issue 37.7), so it is a problem before Start."""
     family = values.get("model_family") or "auto"
     path = str(values.get("pretrained_model_name_or_path") or "").strip()
     if family == "auto" or not path or not Path(path).expanduser().exists():
         return []
-    klein = names_klein({"pretrained_model_name_or_path": path})
-    if klein == is_flux2_klein(family):
+    found = transformer_family({"pretrained_model_name_or_path": path})
+    named = family if family in TRANSFORMER_FAMILIES else None
+    if found == named:
         return []
-    what = "a FLUX.2 Klein model" if klein else "not a FLUX.2 Klein model"
+    what = (f"a {TRANSFORMER_FAMILIES[found].name} model" if found else
+            f"not a {TRANSFORMER_FAMILIES[named].name} model")
     return [f"pretrained_model_name_or_path: {Path(path).name} is {what} but model_family is {family}; choose a "
             f"model of that family, or set model_family to auto."]
 
 
 def names_klein(values: dict[str, Any]) -> bool:
-    """The form trains FLUX.2 Klein: the family says so, or (auto) the folder's model_index.json or the single
-    file's tensor names do (stabletune_core/family_files.py, the engine's own rule, read with the standard library:
-    the host may have neither torch nor safetensors)."""
+    """The form trains FLUX.2 Klein: the family says so, or (auto) the folder or single file does."""
+    return is_flux2_klein(transformer_family(values))
+
+
+def transformer_family(values: dict[str, Any]) -> str | None:
+    """The transformer family (family_files.TRANSFORMER_FAMILIES: FLUX.2 Klein, Z-Image) the form trains: the family
+    says so, or (auto) the folder's model_index.json or the single file's tensor names do (family_files.py, the
+    engine's own rules, read with the standard library: the host may have neither torch nor safetensors); None for
+    the Stable Diffusion families and what cannot be read."""
     family = values.get("model_family") or "auto"
     if family != "auto":
-        return is_flux2_klein(family)
-    return files_name_klein(str(values.get("pretrained_model_name_or_path") or ""))
+        return family if family in TRANSFORMER_FAMILIES else None
+    return file_family(str(values.get("pretrained_model_name_or_path") or ""))
 
 
 def memory_estimate(values: dict[str, Any], engine_python: str) -> str:
@@ -123,20 +131,22 @@ def memory_estimate(values: dict[str, Any], engine_python: str) -> str:
 
 
 def detected_host_limits(values: dict[str, Any], config: Any) -> list[str]:
-    """With model_family auto and a Klein folder, where the run's adapter file will not load (config/hosts.py), as
-    config.notes() says for a Klein that is named."""
-    if (values.get("model_family") or "auto") != "auto" or not names_klein(values):
+    """With model_family auto and a Klein or Z-Image model, where the run's adapter file will not load
+    (config/hosts.py), as config.notes() says for a family that is named."""
+    family = transformer_family(values) if (values.get("model_family") or "auto") == "auto" else None
+    if family is None:
         return []
     from stabletune_core.config.hosts import run_host_limits
 
-    return run_host_limits(config, "flux2_klein")
+    return run_host_limits(config, family)
 
 
 def detected_family_problems(values: dict[str, Any], config: Any) -> list[str]:
-    """With model_family auto and a Klein folder, the knobs Klein refuses (config/families.py), as the engine
-    would at Start; the schema only judges a family that is named."""
-    if (values.get("model_family") or "auto") != "auto" or not names_klein(values):
+    """With model_family auto and a Klein or Z-Image model, the knobs that family refuses (config/families.py), as
+    the engine would at Start; the schema only judges a family that is named."""
+    family = transformer_family(values) if (values.get("model_family") or "auto") == "auto" else None
+    if family is None:
         return []
     from stabletune_core.config.families import family_problems
 
-    return family_problems(config, "flux2_klein")
+    return family_problems(config, family)

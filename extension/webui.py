@@ -225,40 +225,45 @@ def run_values(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def trains_klein(run_dir: Path) -> bool:
-    """Does the run train FLUX.2 Klein (named, or a Klein folder or transformer file under auto)?"""
-    from .validation import names_klein
+def trained_transformer_family(run_dir: Path) -> Optional[str]:
+    """The family a WebUI cannot run (FLUX.2 Klein, Z-Image) that the run trains, named or detected; None else."""
+    from .validation import transformer_family
 
-    return names_klein(run_values(run_dir))
+    return transformer_family(run_values(run_dir))
 
 
-def klein_note(run_dir: Path) -> str:
-    """Where a Klein LoRA loads: AUTOMATIC1111 cannot run FLUX.2 Klein, and Forge could not either when this was
-    written, so the file is not copied into the WebUI's Lora folder, where it would be listed and then fail."""
+def host_note(run_dir: Path, family: str) -> str:
+    """Where a FLUX.2 Klein or Z-Image LoRA loads: AUTOMATIC1111 cannot run either, and Forge could not when this
+    was written, so the file is not copied into the WebUI's Lora folder, where it would be listed and then fail."""
     from stabletune_core.runs.layout import RunPaths
 
+    from .validation import TRANSFORMER_FAMILIES
+
+    words, short, pipeline = TRANSFORMER_FAMILIES[family]
     name = run_values(run_dir).get("output_name") or "NAME"
-    return (f"FLUX.2 Klein trains here in its own engine process, but AUTOMATIC1111 and Forge cannot load Klein "
+    return (f"{words} trains here in its own engine process, but AUTOMATIC1111 and Forge cannot load {short} "
             f"LoRAs: load {RunPaths(run_dir).output / f'{name}.safetensors'} in ComfyUI (models/loras) or in "
-            f"diffusers (Flux2KleinPipeline.load_lora_weights); it is not copied into the WebUI's Lora folder.")
+            f"diffusers ({pipeline}.load_lora_weights); it is not copied into the WebUI's Lora folder.")
 
 
 def before_start(run_dir: Path, copy_to: Optional[Path]) -> str:
     if is_demo_run(run_dir):
         return ("Demo run on the tiny demo model: its LoRA stays in the run folder and is not copied into the "
                 "WebUI's Lora folder (it only works with the demo model).")
-    if trains_klein(run_dir):
-        return f"{unload_checkpoint()} {klein_note(run_dir)}"
+    if family := trained_transformer_family(run_dir):
+        return f"{unload_checkpoint()} {host_note(run_dir, family)}"
     if copy_to is not None:
         _write_json(Path(run_dir) / MARKER, {"copy_to": str(copy_to), "copied": {}})
     return unload_checkpoint()
 
 
 def run_note(run_dir: Path) -> Optional[str]:
-    """The status line's note of a run: where its LoRA was copied, or, for FLUX.2 Klein, where it loads."""
+    """The status line's note of a run: where its LoRA was copied, or, for FLUX.2 Klein and Z-Image, where it
+    loads."""
     copied = copy_finished_lora(run_dir)
-    if copied is None and not (Path(run_dir) / MARKER).exists() and trains_klein(run_dir):
-        return klein_note(run_dir)
+    family = trained_transformer_family(run_dir) if copied is None and not (Path(run_dir) / MARKER).exists() else None
+    if family:
+        return host_note(run_dir, family)
     return copied
 
 

@@ -10,8 +10,8 @@ from .. import models, presets
 from ..compat import listen, make, unchanged, update
 from ..context import UIContext
 from ..form import field_of
-from ..validation import is_klein_model, memory_estimate, validate
-from stabletune_core.family_files import is_flux2_klein
+from ..validation import is_klein_model, memory_estimate, transformer_family, validate
+from stabletune_core.family_files import KLEIN, TRANSFORMER_FAMILIES
 from stabletune_core.launch import ask_engine
 
 TITLE = "Model & hyperparameters"
@@ -157,18 +157,20 @@ def _load(ctx: UIContext, name: str | None, *raw: Any) -> list[Any]:
     return [message, *ctx.form.updates({k: v for k, v in values.items() if k in ctx.form.components})]
 
 
-FAMILY_WORDS = {"flux2_klein": "FLUX.2 Klein", "sd1": "Stable Diffusion 1.x", "sd2": "Stable Diffusion 2.x",
-                "sdxl": "SDXL"}
+FAMILY_WORDS = {**{family: words.name for family, words in TRANSFORMER_FAMILIES.items()},
+                "sd1": "Stable Diffusion 1.x", "sd2": "Stable Diffusion 2.x", "sdxl": "SDXL"}
 
 
 def family_changed(preset_values: dict[str, Any], current: dict[str, Any]) -> bool:
-    """The preset trains another family than the form's model is (Klein vs. a Stable Diffusion one), and names no
-    model of its own: the form's model would make a run that fails."""
+    """The preset trains another family than the form's model is (Klein, Z-Image or a Stable Diffusion one), and
+    names no model of its own: the form's model would make a run that fails."""
     family = preset_values.get("model_family") or "auto"
     path = str(current.get("pretrained_model_name_or_path") or "").strip()
     if family == "auto" or not path or preset_values.get("pretrained_model_name_or_path") != path:
         return False
-    return is_klein_model(path) != is_flux2_klein(family)
+    found = transformer_family({"pretrained_model_name_or_path": path}) or (
+        KLEIN if is_klein_model(path) else None)  # a Klein hub name counts too
+    return found != (family if family in TRANSFORMER_FAMILIES else None)
 
 
 def _save(ctx: UIContext, name: str, *raw: Any) -> list[Any]:

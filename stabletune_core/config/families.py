@@ -46,6 +46,9 @@ KLEIN_VALIDATION_GUIDANCE = 4.0
 #: ZImagePipeline's own default guidance, what Z-Image Base samples with when the config keeps the SD default.
 Z_IMAGE_VALIDATION_GUIDANCE = 5.0
 _FLOW_GUIDANCE = {"flux2_klein": KLEIN_VALIDATION_GUIDANCE, "z_image": Z_IMAGE_VALIDATION_GUIDANCE}
+#: The families a training adapter (a LoRA merged into the base while training, models/z_image_adapter.py) is read
+#: for: Z-Image, whose Turbo is step-distilled.
+TRAINING_ADAPTER_FAMILIES = frozenset({"z_image"})
 #: Knobs of FLUX.2 Klein that Z-Image does not read yet (its separate files, its memory plan and block swap).
 _KLEIN_ONLY = ("text_encoder_path", "vae_path", "tokenizer_path", "blocks_to_swap", "vram_gb")
 
@@ -110,6 +113,13 @@ def family_problems(config: Any, family: str) -> list[str]:
     "flux2_klein"; "auto" is not judged: the set-up judges the detected family)."""
     if family == "auto":
         return []
+    adapter = [f"training_adapter is set to {config.training_adapter!r}, but it is a LoRA merged into Z-Image while "
+               f"training, and {FAMILY_NAMES.get(family, family)} takes none; leave it empty."
+               ] if family not in TRAINING_ADAPTER_FAMILIES and _changed(config, "training_adapter") else []
+    return adapter + _knob_problems(config, family)
+
+
+def _knob_problems(config: Any, family: str) -> list[str]:
     if family in FLOW_FAMILIES:
         flow_name = _FLOW_NAMES[family]
         problems = [f"{name} is set to {getattr(config, name)!r}, but it {why.replace('FLUX.2 Klein', flow_name)}; "

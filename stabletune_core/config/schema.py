@@ -60,7 +60,9 @@ class TrainConfigSchema(BaseModel):
         "Turbo). 'auto' detects it from the checkpoint.", "model")
     model_config_dir: Optional[str] = knob(
         None, "Config tree for a single-file checkpoint whose architecture is not a standard one; "
-        "normally left empty and the shipped config of the family is used.", "model", path=True)
+        "normally left empty and the shipped config of the family is used. Z-Image from one transformer file "
+        "(z_image_turbo_bf16.safetensors): a Z-Image diffusers folder, which its text encoder, VAE and tokenizer "
+        "are read from.", "model", path=True)
     text_encoder_path: Optional[str] = knob(
         None, "FLUX.2 Klein from a single transformer file: its Qwen3 text encoder (qwen_3_4b.safetensors for 4B, "
         "qwen_3_8b.safetensors for 9B, or a Qwen3 folder). Empty = found in the ComfyUI folder the transformer is "
@@ -77,6 +79,11 @@ class TrainConfigSchema(BaseModel):
         "over these tokens beside the image's, so short captions train faster with a shorter length; the validation "
         "images are sampled with the same length. Keep it above your longest caption (about 15 tokens are the "
         "template).", "model", ge=16, le=4096)
+    training_adapter: Optional[str] = knob(
+        None, "Z-Image: a LoRA merged into the base while training and left out of the exported LoRA, e.g. a "
+        "de-distilling training adapter for Z-Image-Turbo (whose LoRAs trained directly blur its 8-step images). "
+        "Validation images show the merged model; set preview_model to the Turbo to see the LoRA without it. "
+        "Empty = none.", "model", path=True)
     local_files_only: bool = knob(
         True, "Never touch the network when loading the model.", "model")
 

@@ -62,6 +62,10 @@ def check_inputs(config: TrainConfig, *, need_model: bool = True) -> list[str]:
                         "with (a .safetensors checkpoint or a diffusers folder), or leave it empty.")
     elif preview is not None:
         problems += [f"preview_model: {p}" for p in _model_problems(preview)]
+    adapter = Path(config.training_adapter).expanduser() if config.training_adapter else None
+    if adapter is not None and not adapter.is_file():
+        problems.append(f"training_adapter {adapter} is not a file; point it at the adapter's .safetensors LoRA, or "
+                        "leave it empty.")
     for knob in ("text_encoder_path", "vae_path", "tokenizer_path"):  # FLUX.2 Klein's separate files
         given = getattr(config, knob)
         if given and not Path(given).expanduser().exists():

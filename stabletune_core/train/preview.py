@@ -24,7 +24,9 @@ def load_preview(config: TrainConfig, bundle: ModelBundle, device: torch.device,
     modules, on `device` in `dtype`. One sentence when it is not a model of the same family and layout."""
     source = str(config.preview_model)
     try:
-        loaded = load_model(config.model_copy(update={"pretrained_model_name_or_path": source}))
+        # without the training adapter: the preview shows the trained LoRA on the model as users run it
+        loaded = load_model(config.model_copy(update={"pretrained_model_name_or_path": source,
+                                                      "training_adapter": None}))
     except ModelLoadError as exc:
         raise RunFailed(f"preview_model: {exc}") from None
     if loaded.family.name != bundle.family.name:

@@ -70,7 +70,7 @@ class Distillation:
         if self.verdict == "distilled":
             return (f"This is Z-Image-Turbo, the step-distilled model ({self.evidence}), and LoRAs trained on it "
                     f"blur its 8-step images: train on Z-Image Base ({BASE_MODEL_REPO}) and preview on Turbo with "
-                    "preview_model.")
+                    "preview_model, or merge a de-distilling adapter while training with training_adapter.")
         if self.verdict == "unknown":
             return (f"Could not tell whether this is Z-Image Base or Z-Image-Turbo ({self.evidence}); LoRAs trained "
                     f"on the distilled Turbo blur its images, so make sure it is Base ({BASE_MODEL_REPO}).")
@@ -92,9 +92,15 @@ def detect_distillation(source: str | Path) -> Distillation:
 
 
 def looks_like_z_image(source: str | Path) -> bool:
-    """Cheap test for detect_family: a diffusers folder whose model_index names ZImagePipeline."""
+    """Cheap test for detect_family: a diffusers folder whose model_index names ZImagePipeline, or a .safetensors
+    Z-Image transformer (its keys: models/z_image_single_file.py)."""
     path = Path(str(source)).expanduser()
     try:
+        if path.is_file() and path.suffix.lower() == ".safetensors":
+            from ..flux2_klein.family import _safetensors_header
+            from ..z_image_single_file import file_layout
+
+            return file_layout(_safetensors_header(path)[0]) != "other"
         index = path / "model_index.json"
         return path.is_dir() and index.is_file() and \
             json.loads(index.read_text()).get("_class_name") == PIPELINE_CLASS
@@ -145,24 +151,28 @@ class ZImage:
     def load(self, source: str | Path, *, local_files_only: bool = True, config_dir: str | Path | None = None,
              torch_dtype: torch.dtype = torch.float32, max_sequence_length: int = MAX_SEQUENCE_LENGTH,
              **files: Any) -> ModelBundle:
-        """A Z-Image diffusers folder (Base or Turbo). Single-file checkpoints and separate model files are not
-        read yet: one sentence says so. Bad input raises ModelLoadError, one sentence."""
+        """A Z-Image diffusers folder (Base or Turbo), or its transformer as one file (ComfyUI's
+        z_image_turbo_bf16.safetensors, original or diffusers names) with the rest read from `config_dir`, a Z-Image
+        diffusers folder (models/z_image/single_file.py). Bad input raises ModelLoadError, one sentence."""
         from ..sd.sd1 import check_source
 
-        if any(files.values()) or config_dir:
-            raise ModelLoadError("Z-Image is read from its diffusers folder only for now (text_encoder_path, "
-                                 "vae_path, tokenizer_path and model_config_dir are for FLUX.2 Klein); leave them "
-                                 "empty.")
+        if any(files.values()):
+            raise ModelLoadError("Z-Image reads its text encoder, VAE and tokenizer from a diffusers folder "
+                                 "(text_encoder_path, vae_path and tokenizer_path are for FLUX.2 Klein); leave them "
+                                 "empty and, for a single transformer file, set model_config_dir to that folder.")
         kind, path = check_source(source, local_files_only=local_files_only)
-        if kind == "file":
-            raise ModelLoadError(f"'{path.name}' is a single file, and StableTune reads Z-Image from its diffusers "
-                                 f"folder only for now; use the folder ({BASE_MODEL_REPO} layout).")
+        if config_dir and kind != "file":
+            raise ModelLoadError("model_config_dir names the folder a single Z-Image transformer file reads its "
+                                 "other parts from, and the base model is already a folder; leave it empty.")
         if kind == "folder" and not looks_like_z_image(path):
             raise ModelLoadError(f"'{path}' is not a Z-Image diffusers folder (its model_index.json does not name "
                                  f"{PIPELINE_CLASS}); choose its own model family (or model_family auto).")
         where = str(path) if path is not None else str(source)
         with load_errors_in_one_sentence(source, self.display_name):
-            parts = self._load_diffusers(where, local_files_only, torch_dtype)
+            if kind == "file":
+                parts = self._load_single_file(path, config_dir, torch_dtype)
+            else:
+                parts = self._load_diffusers(where, local_files_only, torch_dtype)
         from ..flux2_klein.family import check_tokenizer
 
         check_tokenizer(parts["tokenizer"], parts["text_encoder"])
@@ -181,20 +191,46 @@ class ZImage:
                                   "max_sequence_length": max_sequence_length})
 
     @staticmethod
-    def _load_diffusers(where: str, local_files_only: bool, torch_dtype) -> dict[str, Any]:
+    def _load_diffusers(where: str, local_files_only: bool, torch_dtype, skip: tuple[str, ...] = ()
+                        ) -> dict[str, Any]:
+        """The parts of a Z-Image diffusers folder, less those in `skip` (a single file brings its transformer)."""
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
         from transformers import Qwen2TokenizerFast, Qwen3ForCausalLM
 
         kw = {"local_files_only": local_files_only}
-        return {
-            "transformer": ZImageTransformer2DModel.from_pretrained(where, subfolder="transformer",
-                                                                    torch_dtype=torch_dtype, **kw),
-            "scheduler": FlowMatchEulerDiscreteScheduler.from_pretrained(where, subfolder="scheduler", **kw),
-            "vae": AutoencoderKL.from_pretrained(where, subfolder="vae", torch_dtype=torch_dtype, **kw),
-            "text_encoder": Qwen3ForCausalLM.from_pretrained(where, subfolder="text_encoder", dtype=torch_dtype,
-                                                             **kw),
-            "tokenizer": Qwen2TokenizerFast.from_pretrained(where, subfolder="tokenizer", **kw),
+        loaders = {
+            "transformer": lambda: ZImageTransformer2DModel.from_pretrained(where, subfolder="transformer",
+                                                                            torch_dtype=torch_dtype, **kw),
+            "scheduler": lambda: FlowMatchEulerDiscreteScheduler.from_pretrained(where, subfolder="scheduler", **kw),
+            "vae": lambda: AutoencoderKL.from_pretrained(where, subfolder="vae", torch_dtype=torch_dtype, **kw),
+            "text_encoder": lambda: Qwen3ForCausalLM.from_pretrained(where, subfolder="text_encoder",
+                                                                     dtype=torch_dtype, **kw),
+            "tokenizer": lambda: Qwen2TokenizerFast.from_pretrained(where, subfolder="tokenizer", **kw),
         }
+        return {name: load() for name, load in loaders.items() if name not in skip}
+
+    def _load_single_file(self, path: Path, companions: str | Path | None, torch_dtype) -> dict[str, Any]:
+        """The transformer from one file (models/z_image_single_file.py), the rest from `companions`, a Z-Image
+        diffusers folder (its transformer weights are not read, its config is); checked before anything loads."""
+        from ..z_image_single_file import check_transformer_file, load_transformer_file
+
+        shapes = check_transformer_file(path)
+        if not companions:
+            raise ModelLoadError(f"'{path.name}' holds Z-Image's transformer only, and Z-Image also needs its Qwen3 "
+                                 "text encoder, VAE and tokenizer: set model_config_dir to a Z-Image diffusers folder "
+                                 f"({BASE_MODEL_REPO} layout), which StableTune reads them from.")
+        folder = Path(str(companions)).expanduser()
+        if not looks_like_z_image(folder):
+            raise ModelLoadError(f"model_config_dir '{folder}' is not a Z-Image diffusers folder (no model_index.json "
+                                 f"naming {PIPELINE_CLASS}); point it at one ({BASE_MODEL_REPO} layout).")
+        missing = next((p for p in ("transformer", "scheduler", "vae", "text_encoder", "tokenizer")
+                        if not (folder / p).is_dir()), None)
+        if missing:
+            raise ModelLoadError(f"'{folder}' has no {missing}/ folder, which '{path.name}' needs beside it; use a "
+                                 f"complete Z-Image diffusers folder ({BASE_MODEL_REPO} layout) as model_config_dir.")
+        transformer = load_transformer_file(path, shapes, folder / "transformer", torch_dtype)
+        return {**self._load_diffusers(str(folder), True, torch_dtype, skip=("transformer",)),
+                "transformer": transformer}
 
     def distillation_note(self, bundle: ModelBundle) -> str | None:
         return bundle.extra["distillation"].sentence()
@@ -291,7 +327,7 @@ class ZImage:
         kind = {"distilled": "Z-Image-Turbo (step-distilled)", "base": "Z-Image Base"}.get(
             distillation.verdict, "Z-Image (Base or Turbo: not known)")
         name = Path(str(bundle.source).rstrip("/\\")).name or str(bundle.source)
-        warning = self.distillation_note(bundle)
+        warning = bundle.extra.get("training_adapter") or self.distillation_note(bundle)  # an adapter is the way out
         return [f"Loaded {name} as {kind} ({distillation.evidence})."] + ([warning] if warning else [])
 
     # -------------------------------------------------------------- metadata

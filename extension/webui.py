@@ -235,9 +235,8 @@ def trained_transformer_family(run_dir: Path) -> Optional[str]:
 def host_note(run_dir: Path, family: str) -> str:
     """Where a FLUX.2 Klein or Z-Image LoRA loads: AUTOMATIC1111 cannot run either, and Forge could not when this
     was written, so the file is not copied into the WebUI's Lora folder, where it would be listed and then fail."""
+    from stabletune_core.family_files import TRANSFORMER_FAMILIES
     from stabletune_core.runs.layout import RunPaths
-
-    from .validation import TRANSFORMER_FAMILIES
 
     words, short, pipeline = TRANSFORMER_FAMILIES[family]
     name = run_values(run_dir).get("output_name") or "NAME"

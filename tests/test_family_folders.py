@@ -25,14 +25,13 @@ FAMILY_NAMES = {"sd1", "sd2", "sdxl", "flux2_klein", "z_image"}
 ALLOWED = ("stabletune_core/models/sd/", "stabletune_core/models/flux2_klein/", "stabletune_core/models/z_image/",
            "stabletune_core/config/families.py", "stabletune_core/family_files.py")
 #: Not clean yet, owned elsewhere: the lead empties this list as those branches land.
-#: train/: the engineer who owns it removes its literals (issue 38). toy/__main__.py: the toy Z-Image base (issue
-#: 39.5) adds its build there; ToyBase should declare its build instead of `args.family == ...`.
-NOT_YET = ["stabletune_core/train/", "stabletune_core/toy/__main__.py"]
+#: train/: the engineer who owns it removes its literals (issue 38).
+NOT_YET = ["stabletune_core/train/"]
 #: Each family folder and the pieces it holds (one file per piece, moved whole from models/ and lora/).
 FOLDERS = {
     "sd": {"sd1.py", "sd2.py", "sdxl.py", "single_file.py", "sdxl_memory.py", "tiny.py", "configs"},
     "flux2_klein": {"family.py", "single_file.py", "lora.py", "memory.py", "tiny.py", "configs"},
-    "z_image": {"family.py", "tiny.py"},
+    "z_image": {"family.py", "single_file.py", "adapter.py", "tiny.py"},
 }
 #: What models/ shares among the families (the face, the objectives, the text path, memory and loading helpers).
 SHARED = {"__init__.py", "base.py", "ddpm.py", "flow_matching.py", "qwen3_text.py", "block_swap.py", "quantize.py",
@@ -144,3 +143,50 @@ def test_the_tools_tell_every_familys_lora_file_by_what_the_family_declares():
             assert family_of_names([prefix + "x.lora_down.weight"]) == name
     assert family_of_names(["lora_unet_down_blocks_0_attentions_0_proj_in"]) is None  # SD 1.x and 2.x share it
     assert family_of_metadata({}) is None
+
+
+#: Where a family's file markers may be spelled: the rule itself and the engine's converters in the family folders.
+RULE_HOMES = ("stabletune_core/family_files.py", "stabletune_core/models/")
+
+
+def rule_copies(trees: dict[str, ast.AST]) -> list[str]:
+    """String constants equal to one of family_files.py's detection markers, or a TRANSFORMER_FAMILIES assigned: a
+    second copy of a rule (or of the UI's table) that can drift from the engine's."""
+    from stabletune_core import family_files as ff
+
+    markers = {*ff.Z_IMAGE_MARKERS, *ff.Z_IMAGE_DIFFUSERS_MARKERS, ff.FLUX2_MODULATION_KEY, ff.FLUX2_DEV_GUIDANCE_KEY,
+               ff.KLEIN_PIPELINE_PREFIX, ff.Z_IMAGE_PIPELINE}
+    found = []
+    for where, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in markers:
+                found.append(f"{where}:{node.lineno} {node.value!r}")
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and "TRANSFORMER_FAMILIES" in {
+                    ast.unparse(t) for t in (node.targets if isinstance(node, ast.Assign) else [node.target])}:
+                found.append(f"{where}:{node.lineno} TRANSFORMER_FAMILIES =")
+    return found
+
+
+def test_each_familys_file_rule_and_the_uis_family_table_are_declared_once():
+    """The Klein and Z-Image file rules live in family_files.py, which the engine's detection and the UI both call;
+    the UI's table of transformer families too (issue 39: zimage's extension/validation.py had its own copies)."""
+    from stabletune_core import family_files
+    from stabletune_core.models.z_image import family, single_file
+
+    assert not rule_copies(sources(RULE_HOMES)), rule_copies(sources(RULE_HOMES))
+    assert rule_copies({"planted.py": ast.parse('TRANSFORMER_FAMILIES = {}\nz = "cap_embedder.1.weight" in keys')})
+    assert single_file.file_layout is family_files.z_image_file_layout
+    assert "files_name_z_image" in inspect.getsource(family.looks_like_z_image)
+
+
+def test_the_toy_build_is_the_toy_bases_own(monkeypatch):
+    """`toy build --family X` calls the build its ToyBase declares (toy/bases.py), with only the steps given."""
+    from stabletune_core.toy import __main__ as toy_main, build, klein_build
+
+    calls = []
+    monkeypatch.setattr(klein_build, "build", lambda out, **kw: calls.append(("klein", out, sorted(kw))))
+    monkeypatch.setattr(build, "build", lambda out, **kw: calls.append(("sd1", out, sorted(kw))))
+    assert toy_main.main(["build", "--family", "flux2_klein", "--out", "k", "--unet-steps", "7"]) == 0
+    assert toy_main.main(["build", "--family", "sd1", "--vae-steps", "5"]) == 0
+    assert calls == [("klein", Path("k"), ["log", "transformer_steps"]),
+                     ("sd1", build.default_out(), ["log", "vae_polish_steps", "vae_steps"])]

@@ -15,7 +15,7 @@ from flux2_tools import one_sentence
 from test_flux2_training import cli, events_of, small_args
 from test_z_image import failed_in_one_sentence, folders, load, output  # noqa: F401 (the module-scoped tiny model)
 from stabletune_core.config import build_config
-from stabletune_core.models.z_image import LORA_PRESETS
+from stabletune_core.models.z_image.family import LORA_PRESETS
 from stabletune_core.runs.reader import RunReader
 
 TOLERANCE = 1e-5
@@ -32,10 +32,10 @@ def adapted_z_image(folder: Path, targets: list[str], network: str = "lora", ran
                                        lora_alpha=alpha, network_type="lora" if dora else network, use_dora=dora)))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in bundle.unet.parameters():
+        for p in bundle.denoiser.parameters():
             if p.requires_grad:
                 p.copy_(p + 0.2 * torch.randn(p.shape, generator=g))
-    bundle.unet.eval()
+    bundle.denoiser.eval()
     return bundle
 
 
@@ -47,7 +47,7 @@ def adapter_file(folders, tmp_path_factory) -> Path:
 
     bundle = adapted_z_image(folders["turbo"], LORA_PRESETS["attention_mlp"], seed=7)
     file = tmp_path_factory.mktemp("adapter") / "zimage_turbo_training_adapter_tiny.safetensors"
-    return export_kohya_lora(file, bundle.unet, None, bundle.family, rank=4, alpha=2.0, dtype=torch.float32)
+    return export_kohya_lora(file, bundle.denoiser, None, bundle.family, rank=4, alpha=2.0, dtype=torch.float32)
 
 
 def test_the_merged_adapter_computes_what_diffusers_loader_applies(folders, adapter_file, one_thread):
@@ -63,8 +63,8 @@ def test_the_merged_adapter_computes_what_diffusers_loader_applies(folders, adap
     pipe.load_lora_weights(str(adapter_file))
     theirs = output(pipe.transformer)
     assert (theirs - base).abs().max() > 100 * TOLERANCE  # the adapter acts
-    assert (output(merged.unet) - theirs).abs().max() <= TOLERANCE
-    assert not any("lora" in name for name, _ in merged.unet.named_parameters())  # merged, not an adapter module
+    assert (output(merged.denoiser) - theirs).abs().max() <= TOLERANCE
+    assert not any("lora" in name for name, _ in merged.denoiser.named_parameters())  # merged, not an adapter module
     notes = merged.family.load_notes(merged)
     assert any("training adapter" in n and adapter_file.name in n for n in notes)
     assert not any("blur" in n for n in notes)  # the adapter is the way out the Turbo sentence names

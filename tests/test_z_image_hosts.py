@@ -20,7 +20,7 @@ from test_z_image import comfy_z_image_key_map, folders, output  # noqa: F401 (t
 from test_z_image_adapter import adapted_z_image
 from stabletune_core.config.hosts import Z_IMAGE_SUPPORT, run_host_limits
 from stabletune_core.lora.export import export_kohya_lora
-from stabletune_core.models.z_image import LORA_PRESETS
+from stabletune_core.models.z_image.family import LORA_PRESETS
 
 TOLERANCE = 1e-5
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -33,7 +33,7 @@ COMFY_TENSORS = {"lora": ("lora_up.weight", "lora_down.weight", "alpha", "dora_s
 
 def written(folder: Path, kind: str, tmp_path: Path):
     bundle = adapted_z_image(folder, LORA_PRESETS["attention_mlp"], network=kind)
-    file = export_kohya_lora(tmp_path / f"{kind}.safetensors", bundle.unet, None, bundle.family, rank=4, alpha=2.0,
+    file = export_kohya_lora(tmp_path / f"{kind}.safetensors", bundle.denoiser, None, bundle.family, rank=4, alpha=2.0,
                              dtype=torch.float32)
     return bundle, file
 
@@ -46,7 +46,7 @@ def diffusers_computes_ours(folder: Path, bundle, file: Path) -> bool:
         pipe.load_lora_weights(str(file))
     except (ValueError, KeyError, RuntimeError):  # "Invalid adapter checkpoint", keys left over
         return False
-    return float((output(bundle.unet) - output(pipe.transformer)).abs().max()) <= TOLERANCE
+    return float((output(bundle.denoiser) - output(pipe.transformer)).abs().max()) <= TOLERANCE
 
 
 def rows_of_the_delta(tensors: dict[str, torch.Tensor], module: str) -> int:
@@ -88,7 +88,7 @@ def test_each_kind_loads_where_the_table_says_and_only_there(kind, folders, tmp_
 
     bundle, file = written(folders["base"], kind, tmp_path)
     base = ZImagePipeline.from_pretrained(str(folders["base"]), local_files_only=True).transformer
-    assert (output(bundle.unet) - output(base)).abs().max() > 100 * TOLERANCE  # the adapter acts
+    assert (output(bundle.denoiser) - output(base)).abs().max() > 100 * TOLERANCE  # the adapter acts
     assert diffusers_computes_ours(folders["base"], bundle, file) == declared_loads(kind, "diffusers"), kind
     assert comfyui_matches_every_key(folders["base"], file) == declared_loads(kind, "ComfyUI"), kind
 

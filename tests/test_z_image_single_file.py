@@ -17,7 +17,7 @@ from test_flux2_training import cli, small_args
 from test_z_image import failed_in_one_sentence, folders, output  # noqa: F401 (the module-scoped tiny model)
 from stabletune_core.models import detect_family, get_family
 from stabletune_core.models.base import ModelLoadError
-from stabletune_core.models.z_image_single_file import (FULL_CHECKPOINT_PREFIX, file_layout, transformer_from_original,
+from stabletune_core.models.z_image.single_file import (FULL_CHECKPOINT_PREFIX, file_layout, transformer_from_original,
                                                         transformer_to_original)
 from stabletune_core.runs.reader import RunReader
 
@@ -66,7 +66,7 @@ def test_a_single_file_loads_with_its_companions_and_computes_the_same(folders, 
     assert detect_family(file) == "z_image"
     bundle = get_family("z_image").load(file, config_dir=folders["base"])
     folder_bundle = get_family("z_image").load(folders["base"])
-    assert torch.equal(output(bundle.unet), output(folder_bundle.unet))
+    assert torch.equal(output(bundle.denoiser), output(folder_bundle.denoiser))
     assert bundle.extra["source_kind"] == "file" and bundle.extra["distillation"].verdict == "distilled"
     text = bundle.family.encode_text(bundle, ["a red circle"])
     assert torch.equal(text["prompt_embeds"], folder_bundle.family.encode_text(folder_bundle,

@@ -21,7 +21,7 @@ Z_IMAGE_PRESETS = sorted((ROOT / "presets").glob("z_image*.toml"))
 def single_file(folders, tmp_path_factory) -> Path:
     from diffusers import ZImageTransformer2DModel
 
-    from stabletune_core.models.z_image_single_file import transformer_to_original
+    from stabletune_core.models.z_image.single_file import transformer_to_original
 
     state = ZImageTransformer2DModel.from_pretrained(str(folders["base"] / "transformer")).state_dict()
     file = tmp_path_factory.mktemp("diffusion_models") / "z_image_turbo_bf16.safetensors"

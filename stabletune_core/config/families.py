@@ -46,7 +46,7 @@ KLEIN_VALIDATION_GUIDANCE = 4.0
 #: ZImagePipeline's own default guidance, what Z-Image Base samples with when the config keeps the SD default.
 Z_IMAGE_VALIDATION_GUIDANCE = 5.0
 _FLOW_GUIDANCE = {"flux2_klein": KLEIN_VALIDATION_GUIDANCE, "z_image": Z_IMAGE_VALIDATION_GUIDANCE}
-#: The families a training adapter (a LoRA merged into the base while training, models/z_image_adapter.py) is read
+#: The families a training adapter (a LoRA merged into the base while training, models/z_image/adapter.py) is read
 #: for: Z-Image, whose Turbo is step-distilled.
 TRAINING_ADAPTER_FAMILIES = frozenset({"z_image"})
 #: Knobs of FLUX.2 Klein that Z-Image does not read yet (its separate files, its memory plan and block swap).

@@ -31,7 +31,7 @@ def load_model(config: TrainConfig) -> ModelBundle:
     if config.prediction_type:
         bundle.noise_scheduler.register_to_config(prediction_type=config.prediction_type)
     if config.training_adapter:  # only Z-Image takes one (config/families.py refuses it elsewhere)
-        from .z_image_adapter import merge_training_adapter
+        from .z_image.adapter import merge_training_adapter
 
         merge_training_adapter(bundle, config.training_adapter)
     return bundle

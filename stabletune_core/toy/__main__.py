@@ -24,25 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "build":
-        from .bases import unknown_family_sentence
+        from .bases import TOY_BASES, BuildSteps, unknown_family_sentence
 
         problem = unknown_family_sentence(args.family)
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
-        log = lambda m: print(m, flush=True)  # noqa: E731
         # only what the user gave: each family's build() holds its own recipe's defaults
-        vae_steps = {"vae_steps": args.vae_steps} if args.vae_steps else {}
-        if args.family == "flux2_klein":
-            from .klein_build import build as build_klein, default_out as klein_out
-
-            build_klein(args.out or klein_out(), **vae_steps,
-                        **({"transformer_steps": args.unet_steps} if args.unet_steps else {}), log=log)
-            return 0
-        from .build import build as run_build, default_out
-
-        run_build(args.out or default_out(), **vae_steps, vae_polish_steps=args.vae_polish_steps,
-                  **({"unet_steps": args.unet_steps} if args.unet_steps else {}), log=log)
+        steps = BuildSteps(args.vae_steps, args.unet_steps, args.vae_polish_steps)
+        TOY_BASES[args.family].build(args.out, steps, lambda m: print(m, flush=True))
         return 0
     from . import load_toy_pipeline, toy_base_model
     from .evaluate import base_report

@@ -18,11 +18,22 @@ class ToyBase:
     preset: str  # the demo preset (presets/NAME), a partial TrainConfig
     model: Callable[[], Path]  # the shipped weights as a diffusers folder (built once, in the cache)
     pipeline: Callable[[Path], Any]  # the pipeline the toy judge renders with, over that folder
+    #: Trains the base anew (`python -m stabletune_core.toy build`): (out or the shipped folder, steps the user
+    #: gave, log); each family's build() keeps its own recipe's defaults for the steps not given.
+    build: Callable[[Path | None, BuildSteps, Callable[[str], None]], Any]
     #: The demo's prior images per base prompt (the base's own renders of what it must keep, demo.demo_assets).
     #: The toy Klein needs 4: with 2, its demo kept red and green within 3 deg over 8 seeds but not at the
     #: validation seeds its own summary reads (4 deg each); with 4, 1-2 deg there and over 8 seeds
     #: (bench/RESULTS.md, the Klein demo's prior images).
     prior_images_per_prompt: int = 2
+
+
+@dataclass(frozen=True)
+class BuildSteps:
+    """The step counts `toy build` was given (None: the family's recipe)."""
+    vae_steps: int | None = None
+    denoiser_steps: int | None = None  # --unet-steps / --transformer-steps
+    vae_polish_steps: int = 300  # the SD 1.x decoder-only polish; the toy Klein has none
 
 
 def _sd1_model() -> Path:
@@ -37,6 +48,14 @@ def _sd1_pipeline(model: Path) -> Any:
     return load_toy_pipeline(model)
 
 
+def _sd1_build(out: Path | None, steps: BuildSteps, log: Callable[[str], None]) -> Any:
+    from .build import build, default_out
+
+    return build(out or default_out(), **({"vae_steps": steps.vae_steps} if steps.vae_steps else {}),
+                 vae_polish_steps=steps.vae_polish_steps,
+                 **({"unet_steps": steps.denoiser_steps} if steps.denoiser_steps else {}), log=log)
+
+
 def _klein_model() -> Path:
     from .klein import toy_klein_model
 
@@ -49,10 +68,17 @@ def _klein_pipeline(model: Path) -> Any:
     return load_toy_klein_pipeline(model)
 
 
+def _klein_build(out: Path | None, steps: BuildSteps, log: Callable[[str], None]) -> Any:
+    from .klein_build import build, default_out
+
+    return build(out or default_out(), **({"vae_steps": steps.vae_steps} if steps.vae_steps else {}),
+                 **({"transformer_steps": steps.denoiser_steps} if steps.denoiser_steps else {}), log=log)
+
+
 TOY_BASES: dict[str, ToyBase] = {
-    "sd1": ToyBase("sd1", "the toy base model (SD 1.x)", "demo.toml", _sd1_model, _sd1_pipeline),
+    "sd1": ToyBase("sd1", "the toy base model (SD 1.x)", "demo.toml", _sd1_model, _sd1_pipeline, _sd1_build),
     "flux2_klein": ToyBase("flux2_klein", "the toy FLUX.2 Klein base", "demo-flux2-klein.toml", _klein_model,
-                           _klein_pipeline, prior_images_per_prompt=4),
+                           _klein_pipeline, _klein_build, prior_images_per_prompt=4),
 }
 
 

@@ -29,18 +29,18 @@ Sources of truth (read, not copied): diffusers 0.42.1 ``pipelines/z_image/pipeli
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ...family_files import Z_IMAGE_PIPELINE, files_name_z_image
 from ..base import (Conditioning, ModelBundle, ModelLoadError, denormalize_latents, flow_model_metadata,
                    load_errors_in_one_sentence, normalize_latents)
 from ..qwen3_text import MAX_SEQUENCE_LENGTH, text_length
 
-PIPELINE_CLASS = "ZImagePipeline"
+PIPELINE_CLASS = Z_IMAGE_PIPELINE
 #: The hidden state ZImagePipeline reads (hidden_states[-2]); its default prompt length is qwen3_text's.
 TEXT_HIDDEN_STATE = -2
 BASE_MODEL_REPO = "Tongyi-MAI/Z-Image"
@@ -93,19 +93,8 @@ def detect_distillation(source: str | Path) -> Distillation:
 
 def looks_like_z_image(source: str | Path) -> bool:
     """Cheap test for detect_family: a diffusers folder whose model_index names ZImagePipeline, or a .safetensors
-    Z-Image transformer (its keys: models/z_image_single_file.py)."""
-    path = Path(str(source)).expanduser()
-    try:
-        if path.is_file() and path.suffix.lower() == ".safetensors":
-            from ..flux2_klein.family import _safetensors_header
-            from ..z_image_single_file import file_layout
-
-            return file_layout(_safetensors_header(path)[0]) != "other"
-        index = path / "model_index.json"
-        return path.is_dir() and index.is_file() and \
-            json.loads(index.read_text()).get("_class_name") == PIPELINE_CLASS
-    except (OSError, ValueError):
-        return False
+    Z-Image transformer (family_files.py: the rule the UI reads without torch)."""
+    return files_name_z_image(source)
 
 
 # --------------------------------------------------------------------------- the denoiser
@@ -210,9 +199,9 @@ class ZImage:
         return {name: load() for name, load in loaders.items() if name not in skip}
 
     def _load_single_file(self, path: Path, companions: str | Path | None, torch_dtype) -> dict[str, Any]:
-        """The transformer from one file (models/z_image_single_file.py), the rest from `companions`, a Z-Image
+        """The transformer from one file (models/z_image/single_file.py), the rest from `companions`, a Z-Image
         diffusers folder (its transformer weights are not read, its config is); checked before anything loads."""
-        from ..z_image_single_file import check_transformer_file, load_transformer_file
+        from .single_file import check_transformer_file, load_transformer_file
 
         shapes = check_transformer_file(path)
         if not companions:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .base import ModelBundle, ModelLoadError
+from ..base import ModelBundle, ModelLoadError
 
 _PAIR = re.compile(r"transformer\.(.+)\.lora_([AB])\.weight")
 

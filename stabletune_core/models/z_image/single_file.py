@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from .base import ModelLoadError
+from ...family_files import ALL_IN_ONE_PREFIX, Z_IMAGE_FUSED_QKV, z_image_file_layout
+from ..base import ModelLoadError
 
-FULL_CHECKPOINT_PREFIX = "model.diffusion_model."
+FULL_CHECKPOINT_PREFIX = ALL_IN_ONE_PREFIX
 #: (original name part, diffusers name part), applied to whole dotted segments.
 _RENAMES = (
     (".x_embedder.", ".all_x_embedder.2-1."),
@@ -35,11 +36,9 @@ _RENAMES = (
     (".attention.k_norm.", ".attention.norm_k."),
 )
 _UNUSED = ("norm_final.weight",)
-_QKV = re.compile(r"(.+\.attention)\.qkv\.(weight|bias)")
 _SPLIT = re.compile(r"(.+\.attention)\.to_([qkv])\.(weight|bias)")
-#: Keys only a Z-Image transformer has: Lumina2's caption embedder with Z-Image's modulation (ComfyUI's test).
-_MARKERS = ("cap_embedder.1.weight", "layers.0.adaLN_modulation.0.weight")
-_DIFFUSERS_MARKERS = ("cap_embedder.1.weight", "all_x_embedder.2-1.weight")
+#: The file rule (which layout, or none) is family_files.py's, the one the UI reads without torch.
+file_layout = z_image_file_layout
 
 
 def _rename(key: str, to_diffusers: bool) -> str:
@@ -47,21 +46,6 @@ def _rename(key: str, to_diffusers: bool) -> str:
     for original, diffusers in _RENAMES:
         out = out.replace(original, diffusers) if to_diffusers else out.replace(diffusers, original)
     return out[1:]
-
-
-def bare_keys(keys) -> set[str]:
-    return {k.removeprefix(FULL_CHECKPOINT_PREFIX) for k in keys}
-
-
-def file_layout(keys) -> str:
-    """'original' (Tongyi-MAI / ComfyUI names), 'diffusers' (a ZImageTransformer2DModel saved as one file) or
-    'other', from a single file's keys."""
-    bare = bare_keys(keys)
-    if all(m in bare for m in _MARKERS) and any(_QKV.fullmatch(k) for k in bare):
-        return "original"
-    if all(m in bare for m in _DIFFUSERS_MARKERS):
-        return "diffusers"
-    return "other"
 
 
 def transformer_from_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -72,7 +56,7 @@ def transformer_from_original(state: dict[str, torch.Tensor]) -> dict[str, torch
         key = key.removeprefix(FULL_CHECKPOINT_PREFIX)
         if key in _UNUSED:
             continue
-        fused = _QKV.fullmatch(key)
+        fused = Z_IMAGE_FUSED_QKV.fullmatch(key)
         if fused:
             for part, chunk in zip("qkv", value.chunk(3, dim=0)):
                 out[f"{fused[1]}.to_{part}.{fused[2]}"] = chunk
@@ -125,7 +109,7 @@ def config_facts(config) -> dict[str, int]:
 def check_transformer_file(path: Path) -> dict[str, tuple[int, ...]]:
     """The file's keys and shapes (its header only), or ModelLoadError in one sentence when it is no Z-Image
     transformer."""
-    from .flux2_klein.family import _safetensors_header
+    from ..flux2_klein.family import _safetensors_header
 
     shapes, _ = _safetensors_header(path)
     if file_layout(shapes) == "other":

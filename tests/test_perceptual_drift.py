@@ -84,7 +84,18 @@ def test_the_samples_tab_charts_drift_per_kept_prompt_and_concept_distance_over_
     assert set(kept["series"]) == {"a red circle"} and list(kept["step"]) == [0, 2, 4]
     assert set(concept["series"]) == {"a purple circle"} and list(concept["step"]) == [0, 2, 4]
     assert kept["value"].iloc[0] == 0
-    assert "VAE latent" in drift_note(drift_run)
+    assert "VAE latent" in drift_note(drift_run) and "step 4, 4 images read" in drift_note(drift_run)
+
+
+def test_the_samples_tab_refresh_sends_the_charts_once_a_record_lands(drift_run):
+    from extension.compat import unchanged
+    from extension.tabs.samples import DRIFT_OUTPUTS, _refresh_drift
+
+    seen: dict = {}
+    note, kept, concept = _refresh_drift(seen, drift_run)
+    assert len(DRIFT_OUTPUTS) == 3 and "Perceptual drift" in note
+    assert set(kept["series"]) == {"a red circle"} and set(concept["series"]) == {"a purple circle"}
+    assert _refresh_drift(seen, drift_run) == [unchanged()] * 3  # nothing new: nothing re-sent
 
 
 def test_the_summary_says_what_is_missing_without_step_0():

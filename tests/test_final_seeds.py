@@ -54,6 +54,11 @@ def test_the_final_sampling_has_the_extra_seeds_and_training_is_unchanged(small_
     assert (run / "samples" / "step_000000" / "p00_s3.png").read_bytes() == \
         (tmp_path / "plain" / "samples" / "step_000000" / "p00_s3.png").read_bytes()
 
+    from stabletune_core.demo import make_gallery
+
+    with Image.open(make_gallery(run)) as sheet:  # a row per prompt x seed that every sampling drew: 2, not 6
+        assert sheet.height < 18 + 3 * (64 * 2 + 4), sheet.height
+
 
 def test_the_summary_reads_the_final_samplings_images_and_says_how_many(small_config, tiny_model, tmp_path,
                                                                          one_thread):

@@ -8,12 +8,13 @@ step 0, every prompt and every seed:
 - a kept prompt's perceptual drift (against the base's step-0 image, same prompt and seed) with its hue drift in
   degrees against that same image;
 - a concept prompt's distance to the nearest training image with its hue error in degrees against the training
-  images (toy/judge.concept_reference).
+  images (toy/judge.concept_reference), after step 0 and with step 0 (the base's images, far from the concept).
 Pearson and Spearman, per image and per (run, step, prompt) mean. It also reads, from each run's events, how long
 the last sampling (final_validation_images: 8 seeds a prompt and the base's images at the 6 extra seeds) took beside
 an ordinary one (issue 35.3's cost).
 
     STABLETUNE_CACHE=/tmp/pd/cache OMP_NUM_THREADS=1 python bench/perceptual_drift.py --out /tmp/pd --seeds 7,1
+    (--remeasure: finished runs' images measured again with this checkout's observer, no training)
 """
 from __future__ import annotations
 
@@ -44,6 +45,24 @@ def train_demo(out: Path, seed: int, every: int) -> Path:
     return run
 
 
+def remeasure(run: Path) -> None:
+    """Rewrite RUN/diagnostics/perceptual_drift.jsonl with this checkout's observer, over the run's own images (the
+    same measure_sampling the observer runs at each sampling): a change of the measure needs no new training."""
+    import torch
+
+    from stabletune_core.config import build_config, read_toml
+    from stabletune_core.data.scan import scan_dataset
+    from stabletune_core.models.loading import load_model
+    from stabletune_core.runs.layout import RunPaths
+    from stabletune_core.train.observers.perceptual_drift import PerceptualDrift
+
+    config = build_config(read_toml(RunPaths(run).config))
+    items = scan_dataset(Path(config.train_data_dir), caption_extension=config.caption_extension).items
+    observer = PerceptualDrift(config, load_model(config), torch.device("cpu"), items)
+    records = [observer.measure_sampling(folder, run) for folder in RunPaths(run).sample_folders()]
+    RunPaths(run).perceptual_drift.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
 def points(run: Path) -> list[dict]:
     """One point per image of every sampling after step 0: its perceptual value and the toy judge's degrees."""
     from PIL import Image
@@ -69,8 +88,6 @@ def points(run: Path) -> list[dict]:
     found = []
     for record in read_records(paths.perceptual_drift):
         step = record["step"]
-        if step == 0:
-            continue
         meta = json.loads((paths.sample_dir(step) / "prompts.json").read_text())
         for p, prompt in enumerate(meta["prompts"]):
             color, _ = caption_parts(prompt)
@@ -79,7 +96,7 @@ def points(run: Path) -> list[dict]:
             for seed, value in values.items():
                 image = paths.sample_dir(step) / sample_image_name(p, int(seed))
                 if kept:
-                    if color not in BASE_COLORS:
+                    if color not in BASE_COLORS or step == 0:  # step 0 against itself: 0 and 0
                         continue  # a kept prompt the toy judge has no colour for
                     degrees = hue_distance(hue(image), hue(paths.sample_dir(0) / sample_image_name(
                         base_index[prompt], int(seed))))
@@ -130,6 +147,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seeds", default="7,1", help="training seeds of the SD demo, comma-separated")
     parser.add_argument("--every", type=int, default=100, help="validation_steps of the bench's runs")
+    parser.add_argument("--remeasure", action="store_true", help="re-measure finished runs with this checkout's "
+                        "observer before correlating")
     args = parser.parse_args()
 
     import torch
@@ -138,15 +157,19 @@ def main() -> None:
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         run = train_demo(args.out, seed, args.every)
+        if args.remeasure:
+            remeasure(run)
         rows += points(run)
         timing = sampling_seconds(run)
         print(f"seed {seed}: sampling seconds by step {timing}", flush=True)
     (args.out / "points.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print("| points | n | degrees (min-max) | Pearson | Spearman |")
     print("|---|---|---|---|---|")
-    for kind, what in (("kept", "kept prompts: drift vs hue drift (deg)"),
-                       ("concept", "concept prompts: nearest training image vs hue error (deg)")):
-        chosen = [r for r in rows if r["kind"] == kind]
+    for kind, what, steps in (("kept", "kept prompts: drift vs hue drift (deg), after step 0", 1),
+                              ("concept", "concept prompts: nearest training image vs hue error (deg), after step 0",
+                               1),
+                              ("concept", "concept prompts: the same with step 0 (the base's images)", 0)):
+        chosen = [r for r in rows if r["kind"] == kind and r["step"] >= steps]
         for label, data in (("per image", chosen), ("per run x step x prompt", means(chosen))):
             c = correlations(data)
             span = c.get("degrees_range", (math.nan, math.nan))

@@ -11,7 +11,7 @@ exported LoRA is judged twice:
 Prints one row per training seed and the agreement of each candidate (pass / not yet on what it measured, against
 the 8-seed verdict; and how often its summary says 'no verdict' because a kept colour went unmeasured).
 
-    STABLETUNE_CACHE=/tmp/sa/cache OMP_NUM_THREADS=1 python bench/summary_agreement.py --out /tmp/sa --seeds 7,1,123
+    STABLETUNE_CACHE=/tmp/sa/cache OMP_NUM_THREADS=1 python bench/summary_agreement.py --out /tmp/sa --seeds 4,5,2,3,7,1,123
 """
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from stabletune_core.toy.world import BASE_COLORS, CONCEPT_COLOR, SHAPES, base_prompts, concept_prompts  # noqa: E402
 
-#: name -> (validation prompts, seeds per prompt). "shipped-v1": the demo's validation set before issue 35.3.
+#: name -> (validation prompts, seeds per prompt). "shipped-v1": the demo's validation set before issue 35.3;
+#: "every prompt x 2": the one before final_validation_images; SHIPPED: the demo's own, read from its preset below.
+SHIPPED = "shipped: every prompt x 2, last sampling x final_validation_images"
 CANDIDATES = {
     "shipped-v1 (5 prompts x 2)": (concept_prompts() + ["a red circle", "a green square"], 2),
     "one shape a colour x 4": (concept_prompts() + [f"a {c} {SHAPES[i % 3]}" for i, c in enumerate(BASE_COLORS)], 4),
@@ -63,6 +65,7 @@ def main() -> None:
     from stabletune_core.toy import load_toy_pipeline
     from stabletune_core.toy.evaluate import SCORE_SEEDS, learning_report, render, report_passes
     from stabletune_core.toy.judge import concept_reference, judge_samples, learning_summary, passed
+    from stabletune_core.train.validation_images import sample_seeds
 
     torch.set_num_threads(1)
     prompts = concept_prompts() + base_prompts()
@@ -70,6 +73,8 @@ def main() -> None:
     for seed in [int(s) for s in args.seeds.split(",")]:
         run_dir = args.out / f"seed{seed}"
         config = demo_config(run_dir, seed=seed)
+        # the demo's last sampling: its prompts at the seeds the engine draws there (validation_images.sample_seeds)
+        CANDIDATES[SHIPPED] = (config.validation_prompts, len(sample_seeds(config, final=True)))
         if not (run_dir / "output" / f"{config.output_name}.safetensors").is_file():
             config = build_config({**config.model_dump(), "output_dir": str(run_dir), "validation_prompt": None})
             if run_train(config) != 0:
@@ -90,7 +95,8 @@ def main() -> None:
             folder = fake_run(args.out / "summaries" / f"seed{seed}" / name.split(" (")[0].replace(" ", "_"),
                               data, chosen, validation_seeds[:count], base, tuned)
             row["summaries"][name] = learning_summary(folder)
-            row["passed"][name] = passed(judge_samples(folder / "samples" / "step_000400", folder))
+            measures = judge_samples(folder / "samples" / "step_000400", folder)
+            row["passed"][name], row.setdefault("images", {})[name] = passed(measures), measures["images"]
         rows.append(row)
         with open(args.out / "agreement.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
@@ -102,7 +108,8 @@ def main() -> None:
     for name in CANDIDATES:
         agree = sum(r["passed"][name] == r["pass8"] for r in rows)
         unsure = sum("no verdict" in r["summaries"][name] for r in rows)
-        print(f"  {name}: {agree} of {len(rows)} (its summary says 'no verdict' in {unsure}: a kept colour unmeasured)")
+        print(f"  {name}: {agree} of {len(rows)}, {agree / len(rows):.0%} (reads {rows[0]['images'][name]} images; its "
+              f"summary says 'no verdict' in {unsure}: a kept colour unmeasured)")
 
 
 if __name__ == "__main__":

@@ -350,7 +350,11 @@ def make_gallery(run_dir: Path, target: Path | None = None, *, scale: int = 2) -
     if not steps:
         return None
     meta = json.loads(sample_prompts(steps[0]).read_text())
-    rows = [(p, prompt, seed) for p, prompt in enumerate(meta["prompts"]) for seed in meta["seeds"]]
+    # the seeds every sampling drew: the last sampling's extra seeds (final_validation_images, also in step 0's
+    # folder) would be rows of empty cells in between; the summary under the sheet reads them all
+    every = [set(json.loads(sample_prompts(folder).read_text())["seeds"]) for folder in steps]
+    rows = [(p, prompt, seed) for p, prompt in enumerate(meta["prompts"]) for seed in meta["seeds"]
+            if all(seed in seeds for seeds in every)]
     with Image.open(steps[0] / sample_image_name(0, meta["seeds"][0])) as first:
         cell = first.width * scale
     label_w, head_h, pad = 150, 18, 4

@@ -699,7 +699,7 @@ def test_module_names_say_what_they_hold():
             "lora_output.py", "guards/plateau.py", "lr_schedule.py", "guards/early_stopping.py"} <= names
     assert {p.stem for p in (TRAIN / "observers").glob("*.py")} == {"__init__", "base", "validation_loss",
                                                                    "diagnostics", "tensorboard", "perceptual_report",
-                                                                   "sample_judge"}
+                                                                   "sample_judge", "perceptual_drift"}
 
 
 # ---- issue 38.3: the run folder in one place ----------------------------------------------------------------------

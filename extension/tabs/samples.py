@@ -1,5 +1,7 @@
-"""Samples tab: validation images per step (the same prompt and seed line up across steps), and the checkpoint
-comparison grid: chosen checkpoints x LoRA strengths x seeds beside the base model's image."""
+"""Samples tab: validation images per step (the same prompt and seed line up across steps), their perceptual drift
+charts (a judge for any run: each kept prompt's drift from the base's own images and the concept prompts' distance to
+the training images, read from RUN/diagnostics/perceptual_drift.jsonl), and the checkpoint comparison grid: chosen
+checkpoints x LoRA strengths x seeds beside the base model's image."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,13 +9,59 @@ from typing import Any
 
 import gradio as gr
 
-from .. import grids, samples
+import pandas as pd
+
+from stabletune_core.runs.jsonfiles import read_jsonl
+from stabletune_core.runs.layout import RunPaths
+
+from .. import grids, plots, samples
 from ..compat import file_url, listen, make, unchanged, update, user_change
 from ..context import UIContext
 
 TITLE = "Samples"
 GRID_OUTPUTS = ("samples.checkpoints", "samples.seeds", "samples.grid_progress", "samples.grid_choice",
                 "samples.grid")
+DRIFT_OUTPUTS = ("samples.drift_note", "samples.drift_kept", "samples.drift_concept")
+#: chart -> (title, y axis title): the drift of each kept prompt, the distance of each concept prompt
+DRIFT_PLOTS = {"samples.drift_kept": ("Kept prompts: drift from the base's own image (same prompt and seed)",
+                                      "drift (0 = the base's image)"),
+               "samples.drift_concept": ("Concept prompts: distance to the nearest training image",
+                                         "distance (lower = closer)")}
+MEASURES = {"vae_latent": "distances in the model's own VAE latent space (LPIPS's backbone weights are not on this "
+                          "machine)", "lpips_alex": "LPIPS (AlexNet)"}
+
+
+def _empty_long() -> pd.DataFrame:
+    return pd.DataFrame({"step": pd.Series(dtype=float), "value": pd.Series(dtype=float),
+                         "series": pd.Series(dtype=str)})
+
+
+def drift_frames(run: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(kept prompts' drift, concept prompts' distance to the training images) over the samplings, each long
+    (step, value, series = the prompt), from the run folder's perceptual_drift.jsonl (the UI never imports torch)."""
+    records = read_jsonl(RunPaths(run).perceptual_drift)[0]
+    kept = [{"step": r["step"], "value": v["mean"], "series": prompt} for r in records
+            for prompt, v in r.get("drift", {}).items() if prompt in r.get("kept", [])]
+    concept = [{"step": r["step"], "value": v["mean"], "series": prompt} for r in records
+               for prompt, v in r.get("nearest", {}).items()]
+    return tuple(pd.DataFrame.from_records(rows) if rows else _empty_long() for rows in (kept, concept))
+
+
+def drift_note(run: Path) -> str:
+    """One line over the charts: what measures them, and how many images the last sampling read."""
+    records = read_jsonl(RunPaths(run).perceptual_drift)[0]
+    if not records:
+        return ("Perceptual drift: the charts fill in once the run has made validation images (its step-0 images "
+                "are the base's own, what the drift is measured against).")
+    last = records[-1]
+    line = (f"Perceptual drift, in {MEASURES.get(last['measure'], last['measure'])}: step {last['step']}, "
+            f"{last['images']} images read")
+    if last.get("unpaired"):
+        line += f", {last['unpaired']} without their step-0 image (not measured)"
+    if not last.get("concept"):
+        line += ("; no concept prompt (no validation prompt names a word the training captions are about: "
+                 f"{', '.join(last.get('concept_words') or []) or 'none found'})")
+    return line + "."
 
 
 def build(ctx: UIContext) -> None:
@@ -24,6 +72,14 @@ def build(ctx: UIContext) -> None:
                 "the same picture change as the LoRA learns. Pick one prompt/seed above to see it across all steps "
                 "in a row. Click an image to open it whole.")
     p["samples.gallery"] = make(gr.HTML, value=samples.grid_html_empty(), elem_id="samples-gallery")
+    p["samples.drift_note"] = make(gr.Markdown, value="", elem_id="samples-drift-note")
+    with gr.Row():
+        for key, (title, y_title) in DRIFT_PLOTS.items():
+            with make(gr.Column, min_width=320):
+                p[key] = make(gr.LinePlot, value=None, x="step", y="value", color="series", title=title,
+                              x_title="step", y_title=y_title, label=title, show_label=False, color_title="",
+                              height=300, tooltip=["step", "value", "series"],
+                              elem_id=key.replace(".", "-").replace("_", "-"))
     with make(gr.Accordion, label="Compare checkpoints: which step, at which LoRA strength?", open=True,
               elem_id="samples-grid-box"):
         gr.Markdown("Renders each chosen checkpoint at each LoRA strength with fixed seeds for the validation "
@@ -92,13 +148,35 @@ def live_inputs(ctx: UIContext) -> list[Any]:
 
 
 def live_outputs(ctx: UIContext) -> list[Any]:
-    return [ctx.parts["samples.view"], ctx.parts["samples.gallery"], *(ctx.parts[k] for k in GRID_OUTPUTS)]
+    return [ctx.parts["samples.view"], ctx.parts["samples.gallery"], *(ctx.parts[k] for k in GRID_OUTPUTS),
+            *(ctx.parts[k] for k in DRIFT_OUTPUTS)]
 
 
 def refresh(ctx: UIContext, seen: dict[str, Any], view: str, grid_choice: str | None = None) -> list[Any]:
     run = ctx.run_of(seen)
     reader = ctx.hub.reader(run) if run else None
-    return [*_refresh_samples(ctx, seen, run, reader, view), *_refresh_grids(seen, run, reader, grid_choice)]
+    return [*_refresh_samples(ctx, seen, run, reader, view), *_refresh_grids(seen, run, reader, grid_choice),
+            *_refresh_drift(seen, run)]
+
+
+def _refresh_drift(seen: dict[str, Any], run: Path | None) -> list[Any]:
+    """The drift charts, re-sent only when a sampling's record lands (or the run followed changes)."""
+    path = RunPaths(run).perceptual_drift if run else None
+    key = (str(run), path.stat().st_size if path is not None and path.is_file() else 0)
+    if seen.get("samples.drift") == key:
+        return [unchanged()] * len(DRIFT_OUTPUTS)
+    if run is None:
+        seen["samples.drift"] = key
+        return ["", None, None]
+    drawn = seen.setdefault("samples.drift_series", {})
+    values, cleared = [], False
+    for name, long in zip(DRIFT_PLOTS, drift_frames(run)):
+        value, drawn[name] = plots.plot_update(long, drawn.get(name))
+        values.append(value)
+        cleared |= value is None and not long.empty  # cleared for a new series set: data on the next tick
+    if not cleared:
+        seen["samples.drift"] = key
+    return [drift_note(run), *values]
 
 
 def _refresh_samples(ctx: UIContext, seen: dict[str, Any], run: Path | None, reader: Any, view: str) -> list[Any]:

@@ -334,6 +334,11 @@ class TrainConfigSchema(BaseModel):
     num_validation_images: int = knob(2, "Images per prompt, each with its own fixed seed.", "validation",
                                       ge=1, le=16)
     validation_steps: int = knob(250, "Make validation images every this many steps.", "validation", ge=1)
+    final_validation_images: int = knob(
+        0, "At the run's last sampling only (its last step), images per prompt when more than "
+        "num_validation_images: the extra seeds are drawn with the LoRA and, adapters off, with the base model (into "
+        "the step-0 folder), so the learning summary reads more images (the demo: 8). Training is unchanged. "
+        "0 = num_validation_images.", "validation", ge=0, le=16)
     validation_epochs: Optional[int] = knob(
         None, "diffusers' flag: validation images every this many epochs; converted to validation_steps once the "
         "dataset's steps per epoch are known (the run's events say the result).", "validation", ui=False, ge=1)

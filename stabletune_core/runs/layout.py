@@ -11,6 +11,7 @@ ACTIVATIONS_FILE = "activations.jsonl"  # LoRA output statistics on a fixed prob
 VAL_LOSS_FILE = "val_loss.jsonl"  # validation loss and its noise bands
 WARNINGS_FILE = "warnings.jsonl"  # diagnostics warnings
 IMAGE_LOSSES_FILE = "image_losses.jsonl"  # per-image losses of each step (the doctor's ranking, runs/image_losses.py)
+PERCEPTUAL_DRIFT_FILE = "perceptual_drift.jsonl"  # drift and concept distance per sampling (observers/perceptual_drift.py)
 
 # RUN/samples/step_NNNNNN/ and RUN/checkpoints/step_NNNNNN/: one folder per step, named alike.
 STEP_FOLDER_PATTERN = "step_*"
@@ -242,6 +243,15 @@ class RunPaths:
     def image_losses(self) -> Path:
         """Per-image losses of each step: the doctor's ranking of images the LoRA cannot fit."""
         return self.diagnostics / IMAGE_LOSSES_FILE
+
+    @property
+    def perceptual_drift(self) -> Path:
+        """Each sampling's drift of every prompt from the base's step-0 image and each concept prompt's distance to
+        the training images (a judge for any run, charted by the Samples tab).
+
+        Same prompt and seed for the drift; the nearest training image for the concept; in LPIPS where its weights
+        are on the machine, else in the model's own VAE latents (train/observers/perceptual_drift.py)."""
+        return self.diagnostics / PERCEPTUAL_DRIFT_FILE
 
     @property
     def artefacts(self) -> tuple[Path, ...]:

@@ -7,6 +7,7 @@ a finished sampling; these functions make the images, with the parts they use (`
 """
 from __future__ import annotations
 
+import json
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from itertools import takewhile
@@ -59,9 +60,16 @@ class Sampler:
         while sampling, which only the main process does."""
         return signals.requested() is not None or self.run.stop_waiting()
 
-    def render(self, folder: Path, only: list[int] | None = None) -> list[Path]:
+    def render(self, folder: Path, only: list[int] | None = None, seeds: list[int] | None = None) -> list[Path]:
         return make_validation_images(self.sampling_bundle(), self.config, folder, self.device,
-                                      autocast=self.autocast, only=only, should_stop=self.stop_waiting)
+                                      autocast=self.autocast, only=only, should_stop=self.stop_waiting, seeds=seeds)
+
+    def render_base(self, folder: Path, only: list[int] | None = None, seeds: list[int] | None = None
+                    ) -> list[Path]:
+        """The base model's images (the adapters switched off, the trained weights untouched)."""
+        preview = () if self.preview is None else (self.preview.denoiser,)  # it carries the trained adapters
+        with adapters_off((*self.trained.values(), *preview)):
+            return self.render(folder, only, seeds)
 
 
 @dataclass(frozen=True)
@@ -89,10 +97,28 @@ def make_samples(sampler: Sampler, step: int, *, then: str) -> Sampling:
     stop asked for meanwhile ends it at the next image. The status says `then` afterwards."""
     sampler.run.status(SAMPLING, step=step, max_steps=sampler.max_steps, sampling_step=step)
     folder = sampler.run.paths.sample_dir(step)
+    seeds = sample_seeds(sampler.config, final=step == sampler.max_steps)
     with evaluation_weights(sampler.optimizer), optional_swap(sampler.ema, sampler.config.validation_with_ema):
-        paths = sampler.render(folder)
+        paths = sampler.render(folder, seeds=seeds)
+    if len(seeds) > sampler.config.num_validation_images and step > 0:
+        base_images_at_more_seeds(sampler, seeds)
     sampler.run.status(then, step=step, max_steps=sampler.max_steps)
-    return Sampling(step, folder, paths, image_count(sampler.config))
+    return Sampling(step, folder, paths, len(sampler.config.validation_prompts) * len(seeds))
+
+
+def base_images_at_more_seeds(sampler: Sampler, seeds: list[int]) -> None:
+    """final_validation_images: the base model's images at the final sampling's extra seeds, into the step-0 folder
+    (which then lists every seed), so the summary measures each extra image's drift against the base's own image at
+    its prompt and seed. Only beside a complete step-0 sampling; not with pivotal tuning (its new tokens' step-0
+    vectors are not kept, owed_base_images)."""
+    folder = sampler.run.paths.sample_dir(0)
+    if sampler.pivotal is not None or not sample_prompts(folder).is_file():
+        return
+    made = set(json.loads(sample_prompts(folder).read_text(encoding="utf-8"))["seeds"])
+    jobs = [seed for _ in sampler.config.validation_prompts for seed in seeds]  # prompt x seed order
+    missing = [i for i, seed in enumerate(jobs) if seed not in made]
+    if missing:
+        sampler.render_base(folder, missing, seeds)
 
 
 def announce(run: RunWriter, sampling: Sampling) -> None:
@@ -153,9 +179,7 @@ def make_deferred(sampler: Sampler, deferred: DeferredSampling, count: int | Non
     sampler.run.status(SAMPLING, step=step, max_steps=sampler.max_steps, sampling_step=deferred.step)
     only = deferred.next_images(count)
     if deferred.weights is None:
-        preview = () if sampler.preview is None else (sampler.preview.denoiser,)  # it carries the trained adapters
-        with adapters_off((*sampler.trained.values(), *preview)):
-            deferred.made += sampler.render(deferred.folder, only)
+        deferred.made += sampler.render_base(deferred.folder, only)
     else:
         current = adapter_state(sampler.trained, sampler.ranks, sampler.pivotal)
         restore_adapter(sampler.trained, sampler.ranks, deferred.weights, sampler.pivotal)

@@ -163,7 +163,9 @@ class ActivationMonitor(Observer):
 
 def make_observers(config: TrainConfig, evaluator: Evaluator | None = None, perceptual: Any = None
                    ) -> list[Observer]:
-    """The observers a config asks for, in order: validation loss, LPIPS report, spectra, activations."""
+    """The observers a config asks for, in order: validation loss, LPIPS report, spectra, activations, and the
+    perceptual drift of the validation images (any run with validation prompts)."""
+    from .perceptual_drift import PerceptualDrift
     from .perceptual_report import PerceptualReport
     from .validation_loss import ValidationLoss
 
@@ -176,4 +178,6 @@ def make_observers(config: TrainConfig, evaluator: Evaluator | None = None, perc
         observers.append(SpectralMonitor(config))
     if config.activation_stats_every:
         observers.append(ActivationMonitor(config, evaluator))
+    if config.validation_prompts and evaluator is not None:
+        observers.append(PerceptualDrift(config, evaluator.bundle, evaluator.device, evaluator.data.items))
     return observers

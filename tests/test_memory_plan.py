@@ -209,9 +209,9 @@ def test_a_config_from_the_ui_form_leaves_the_plans_knobs_to_it(tmp_path, shapes
             assert plan.update["base_storage"] == "int8" and plan.update["blocks_to_swap"] > 0
 
 
-def test_sd_runs_have_no_plan_yet():
+def test_sd1_runs_have_no_plan():  # SDXL's: tests/test_sdxl_memory_plan.py
     with pytest.raises((ConfigError, ValueError)) as caught:
-        build_config(dict(model_family="sdxl", pretrained_model_name_or_path="x", train_data_dir="y", vram_gb=6))
+        build_config(dict(model_family="sd1", pretrained_model_name_or_path="x", train_data_dir="y", vram_gb=6))
     assert "vram_gb" in str(caught.value) and "\n" not in str(caught.value).strip()
 
 

@@ -242,12 +242,19 @@ def config_memory_sentence(config: Any, *, unknown_as: str | None = None) -> tup
         cache_text_embeddings=config.cache_text_embeddings, preset=tuple(config.unet_lora_targets),
         text_tokens=config.max_sequence_length, base_storage=config.base_storage,
         blocks_to_swap=config.blocks_to_swap)
+    return estimate_words(f"FLUX.2 Klein {variant.upper()}{assumed}", config, estimate, precision,
+                          "Qwen3 kept loaded"), estimate
+
+
+def estimate_words(model: str, config: Any, estimate: MemoryEstimate, precision: str, text_kept: str) -> str:
+    """The estimate's sentence, the same for every family's memory model: the peak and the settings it is for
+    (`text_kept`: what stays on the device when text embeddings are not cached)."""
     checkpointing = "gradient checkpointing" if config.gradient_checkpointing else "no gradient checkpointing"
-    cached = "text embeddings cached" if config.cache_text_embeddings else "Qwen3 kept loaded"
+    cached = "text embeddings cached" if config.cache_text_embeddings else text_kept
     memory = "".join([f", base {config.base_storage}" if config.base_storage != "full" else "",
                       f", {config.blocks_to_swap} blocks swapped" if config.blocks_to_swap else ""])
-    return (f"Estimated GPU memory for FLUX.2 Klein {variant.upper()}{assumed}: about {estimate.total_gib:.1f} GiB "
+    return (f"Estimated GPU memory for {model}: about {estimate.total_gib:.1f} GiB "
             f"at the training step's peak ({config.resolution} px, batch {config.train_batch_size}, {precision}, "
             f"{checkpointing}, {cached}, rank {config.lora_rank}{memory})"
             + (f"; caching the text embeddings before it needs about {estimate.setup / GIB:.1f} GiB."
-               if estimate.setup > estimate.total else "."), estimate)
+               if estimate.setup > estimate.total else "."))

@@ -176,3 +176,30 @@ def _sentence(budget: float, update: dict[str, Any], estimate_sentence: str, mea
     card = f"{budget:.1f} GiB (the GPU's free memory less a 0.5 GiB margin; --vram_gb plans for another)" \
         if measured else f"{budget:g} GiB"
     return f"Memory plan for {card}: {how}. {estimate_sentence}"
+
+
+#: The choices the UI's Model tab prices (the knob, the values it shows): a base_storage a card may lack (fp8) is
+#: priced anyway, the run refuses it there in one sentence.
+PRICED_CHOICES: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("base_storage", ("full", "int8", "nf4", "fp8")), ("gradient_checkpointing", (True, False)),
+    ("cache_text_embeddings", (True, False)))
+
+
+def choice_costs(config: Any, family: str) -> str:
+    """One line of what each memory choice needs at the peak, the other settings as `config` has them (the planned
+    config, for the UI: what the run would use): each base_storage, each few blocks swapped (Klein), gradient
+    checkpointing and the text cache on and off; the current value of each marked."""
+    estimate_sentence, blocks_of = FAMILY_MEMORY_MODELS[family]
+    blocks = blocks_of(config)
+    choices = [*PRICED_CHOICES, *((("blocks_to_swap", tuple(range(0, blocks + 1, max(blocks // 4, 1)))),)
+                                  if blocks else ())]
+    parts = []
+    for knob, values in choices:
+        prices = []
+        for value in values:
+            peak = estimate_sentence(config.model_copy(update={knob: value}))[1].peak / GIB
+            mark = " (now)" if getattr(config, knob) == value else ""
+            prices.append(f"{({True: 'on', False: 'off'}[value] if isinstance(value, bool) else value)}{mark} "
+                          f"{peak:.1f}")
+        parts.append(f"{knob} " + " · ".join(prices))
+    return "What each choice needs (GiB at the peak, the rest as above): " + "; ".join(parts) + "."

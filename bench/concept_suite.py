@@ -264,13 +264,23 @@ def main(argv: list[str] | None = None) -> str:
                        "render_seeds": args.render_seeds, "codec_floor": round(floor, 4), "reference": reference,
                        **measure_cell(concept, lora, model, base, render_seeds, reference, toy.pipeline),
                        "seconds": round(time.perf_counter() - started)}
-                with open(rows_file, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
-                done[key] = row
+                done[key] = save_row(rows_file, row)
             rows.append(done[key])
             print(table([done[key]]).splitlines()[-1], flush=True)
-    text = table(rows)
-    (args.out / "table.md").write_text(text)
+    return write_table(args.out, table(rows))
+
+
+def save_row(rows_file: Path, row: dict) -> dict:
+    """Append one measured row to OUT/rows.jsonl (a later run of the same OUT reuses it)."""
+    rows_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(rows_file, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+    return row
+
+
+def write_table(out: Path, text: str) -> str:
+    """OUT/table.md, printed: the markdown for bench/RESULTS.md."""
+    (out / "table.md").write_text(text)
     print(text)
     return text
 

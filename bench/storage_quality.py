@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(ROOT / "bench"))
 
-from concept_suite import Concept, concept_dataset, measure_cell, prior_images, train_cell  # noqa: E402
+from concept_suite import (Concept, concept_dataset, measure_cell, prior_images, save_row, train_cell,  # noqa: E402
+                           write_table)
 
 CPU_STORAGES = ("full", "int8", "nf4")
 COLUMNS = ("toy base", "storage", "seed", "steps", "concept error", "vs full", "worst drift", "vs full", "shapes",
@@ -118,16 +119,10 @@ def main(argv: list[str] | None = None) -> str:
                            **measure_cell(concept, lora, model, base, render_seeds, reference, toy.pipeline),
                            "s_per_step": round(seconds_per_step(lora.parent.parent), 4),
                            "seconds": round(time.perf_counter() - started)}
-                    args.out.mkdir(parents=True, exist_ok=True)
-                    with open(rows_file, "a", encoding="utf-8") as f:
-                        f.write(json.dumps(row) + "\n")
-                    done[key] = row
+                    done[key] = save_row(rows_file, row)
                 rows.append(done[key])
                 print(table([done[key]]).splitlines()[-1], flush=True)
-    text = table(rows)
-    (args.out / "table.md").write_text(text)
-    print(text)
-    return text
+    return write_table(args.out, table(rows))
 
 
 if __name__ == "__main__":

@@ -3,19 +3,16 @@ settings that fit by models/sdxl_memory.py's model, one line before the model lo
 events.jsonl); SDXL fits 6 GiB by the estimate; the presets for the issue's cards exist and carry their plans."""
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from flux2_tools import one_sentence
 from stabletune_core.config import ConfigError, TrainConfig, build_config, read_toml
-from stabletune_core.models.flux2_klein import SHIPPED_CONFIGS
 from stabletune_core.models.flux2_memory import GIB
 from stabletune_core.models.memory_plan import plan_memory
 from stabletune_core.runs.reader import RunReader
+from test_memory_plan import released, train_tiny_with_vram_gb
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,13 +48,6 @@ def test_sd1_runs_still_refuse_vram_gb_and_sdxl_takes_it():
     assert sdxl_config(vram_gb=6).vram_gb == 6
 
 
-def released(variant: str, where: Path) -> Path:
-    folder = where / f"klein-{variant}"
-    (folder / "transformer").mkdir(parents=True)
-    shutil.copy(SHIPPED_CONFIGS[variant] / "transformer" / "config.json", folder / "transformer" / "config.json")
-    return folder
-
-
 @pytest.mark.parametrize("preset, variant, card", [("flux2-klein-4b-8gb", "4b", 8), ("flux2-klein-9b-12gb", "9b", 12),
                                                     ("flux2-klein-9b-16gb", "9b", 16), ("sdxl-6gb", None, 6)])
 def test_each_card_preset_carries_its_plan_and_fits(preset, variant, card, tmp_path):
@@ -70,18 +60,10 @@ def test_each_card_preset_carries_its_plan_and_fits(preset, variant, card, tmp_p
 
 
 def test_tiny_sdxl_with_vram_gb_6_plans_says_it_and_finishes(tmp_path, shapes_dataset):
-    from test_faults import environment
-
     from stabletune_core.models.tiny import build_tiny_sdxl
 
-    model = build_tiny_sdxl(tmp_path / "xl", seed=0)
     run = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "stabletune_core", "train", "--model", str(model),
-                             "--dataset", str(shapes_dataset), "--output_dir", str(run), "--resolution", "64",
-                             "--bucket_step", "8", "--min_bucket_reso", "32", "--max_bucket_reso", "128",
-                             "--max_train_steps", "2", "--lora_rank", "4", "--validation_split", "0",
-                             "--vram_gb", "6"],
-                            cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600)
+    result = train_tiny_with_vram_gb(build_tiny_sdxl(tmp_path / "xl", seed=0), shapes_dataset, run, 6)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if "Memory plan for 6 GiB" in line]
     assert len(lines) == 1 and "Estimated GPU memory for SDXL: about" in lines[0]

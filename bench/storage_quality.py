@@ -7,7 +7,9 @@ images, the demo's preset, no validation images, 8 render seeds per prompt):
 - worst kept-colour drift: the largest of red/yellow/green/cyan's drift in degrees against the base's own image at the
   same prompt and seed;
 - shapes: the base prompts' shapes drawn right;
-- CPU s/step: the median of the run's logged seconds per step (metrics.jsonl), one run at a time on this machine.
+- CPU s/step: the median of the run's logged seconds per step (metrics.jsonl), one run at a time on this machine;
+  on a shared machine the load moves it by a factor of two within minutes, so the speed columns come from
+  --speed-rounds short runs taking turns (full, int8, nf4, full, ...), each storage's median over its rounds.
 
 Each is shown beside full storage's (the goal: concept error and worst drift each within 1 degree of full).
 
@@ -47,6 +49,19 @@ def seconds_per_step(run_dir: Path) -> float:
     return statistics.median(values)
 
 
+def speed_rounds(out: Path, concept: Concept, data: Path, model: Path, family: str, storages: list[str], rounds: int,
+                 steps: int) -> dict[str, float]:
+    """storage -> the median s/step of `rounds` short runs each, the storages taking turns (so a change of the
+    machine's load falls on all of them alike)."""
+    measured: dict[str, list[float]] = {storage: [] for storage in storages}
+    for turn in range(rounds):
+        for storage in storages:
+            lora, _ = train_cell(out, concept, 7, data, model, family, steps, overrides={"base_storage": storage},
+                                 tag=f"-{storage}-speed{turn}")
+            measured[storage].append(seconds_per_step(lora.parent.parent))
+    return {storage: round(statistics.median(values), 4) for storage, values in measured.items()}
+
+
 def worst_drift(row: dict) -> float:
     return max(row["drift"].values())
 
@@ -58,10 +73,11 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         ref = full.get((row["family"], row["seed"]))
         delta = (lambda f: f"{f(row) - f(ref):+.1f} deg") if ref else (lambda f: "")
-        speed = f"x{row['s_per_step'] / ref['s_per_step']:.2f}" if ref else ""
+        speed = f"x{row['s_per_step'] / ref['s_per_step']:.2f}" if ref and row.get("s_per_step") else ""
         cells = [row["family"], row["storage"], str(row["seed"]), str(row["steps"]), f"{row['after']:.1f} deg",
                  delta(lambda r: r["after"]), f"{worst_drift(row):.1f} deg", delta(worst_drift),
-                 f"{row['base_shapes']:.0%}".replace("%", " %"), f"{row['s_per_step']:.3f}", speed]
+                 f"{row['base_shapes']:.0%}".replace("%", " %"),
+                 f"{row['s_per_step']:.3f}" if row.get("s_per_step") else "", speed]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -74,6 +90,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--seeds", type=int, default=1, help="training seeds: the preset's own (7), then 1..N-1")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's)")
     parser.add_argument("--render-seeds", type=int, default=8, help="render seeds per prompt, from 1000")
+    parser.add_argument("--speed-rounds", type=int, default=3, help="short runs per storage for the s/step columns")
+    parser.add_argument("--speed-steps", type=int, default=60, help="steps of each of those runs")
     args = parser.parse_args(argv)
     storages = args.storages.split(",")
     if bad := [s for s in storages if s not in CPU_STORAGES]:
@@ -117,11 +135,16 @@ def main(argv: list[str] | None = None) -> str:
                     row = {"family": family, "storage": storage, "seed": seed, "steps": steps,
                            "render_seeds": args.render_seeds, "reference": reference,
                            **measure_cell(concept, lora, model, base, render_seeds, reference, toy.pipeline),
-                           "s_per_step": round(seconds_per_step(lora.parent.parent), 4),
+                           "run_s_per_step": round(seconds_per_step(lora.parent.parent), 4),
                            "seconds": round(time.perf_counter() - started)}
                     done[key] = save_row(rows_file, row)
                 rows.append(done[key])
                 print(table([done[key]]).splitlines()[-1], flush=True)
+        if args.speed_rounds:
+            speeds = speed_rounds(out, concept, data, model, family, storages, args.speed_rounds, args.speed_steps)
+            for row in rows:
+                if row["family"] == family:
+                    row["s_per_step"] = speeds[row["storage"]]
     return write_table(args.out, table(rows))
 
 

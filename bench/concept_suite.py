@@ -175,16 +175,17 @@ def concept_dataset(out: Path, concept: Concept, priors: Path) -> Path:
 
 
 def train_cell(out: Path, concept: Concept, seed: int, data: Path, model: Path, family: str,
-               steps: int | None) -> tuple[Path, int]:
-    """Train one concept x seed with the demo's preset of its kind; returns (LoRA file, steps)."""
+               steps: int | None, overrides: dict[str, Any] | None = None, tag: str = "") -> tuple[Path, int]:
+    """Train one concept x seed with the demo's preset of its kind (and `overrides` on top, in a run folder named
+    with `tag`: bench/storage_quality.py's base_storage); returns (LoRA file, steps)."""
     from stabletune_core.cli import run_train
     from stabletune_core.config import build_config, read_toml
     from stabletune_core.demo import demo_preset
 
     values = read_toml(demo_preset(concept.kind, family))
     values.update(pretrained_model_name_or_path=str(model), train_data_dir=str(data), seed=seed,
-                  output_dir=str(out / "runs" / f"{concept.name}-seed{seed}"), output_name=f"{concept.name}_lora",
-                  validation_prompt=None, sample_judge="none")
+                  output_dir=str(out / "runs" / f"{concept.name}-seed{seed}{tag}"),
+                  output_name=f"{concept.name}_lora", validation_prompt=None, sample_judge="none", **(overrides or {}))
     if steps:
         values.update(max_train_steps=steps, save_steps=min(steps, values.get("save_steps", steps)))
     config = build_config(values)
@@ -263,13 +264,23 @@ def main(argv: list[str] | None = None) -> str:
                        "render_seeds": args.render_seeds, "codec_floor": round(floor, 4), "reference": reference,
                        **measure_cell(concept, lora, model, base, render_seeds, reference, toy.pipeline),
                        "seconds": round(time.perf_counter() - started)}
-                with open(rows_file, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
-                done[key] = row
+                done[key] = save_row(rows_file, row)
             rows.append(done[key])
             print(table([done[key]]).splitlines()[-1], flush=True)
-    text = table(rows)
-    (args.out / "table.md").write_text(text)
+    return write_table(args.out, table(rows))
+
+
+def save_row(rows_file: Path, row: dict) -> dict:
+    """Append one measured row to OUT/rows.jsonl (a later run of the same OUT reuses it)."""
+    rows_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(rows_file, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+    return row
+
+
+def write_table(out: Path, text: str) -> str:
+    """OUT/table.md, printed: the markdown for bench/RESULTS.md."""
+    (out / "table.md").write_text(text)
     print(text)
     return text
 

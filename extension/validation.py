@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stabletune_core.family_files import TRANSFORMER_FAMILIES, file_family, is_flux2_klein
+from stabletune_core.family_files import (PLANNED_FAMILIES, TRANSFORMER_FAMILIES, file_family, files_name_sdxl,
+                                          is_flux2_klein)
 from stabletune_core.launch import ask_engine
 
 
@@ -121,13 +122,42 @@ def transformer_family(values: dict[str, Any]) -> str | None:
     return file_family(str(values.get("pretrained_model_name_or_path") or ""))
 
 
-def memory_estimate(values: dict[str, Any], engine_python: str) -> str:
-    """The engine's estimate of a FLUX.2 Klein run's GPU memory (models/flux2_klein/memory.py), one sentence shown before
-    Start; empty for the other families (asking costs the engine's start-up, so only Klein asks)."""
-    if not names_klein(values):
-        return ""
+def names_planned_family(values: dict[str, Any]) -> bool:
+    """The form trains a family the memory plan covers (family_files.PLANNED_FAMILIES): the family says so, or (auto)
+    the model is a Klein or an SDXL by the engine's file rules (standard library only)."""
+    family = values.get("model_family") or "auto"
+    if family != "auto":
+        return family in PLANNED_FAMILIES
+    return names_klein(values) or files_name_sdxl(str(values.get("pretrained_model_name_or_path") or ""))
+
+
+def memory_answer(values: dict[str, Any], engine_python: str) -> dict[str, Any]:
+    """The engine's memory answer for the form (query_cli memory: the plan the run would make, the estimate, what each
+    choice costs); empty for a family without a memory model (asking costs the engine's start-up, so only those
+    ask) and when the engine could not answer."""
+    if not names_planned_family(values):
+        return {}
     answer = ask_engine(["memory"], engine_python, stdin=values, timeout=120)
-    return str(answer.get("memory") or "")
+    return {} if "error" in answer else answer
+
+
+def memory_estimate(values: dict[str, Any], engine_python: str) -> str:
+    """One sentence shown before Start: the memory plan the run would make, in the words it prints (vram_gb, or on
+    a GPU its free memory), else the estimate of the settings as they stand; empty for the other families."""
+    answer = memory_answer(values, engine_python)
+    return str(answer.get("plan") or answer.get("memory") or "")
+
+
+def plan_text(answer: dict[str, Any]) -> str:
+    """The Model tab's memory line from the engine's answer: the plan's sentence (the engine's console line), or the
+    estimate with what having no plan means here, then what each memory choice costs; empty without an answer."""
+    said = answer.get("plan") or answer.get("memory")
+    if not said:
+        return ""
+    if not answer.get("plan") and answer.get("gib") is not None:
+        said += (" No memory plan on this machine (no GPU to measure): set vram_gb to see the plan for a card; a run "
+                 "on a GPU plans for its free memory.")
+    return f"🧮 {said}" + (f"\n\n{answer['costs']}" if answer.get("costs") else "")
 
 
 def detected_host_limits(values: dict[str, Any], config: Any) -> list[str]:

@@ -27,6 +27,13 @@ KLEIN_PIPELINE_PREFIX = "Flux2Klein"
 FLUX2_MODULATION_KEY = "double_stream_modulation_img.lin.weight"
 FLUX2_DEV_GUIDANCE_KEY = "guidance_in.in_layer.weight"
 ALL_IN_ONE_PREFIX = "model.diffusion_model."
+#: SDXL: what its diffusers folder's model_index.json `_class_name` starts with, and the second text encoder's key
+#: prefix that only an SDXL single file has (the engine's rule in models/__init__.py detect_family).
+SDXL = "sdxl"
+SDXL_PIPELINE_PREFIX = "StableDiffusionXL"
+SDXL_SECOND_TEXT_ENCODER_PREFIX = "conditioner.embedders.1."
+#: The families the engine's memory plan covers (models/memory_plan.py FAMILY_MEMORY_MODELS; a test keeps them equal).
+PLANNED_FAMILIES = (KLEIN, SDXL)
 #: What a Z-Image diffusers folder's model_index.json `_class_name` is.
 Z_IMAGE_PIPELINE = "ZImagePipeline"
 #: Keys only a Z-Image transformer has: Lumina2's caption embedder with Z-Image's modulation (ComfyUI's
@@ -124,3 +131,17 @@ def files_name_klein(source: str | Path) -> bool:
 def files_name_z_image(source: str | Path) -> bool:
     """A Z-Image diffusers folder or single transformer file; False for anything else or anything unreadable."""
     return file_family(source) == Z_IMAGE
+
+
+def files_name_sdxl(source: str | Path) -> bool:
+    """An SDXL diffusers folder or single file (its second text encoder's keys); False for anything else or anything
+    unreadable."""
+    path = Path(str(source)).expanduser()
+    try:
+        if path.is_file() and path.suffix.lower() == ".safetensors":
+            return any(k.startswith(SDXL_SECOND_TEXT_ENCODER_PREFIX) for k in safetensors_keys(path))
+        index = path / "model_index.json"
+        return index.is_file() and str(json.loads(index.read_text()).get("_class_name", "")).startswith(
+            SDXL_PIPELINE_PREFIX)
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -67,23 +67,42 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def memory(args: argparse.Namespace) -> dict[str, Any]:
-    """Values (JSON on stdin) -> the training-memory estimate of a FLUX.2 Klein run ({"memory": sentence, "gib"}),
-    or {"memory": None} for a family the estimate does not cover."""
+    """Values (JSON on stdin, the UI's form: every knob) -> the memory plan the run would make, in the sentence it
+    prints ({"plan"}: for vram_gb, or without it for this machine's GPU as measured now; None on a CPU), the estimate
+    of the settings as they stand ({"memory", "gib"}) and what each memory choice needs ({"costs"}); all None for a
+    family without a memory model (SD 1.x / 2.x, Z-Image) or a Klein whose size cannot be read."""
     from .config import build_config
     from .family_files import is_flux2_klein
     from .models.loading import family_name
 
-    config = build_config(json.load(sys.stdin))
+    form = build_config(json.load(sys.stdin))
+    # the form sends every knob: those at their default are left to the plan, as in the run's config.toml
+    config = build_config({k: v for k, v in form.model_dump(mode="json").items()
+                           if v is not None and k not in form.left_to_the_plan()})
     family = family_name(config) if config.pretrained_model_name_or_path or config.model_family != "auto" else "auto"
-    if not is_flux2_klein(family):
-        return {"memory": None, "gib": None}
+    from .models.memory_plan import (FAMILY_MEMORY_MODELS, choice_costs, free_device_bytes, measured_budget,
+                                     memory_sentence, plan_memory)
+
+    nothing = {"memory": None, "gib": None, "plan": None, "costs": None}
+    if family not in FAMILY_MEMORY_MODELS:
+        return nothing
     from .models.flux2_klein.memory import GIB, UnknownSize, config_memory_sentence
 
+    if is_flux2_klein(family):
+        try:  # no number for a Klein of unknown size (the run plans it as a 4B and says so)
+            config_memory_sentence(config)
+        except UnknownSize as exc:
+            return {**nothing, "memory": str(exc)}
+    sentence, estimate = memory_sentence(config, family)
+    measured = None if config.vram_gb else measured_budget(free_device_bytes())
     try:
-        sentence, estimate = config_memory_sentence(config)
-    except UnknownSize as exc:
-        return {"memory": str(exc), "gib": None}
-    return {"memory": sentence, "gib": round(estimate.peak / GIB, 2)}
+        plan = plan_memory(config, measured, family) if config.vram_gb or measured is not None else None
+    except ConfigError as exc:  # vram_gb below anything that fits: the run's one sentence
+        return {"memory": sentence, "gib": round(estimate.peak / GIB, 2), "plan": exc.problems[0],
+                "costs": choice_costs(config, family)}
+    planned = config.model_copy(update=plan.update) if plan else config
+    return {"memory": sentence, "gib": round(estimate.peak / GIB, 2), "plan": plan.sentence if plan else None,
+            "costs": choice_costs(planned, family)}
 
 
 def demo_assets(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--write", help="Write the resolved config.toml here when it is valid.")
     v.set_defaults(handler=validate)
 
-    m = commands.add_parser("memory", help="Estimate the GPU memory of a FLUX.2 Klein run from config values given "
-                            "as JSON on stdin (models/flux2_klein/memory.py); null for other families.")
+    m = commands.add_parser("memory", help="The memory plan and estimate of a FLUX.2 Klein or SDXL run from config "
+                            "values given as JSON on stdin (models/memory_plan.py); null for other families.")
     m.set_defaults(handler=memory)
 
     d = commands.add_parser("demo-assets", help="Build (once) and print the demo model and dataset paths.")

@@ -46,7 +46,7 @@ def test_engine_memory_answer_is_for_klein_only(tmp_path_factory):
 
     klein = ask({"pretrained_model_name_or_path": str(paths["folder"])})  # auto: detected from the folder
     assert klein["memory"].startswith("No GPU-memory estimate: folder is not a released") and klein["gib"] is None
-    assert ask({"model_family": "sd1"}) == {"memory": None, "gib": None}
+    assert ask({"model_family": "sd1"}) == {"memory": None, "gib": None, "plan": None, "costs": None}
 
 
 def test_family_picker_offers_klein_and_check_settings_shows_the_estimate(ui, tmp_path_factory,  # noqa: F811

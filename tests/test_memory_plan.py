@@ -209,23 +209,28 @@ def test_a_config_from_the_ui_form_leaves_the_plans_knobs_to_it(tmp_path, shapes
             assert plan.update["base_storage"] == "int8" and plan.update["blocks_to_swap"] > 0
 
 
-def test_sd_runs_have_no_plan_yet():
+def test_sd1_runs_have_no_plan():  # SDXL's: tests/test_sdxl_memory_plan.py
     with pytest.raises((ConfigError, ValueError)) as caught:
-        build_config(dict(model_family="sdxl", pretrained_model_name_or_path="x", train_data_dir="y", vram_gb=6))
+        build_config(dict(model_family="sd1", pretrained_model_name_or_path="x", train_data_dir="y", vram_gb=6))
     assert "vram_gb" in str(caught.value) and "\n" not in str(caught.value).strip()
 
 
-def test_tiny_klein_with_vram_gb_8_plans_says_it_and_finishes(tmp_path_factory, shapes_dataset, tmp_path):
+def train_tiny_with_vram_gb(model: Path, dataset: Path, run: Path, vram_gb: int) -> subprocess.CompletedProcess:
+    """Two steps of a tiny model at 64 px planned for a `vram_gb` card (tests/test_sdxl_memory_plan.py's too)."""
     from test_faults import environment
 
+    return subprocess.run([sys.executable, "-m", "stabletune_core", "train", "--model", str(model),
+                           "--dataset", str(dataset), "--output_dir", str(run), "--resolution", "64",
+                           "--bucket_step", "8", "--min_bucket_reso", "32", "--max_bucket_reso", "128",
+                           "--max_train_steps", "2", "--lora_rank", "4", "--validation_split", "0",
+                           "--vram_gb", str(vram_gb)],
+                          cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600)
+
+
+def test_tiny_klein_with_vram_gb_8_plans_says_it_and_finishes(tmp_path_factory, shapes_dataset, tmp_path):
     paths = tiny_klein_paths(tmp_path_factory)
     run = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "stabletune_core", "train", "--model", str(paths["folder"]),
-                             "--dataset", str(shapes_dataset), "--output_dir", str(run), "--resolution", "64",
-                             "--bucket_step", "8", "--min_bucket_reso", "32", "--max_bucket_reso", "128",
-                             "--max_train_steps", "2", "--lora_rank", "4", "--validation_split", "0",
-                             "--vram_gb", "8"],
-                            cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600)
+    result = train_tiny_with_vram_gb(paths["folder"], shapes_dataset, run, 8)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if "Memory plan for 8 GiB" in line]
     assert len(lines) == 1 and "about" in lines[0] and "GiB" in lines[0]

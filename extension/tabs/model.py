@@ -1,6 +1,8 @@
 """Model & hyperparameters tab: base model source, presets, and every config field grouped by topic."""
 from __future__ import annotations
 
+import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,7 @@ from .. import models, presets
 from ..compat import listen, make, unchanged, update
 from ..context import UIContext
 from ..form import field_of
-from ..validation import is_klein_model, memory_estimate, transformer_family, validate
+from ..validation import is_klein_model, memory_answer, memory_estimate, plan_text, transformer_family, validate
 from stabletune_core.family_files import KLEIN, TRANSFORMER_FAMILIES
 from stabletune_core.launch import ask_engine
 
@@ -66,6 +68,7 @@ def build(ctx: UIContext) -> None:
                                     choices=found, value=None, info=models.found_info(found, settings.model_dirs),
                                     elem_id="model-found")
             ctx.form.build(["pretrained_model_name_or_path"])
+            p["model.plan"] = make(gr.Markdown, value="", elem_id="memory-plan")
     for group, names in form_groups(ctx):
         if names:
             with make(gr.Accordion, label=GROUP_TITLES.get(group, group.title()), open=group in OPEN_GROUPS,
@@ -116,6 +119,29 @@ def _check(ctx: UIContext, *raw: Any) -> list[Any]:
     memory = "" if problems else memory_estimate(values, ctx.settings.engine_python)
     return [problems_text(problems, notes, ctx.form, memory=memory), *ctx.form.problem_updates(problems, notes),
             *group_marks(ctx, problems)]
+
+
+#: The fields whose change changes the memory plan shown under the base model (FLUX.2 Klein and SDXL).
+PLAN_FIELDS = ("pretrained_model_name_or_path", "model_family", "vram_gb", "base_storage", "blocks_to_swap",
+               "gradient_checkpointing", "cache_text_embeddings", "mixed_precision", "resolution", "train_batch_size",
+               "gradient_accumulation_steps", "lora_rank", "unet_lora_targets", "train_text_encoder")
+_PLAN_SHOWN: dict[str, str] = {}  # the form's values (JSON) -> its plan text: one preset load fires many changes
+_PLAN_LOCK = threading.Lock()
+
+
+def _plan(ctx: UIContext, *raw: Any) -> str:
+    """The memory plan the run would make with the form as it stands, and what each memory choice costs (the engine
+    answers: the UI never imports torch); empty for the families without a memory model or an unreadable form."""
+    values, unreadable = ctx.form.values(raw)
+    if unreadable:
+        return ""
+    key = json.dumps(values, sort_keys=True, default=str)
+    with _PLAN_LOCK:  # the changes of one edit ask once; the others wait and read the answer
+        if key not in _PLAN_SHOWN:
+            if len(_PLAN_SHOWN) > 64:
+                _PLAN_SHOWN.clear()
+            _PLAN_SHOWN[key] = plan_text(memory_answer(values, ctx.settings.engine_python))
+        return _PLAN_SHOWN[key]
 
 
 def group_marks(ctx: UIContext, problems: list[str]) -> list[Any]:
@@ -211,6 +237,9 @@ def wire(ctx: UIContext) -> None:
     listen(p["model.source"].change, lambda source: _source(ctx, source), [p["model.source"]], [p["model.found"]])
     listen(p["model.found"].change, _found, [p["model.source"], p["model.found"]], [model_path])
     listen(model_path.change, source_for_path, [model_path, p["model.source"]], [p["model.source"]])
+    for name in PLAN_FIELDS:  # the plan follows the model and each memory choice, before Start
+        if name in form.components:
+            listen(form.components[name].change, lambda *raw: _plan(ctx, *raw), form.inputs, [p["model.plan"]])
     listen(p["model.check"].click, lambda *raw: _check(ctx, *raw), form.inputs,
            [p["model.problems"], *form.inputs, *accordions(ctx)])
     # "Try the demo" at the top of the page: the demo preset into the form, then the Train tab opens.

@@ -76,6 +76,9 @@ _FLOW_ONLY = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow
               "text_encoder_path", "vae_path", "tokenizer_path", "blocks_to_swap", "vram_gb")
 #: Knobs of how FLUX.2 Klein's transformer is kept in memory (block swap, the memory plan: not for the SD UNets yet).
 MEMORY_KNOBS = ("blocks_to_swap", "vram_gb")
+#: The families with a memory model, so a memory plan (vram_gb; models/memory_plan.py FAMILY_MEMORY_MODELS): SDXL
+#: has one (models/sdxl_memory.py) but no block swap.
+MEMORY_PLAN_FAMILIES = ("flux2_klein", "sdxl")
 #: The knobs the memory plan (models/memory_plan.py) may choose when the user left them alone.
 PLAN_KNOBS = ("cache_text_embeddings", "mixed_precision", "gradient_checkpointing", "base_storage", "blocks_to_swap",
               "train_batch_size", "gradient_accumulation_steps")
@@ -133,7 +136,8 @@ def _knob_problems(config: Any, family: str) -> list[str]:
     return [f"{name} is set to {getattr(config, name)!r}, but it belongs to FLUX.2 Klein ("
             f"{_what_it_is(name)}) and "
             f"{FAMILY_NAMES.get(family, family)} has no such thing; {_leave(config, name)}."
-            for name in _FLOW_ONLY if _changed(config, name)]
+            for name in _FLOW_ONLY if _changed(config, name) and not (name == "vram_gb" and family in
+                                                                       MEMORY_PLAN_FAMILIES)]
 
 
 def family_defaults(config: Any, family: str) -> dict[str, Any]:

@@ -30,11 +30,15 @@ class TrainConfig(TrainConfigSchema):
         user and vram_gb may choose them (written, every knob counted as set and the UI's runs got no plan). The
         same config (a missing knob is its default); one chosen at its default value counts as left to the plan.
         The engine rewrites the file whole, every knob, once the run is resolved."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, self.to_toml(leave_out=self.left_to_the_plan()))
+
+    def left_to_the_plan(self) -> tuple[str, ...]:
+        """The knobs the memory plan chooses (PLAN_KNOBS) that hold their default: what a config from the UI's form
+        leaves to the plan (save_form_toml; query_cli's memory answer plans the same)."""
         from .families import PLAN_KNOBS
 
-        defaults = {name: type(self).model_fields[name].default for name in PLAN_KNOBS}
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, self.to_toml(leave_out=tuple(n for n in PLAN_KNOBS if getattr(self, n) == defaults[n])))
+        return tuple(n for n in PLAN_KNOBS if getattr(self, n) == type(self).model_fields[n].default)
 
     @classmethod
     def from_toml(cls, path: Path | str, **overrides: Any) -> "TrainConfig":

@@ -1,6 +1,6 @@
 """The memory plan (``vram_gb``, or without it on a CUDA card the free memory measured): the cheapest settings with
-which a FLUX.2 Klein run fits a card of that size, by the memory model of flux2_memory.py, chosen before any model
-loads. A CPU run has no plan.
+which a FLUX.2 Klein or SDXL run fits a card of that size, by the family's memory model (flux2_memory.py,
+sdxl_memory.py), chosen before any model loads. A CPU run has no plan; SD 1.x and 2.x have no memory model.
 
 Cheapest means least cost to speed and quality first. The ladder, each rung keeping the ones before it:
 
@@ -9,7 +9,8 @@ Cheapest means least cost to speed and quality first. The ladder, each rung keep
    then mixed_precision bf16 when the run would otherwise keep the frozen model in fp32 (Klein's own precision);
 3. gradient checkpointing (about 20-30 % slower, the same numbers);
 4. base_storage int8 (the frozen weights in 8 bits, close to bf16 in quality);
-5. int8 with 1, 2, ... blocks swapped (copies overlap the compute; the more blocks, the more PCIe traffic);
+5. int8 with 1, 2, ... blocks swapped (copies overlap the compute; the more blocks, the more PCIe traffic; Klein
+   only: SDXL's UNet has no block swap, see sdxl_memory.py);
 6. base_storage nf4 with 0, 1, ... blocks swapped (4 bits: the larger quality cost);
 7. then the micro-batch is halved (gradient accumulation doubled, so the effective batch stays) and the ladder
    climbed again.
@@ -19,12 +20,39 @@ it is skipped. When nothing fits, one sentence names the smallest plan and what 
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import ConfigError
 from .flux2_klein.memory import GIB, MemoryEstimate, config_memory_sentence, klein_sizes, variant_of
+
+
+def _klein_sentence(config: Any) -> tuple[str, MemoryEstimate]:
+    return config_memory_sentence(config, unknown_as="4b")  # a plan must choose: an unreadable size is planned as 4B
+
+
+def _sdxl_sentence(config: Any) -> tuple[str, MemoryEstimate]:
+    from .sd.sdxl_memory import sdxl_memory_sentence
+
+    return sdxl_memory_sentence(config)
+
+
+def _klein_blocks(config: Any) -> int:
+    return klein_sizes(variant_of(config.pretrained_model_name_or_path) or "4b").blocks
+
+
+#: family -> (its estimate sentence of a TrainConfig, how many blocks the plan may swap). The families a plan covers
+#: (config/families.py MEMORY_PLAN_FAMILIES names the same ones for the knob checks, which cannot import models/).
+FAMILY_MEMORY_MODELS: dict[str, tuple[Callable[[Any], tuple[str, MemoryEstimate]], Callable[[Any], int]]] = {
+    "flux2_klein": (_klein_sentence, _klein_blocks),
+    "sdxl": (_sdxl_sentence, lambda config: 0),  # no UNet block swap (sdxl_memory.py says why)
+}
+
+
+def memory_sentence(config: Any, family: str) -> tuple[str, MemoryEstimate]:
+    """The estimate sentence and estimate of a TrainConfig's run of `family` (one in FAMILY_MEMORY_MODELS)."""
+    return FAMILY_MEMORY_MODELS[family][0](config)
 
 
 @dataclass(frozen=True)
@@ -86,13 +114,14 @@ def free_device_bytes() -> int | None:
     return torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[0] if torch.cuda.is_available() else None
 
 
-def plan_memory(config: Any, measured_gib: float | None = None) -> MemoryPlan:
+def plan_memory(config: Any, measured_gib: float | None = None, family: str = "flux2_klein") -> MemoryPlan:
     """The plan for `config.vram_gb` GiB, or without it for `measured_gib` (the card's free memory less the margin:
-    measured_budget), of a TrainConfig of a FLUX.2 Klein run; one sentence when no plan fits (ConfigError)."""
+    measured_budget), of a TrainConfig of a run of `family` (FLUX.2 Klein or SDXL); one sentence when no plan fits
+    (ConfigError)."""
     budget = float(config.vram_gb or measured_gib)
     measured = not config.vram_gb
-    source = config.pretrained_model_name_or_path
-    blocks = klein_sizes(variant_of(source) or "4b").blocks
+    estimate_sentence, blocks_of = FAMILY_MEMORY_MODELS[family]
+    blocks = blocks_of(config)
     smallest: tuple[MemoryEstimate, dict[str, Any], str] | None = None
     batch, accumulation = config.train_batch_size, config.gradient_accumulation_steps
     while True:
@@ -104,7 +133,7 @@ def plan_memory(config: Any, measured_gib: float | None = None) -> MemoryPlan:
                                                  rung.get("gradient_checkpointing", config.gradient_checkpointing)):
                 continue
             planned = config.model_copy(update=update)
-            sentence, estimate = config_memory_sentence(planned, unknown_as="4b")
+            sentence, estimate = estimate_sentence(planned)
             if smallest is None or estimate.peak < smallest[0].peak:
                 smallest = (estimate, update, sentence)
             if estimate.fits(budget):
@@ -147,3 +176,30 @@ def _sentence(budget: float, update: dict[str, Any], estimate_sentence: str, mea
     card = f"{budget:.1f} GiB (the GPU's free memory less a 0.5 GiB margin; --vram_gb plans for another)" \
         if measured else f"{budget:g} GiB"
     return f"Memory plan for {card}: {how}. {estimate_sentence}"
+
+
+#: The choices the UI's Model tab prices (the knob, the values it shows): a base_storage a card may lack (fp8) is
+#: priced anyway, the run refuses it there in one sentence.
+PRICED_CHOICES: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("base_storage", ("full", "int8", "nf4", "fp8")), ("gradient_checkpointing", (True, False)),
+    ("cache_text_embeddings", (True, False)))
+
+
+def choice_costs(config: Any, family: str) -> str:
+    """One line of what each memory choice needs at the peak, the other settings as `config` has them (the planned
+    config, for the UI: what the run would use): each base_storage, each few blocks swapped (Klein), gradient
+    checkpointing and the text cache on and off; the current value of each marked."""
+    estimate_sentence, blocks_of = FAMILY_MEMORY_MODELS[family]
+    blocks = blocks_of(config)
+    choices = [*PRICED_CHOICES, *((("blocks_to_swap", tuple(range(0, blocks + 1, max(blocks // 4, 1)))),)
+                                  if blocks else ())]
+    parts = []
+    for knob, values in choices:
+        prices = []
+        for value in values:
+            peak = estimate_sentence(config.model_copy(update={knob: value}))[1].peak / GIB
+            mark = " (now)" if getattr(config, knob) == value else ""
+            prices.append(f"{({True: 'on', False: 'off'}[value] if isinstance(value, bool) else value)}{mark} "
+                          f"{peak:.1f}")
+        parts.append(f"{knob} " + " · ".join(prices))
+    return "What each choice needs (GiB at the peak, the rest as above): " + "; ".join(parts) + "."

@@ -16,7 +16,7 @@ from accelerate.utils import set_seed
 
 from ..cache import cache_root
 from ..config import ConfigError, TrainConfig, check_inputs, resolve
-from ..config.families import family_defaults, family_problems, text_options
+from ..config.families import MEMORY_PLAN_FAMILIES, family_defaults, family_problems, text_options
 from ..data.caches import EmbeddingCache, LatentCache, module_fingerprint
 from ..data.examples import DatasetView
 from ..data.loader import BatchFeed
@@ -174,10 +174,11 @@ def setup(config: TrainConfig) -> Session:
     # configuration" when this came after them)
     prepare_run_dir(config)
     config = config.model_copy(update=family_defaults(config, family))
-    # vram_gb, or on a CUDA card its free memory (Klein only: the SD families have no memory model yet); the knobs the
+    # vram_gb, or on a CUDA card its free memory (Klein and SDXL: SD 1.x / 2.x have no memory model); the knobs the
     # plan chose go into config.toml
-    measured = None if config.vram_gb or family != "flux2_klein" else measured_budget(free_device_bytes())
-    plan = plan_memory(config, measured) if config.vram_gb or measured is not None else None
+    planned = family in MEMORY_PLAN_FAMILIES
+    measured = None if config.vram_gb or not planned else measured_budget(free_device_bytes())
+    plan = plan_memory(config, measured, family) if config.vram_gb or measured is not None else None
     if plan is not None:
         config = config.model_copy(update=plan.update)
     random_seed = draw_seed(config)

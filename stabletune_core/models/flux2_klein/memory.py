@@ -46,14 +46,21 @@ class KleinSizes:
     blocks: int
 
 
+def config_folder(model: str | Path) -> Path:
+    """The config folder a Klein model is priced from: a shipped variant's ("4b" / "9b"), or any Klein diffusers
+    folder's own (transformer/, vae/, text_encoder/ configs: the tiny Klein of tiny_flux2.py, a fine-tune)."""
+    return SHIPPED_CONFIGS[model] if model in SHIPPED_CONFIGS else Path(model)
+
+
 @lru_cache(maxsize=None)
-def klein_sizes(variant: str) -> KleinSizes:
-    """Exact parameter counts of a shipped variant ("4b" / "9b"), from its configs on the meta device."""
+def klein_sizes(variant: str | Path) -> KleinSizes:
+    """Exact parameter counts of a shipped variant ("4b" / "9b") or a Klein folder, from its configs on the meta
+    device."""
     import torch
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    folder = SHIPPED_CONFIGS[variant]
+    folder = config_folder(variant)
     with torch.device("meta"):  # (accelerate's init_empty_weights would untie Qwen3-4B's embeddings)
         transformer = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(str(folder),
                                                                                                subfolder="transformer"))
@@ -66,13 +73,13 @@ def klein_sizes(variant: str) -> KleinSizes:
                       blocks=config.num_layers + config.num_single_layers)
 
 
-def _meta_transformer(variant: str):
+def _meta_transformer(variant: str | Path):
     import torch
     from diffusers import Flux2Transformer2DModel
 
     with torch.device("meta"):
         return Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(
-            str(SHIPPED_CONFIGS[variant]), subfolder="transformer"))
+            str(config_folder(variant)), subfolder="transformer"))
 
 
 @dataclass(frozen=True)
@@ -93,8 +100,8 @@ class StoredTransformer:
 
 
 @lru_cache(maxsize=None)
-def stored_transformer(variant: str, storage: str = "full", dtype_bytes: int = 2) -> StoredTransformer:
-    """The transformer of a shipped variant ("4b" / "9b") in `storage` (base_storage: full, int8, nf4, fp8), the
+def stored_transformer(variant: str | Path, storage: str = "full", dtype_bytes: int = 2) -> StoredTransformer:
+    """The transformer of a shipped variant ("4b" / "9b") or a Klein folder in `storage` (base_storage: full, int8, nf4, fp8), the
     unquantised tensors `dtype_bytes` wide."""
     import torch
 
@@ -109,28 +116,25 @@ def stored_transformer(variant: str, storage: str = "full", dtype_bytes: int = 2
 
 
 @lru_cache(maxsize=None)
-def stored_text_encoder(variant: str, storage: str = "full", dtype_bytes: int = 2) -> int:
-    """Bytes of a shipped variant's Qwen3 text encoder in `storage` (quantised when it is not cached: setup.py)."""
+def stored_text_encoder(variant: str | Path, storage: str = "full", dtype_bytes: int = 2) -> int:
+    """Bytes of a shipped variant's (or a Klein folder's) Qwen3 text encoder in `storage` (quantised when it is not cached: setup.py)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from ..quantize import storage_bytes
 
     with torch.device("meta"):
-        text = Qwen3ForCausalLM(Qwen3Config.from_pretrained(str(SHIPPED_CONFIGS[variant] / "text_encoder")))
+        text = Qwen3ForCausalLM(Qwen3Config.from_pretrained(str(config_folder(variant) / "text_encoder")))
     return storage_bytes(text, storage, dtype_bytes)
 
 
 @lru_cache(maxsize=None)
-def lora_parameters(variant: str, rank: int, preset: str | tuple[str, ...] = "attention") -> int:
+def lora_parameters(variant: str | Path, rank: int, preset: str | tuple[str, ...] = "attention") -> int:
     """Trainable LoRA parameters of a preset (or a tuple of targets) at `rank`: rank x (in + out) per adapted
     Linear layer."""
     import torch
-    from diffusers import Flux2Transformer2DModel
 
-    with torch.device("meta"):
-        transformer = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(
-            str(SHIPPED_CONFIGS[variant]), subfolder="transformer"))
+    transformer = _meta_transformer(variant)
     modules = dict(transformer.named_modules())
     total = 0
     targets = LORA_PRESETS[preset] if isinstance(preset, str) else list(preset)
@@ -165,13 +169,14 @@ class MemoryEstimate:
         return self.peak <= gib * GIB
 
 
-def estimate_training_memory(variant: str = "4b", *, precision: str = "bf16", gradient_checkpointing: bool = True,
+def estimate_training_memory(variant: str | Path = "4b", *, precision: str = "bf16", gradient_checkpointing: bool = True,
                              batch_size: int = 1, resolution: int | tuple[int, int] = 1024, lora_rank: int = 16,
                              cache_text_embeddings: bool = True,
                              preset: str | tuple[str, ...] = "attention",
                              text_tokens: int = MAX_SEQUENCE_LENGTH, base_storage: str = "full",
                              blocks_to_swap: int = 0) -> MemoryEstimate:
-    """The peak memory of one training step of a Klein LoRA (see the module docstring for what is counted)."""
+    """The peak memory of one training step of a Klein LoRA (see the module docstring for what is counted); `variant`
+    a shipped size ("4b" / "9b") or a Klein diffusers folder, priced from its own configs."""
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision must be one of {', '.join(PRECISION_BYTES)}, not '{precision}'.")
     sizes = klein_sizes(variant)
@@ -221,33 +226,52 @@ class UnknownSize(ValueError):
     """The model is not a released Klein whose size could be read: there is no number to give."""
 
 
-def config_memory_sentence(config: Any, *, unknown_as: str | None = None) -> tuple[str, MemoryEstimate]:
+def config_memory_sentence(config: Any, *, unknown_as: str | None = None,
+                           from_configs: bool = False) -> tuple[str, MemoryEstimate]:
     """The estimate for a TrainConfig's run of FLUX.2 Klein, and the sentence the UI shows before Start (the
     SD default LoRA targets stand for Klein's own, as the run resolves them). A model whose size cannot be read
     has no number (UnknownSize), unless `unknown_as` ("4b" or "9b") names the size to plan it as: the memory plan
-    of a run must choose something, and its sentence then says the size was assumed."""
+    of a run must choose something, and its sentence then says the size was assumed. `from_configs`: a diffusers
+    folder of another size is priced from its own configs (bench/cpu_peak.py prices the tiny Klein so)."""
     from ...config.families import family_defaults
 
     config = config.model_copy(update=family_defaults(config, "flux2_klein"))
     variant = variant_of(config.pretrained_model_name_or_path)
+    folder = Path(str(config.pretrained_model_name_or_path))
+    if variant is None and from_configs and (folder / "transformer" / "config.json").is_file():
+        precision, estimate = _config_estimate(config, folder)
+        return estimate_words(f"FLUX.2 Klein of {folder.name}'s configs", config, estimate, precision,
+                              "Qwen3 kept loaded"), estimate
     if variant is None and unknown_as is None:  # a 4B guess showed 17.8 GiB for the toy Klein (issue 37.7)
         raise UnknownSize(f"No GPU-memory estimate: {Path(str(config.pretrained_model_name_or_path)).name or 'the model'} "
                           "is not a released FLUX.2 Klein 4B or 9B that could be read (the estimate covers those two).")
     assumed = "" if variant else " (assumed: the model's size is not a released one or could not be read)"
     variant = variant or unknown_as
+    precision, estimate = _config_estimate(config, variant)
+    return estimate_words(f"FLUX.2 Klein {variant.upper()}{assumed}", config, estimate, precision,
+                          "Qwen3 kept loaded"), estimate
+
+
+def _config_estimate(config: Any, variant: str | Path) -> tuple[str, MemoryEstimate]:
+    """(the precision, the estimate) of a TrainConfig's run of `variant` (a shipped size or a Klein folder)."""
     precision = {"no": "fp32"}.get(config.mixed_precision, config.mixed_precision)
-    estimate = estimate_training_memory(
+    return precision, estimate_training_memory(
         variant, precision=precision, gradient_checkpointing=config.gradient_checkpointing,
         batch_size=config.train_batch_size, resolution=config.resolution, lora_rank=config.lora_rank,
         cache_text_embeddings=config.cache_text_embeddings, preset=tuple(config.unet_lora_targets),
         text_tokens=config.max_sequence_length, base_storage=config.base_storage,
         blocks_to_swap=config.blocks_to_swap)
+
+
+def estimate_words(model: str, config: Any, estimate: MemoryEstimate, precision: str, text_kept: str) -> str:
+    """The estimate's sentence, the same for every family's memory model: the peak and the settings it is for
+    (`text_kept`: what stays on the device when text embeddings are not cached)."""
     checkpointing = "gradient checkpointing" if config.gradient_checkpointing else "no gradient checkpointing"
-    cached = "text embeddings cached" if config.cache_text_embeddings else "Qwen3 kept loaded"
+    cached = "text embeddings cached" if config.cache_text_embeddings else text_kept
     memory = "".join([f", base {config.base_storage}" if config.base_storage != "full" else "",
                       f", {config.blocks_to_swap} blocks swapped" if config.blocks_to_swap else ""])
-    return (f"Estimated GPU memory for FLUX.2 Klein {variant.upper()}{assumed}: about {estimate.total_gib:.1f} GiB "
+    return (f"Estimated GPU memory for {model}: about {estimate.total_gib:.1f} GiB "
             f"at the training step's peak ({config.resolution} px, batch {config.train_batch_size}, {precision}, "
             f"{checkpointing}, {cached}, rank {config.lora_rank}{memory})"
             + (f"; caching the text embeddings before it needs about {estimate.setup / GIB:.1f} GiB."
-               if estimate.setup > estimate.total else "."), estimate)
+               if estimate.setup > estimate.total else "."))

@@ -1,6 +1,6 @@
 """The memory model against a measurement (issue 36 item 5, the CPU half): for each plan the tiny models can take,
 a few real training steps on the CPU (the engine's run, in this process) with every live tensor's bytes counted, the
-peak beside the estimate of the same settings (models/flux2_memory.py, models/sdxl_memory.py priced from the tiny
+peak beside the estimate of the same settings (models/flux2_klein/memory.py, models/sd/sdxl_memory.py priced from the tiny
 model's own configs).
 
 Plans: base_storage full / int8 / nf4, gradient checkpointing on / off, text embeddings cached or not, and for the
@@ -98,8 +98,8 @@ def plans(family: str) -> list[dict[str, Any]]:
 
 
 def build_models(out: Path, families: list[str]) -> dict[str, Path]:
-    from stabletune_core.models.tiny import build_tiny_sdxl
-    from stabletune_core.models.tiny_flux2 import build_tiny_klein
+    from stabletune_core.models.sd.tiny import build_tiny_sdxl
+    from stabletune_core.models.flux2_klein.tiny import build_tiny_klein
 
     builders = {"flux2_klein": build_tiny_klein, "sdxl": build_tiny_sdxl}
     return {family: builders[family](out / f"tiny-{family}", seed=0) for family in families}
@@ -116,10 +116,10 @@ def plan_config(model: Path, data: Path, out: Path, plan: dict[str, Any], steps:
 def estimate(config, family: str, model: Path):
     """The memory model's estimate of this run, the tiny model priced from its own configs."""
     if family == "flux2_klein":
-        from stabletune_core.models.flux2_memory import config_memory_sentence
+        from stabletune_core.models.flux2_klein.memory import config_memory_sentence
 
         return config_memory_sentence(config, from_configs=True)[1]
-    from stabletune_core.models.sdxl_memory import sdxl_memory_sentence
+    from stabletune_core.models.sd.sdxl_memory import sdxl_memory_sentence
 
     return sdxl_memory_sentence(config, model)[1]
 
@@ -127,7 +127,7 @@ def estimate(config, family: str, model: Path):
 def tensors_only(guess) -> int:
     """The estimate less what has no CPU counterpart (the CUDA context, the allowance for fragmentation): the
     larger of the step's weights + LoRA + activations and the caching's bytes."""
-    from stabletune_core.models.flux2_memory import CONTEXT_BYTES, FRAGMENTATION
+    from stabletune_core.models.flux2_klein.memory import CONTEXT_BYTES, FRAGMENTATION
 
     caching = round((guess.setup - CONTEXT_BYTES) / (1 + FRAGMENTATION)) if guess.setup else 0
     return max(guess.weights + guess.lora + guess.activations, caching)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import shutil
 
 from bench_scripts import load_bench
-from stabletune_core.models.flux2_klein import SHIPPED_CONFIGS
-from stabletune_core.models.flux2_memory import estimate_training_memory
-from stabletune_core.models.sdxl_memory import SDXL_CONFIGS, estimate_sdxl_training_memory
+from stabletune_core.models.flux2_klein.family import SHIPPED_CONFIGS
+from stabletune_core.models.flux2_klein.memory import estimate_training_memory
+from stabletune_core.models.sd.sdxl_memory import SDXL_CONFIGS, estimate_sdxl_training_memory
 
 
 def test_a_config_folder_is_priced_exactly_as_the_shipped_size(tmp_path):
@@ -27,7 +27,7 @@ def test_a_tiny_klein_plan_measures_within_a_factor_of_its_estimate(shapes_datas
     """Full storage, gradient checkpointing, the text encoder kept: the training steps' peak of live tensor bytes
     is within 1.5x of the estimate's weights + LoRA + activations either way (measured 1.25x, bench/RESULTS.md),
     and it holds at least the weights the estimate counts (the counter sees the model)."""
-    from stabletune_core.models.tiny_flux2 import build_tiny_klein
+    from stabletune_core.models.flux2_klein.tiny import build_tiny_klein
 
     cpu_peak = load_bench("cpu_peak")
     tiny_klein_folder = build_tiny_klein(tmp_path / "tiny-klein", seed=0)

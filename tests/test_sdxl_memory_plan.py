@@ -1,5 +1,5 @@
 """Issue 36 items 3 and 6 for SDXL: the memory plan (vram_gb) covers SDXL as it covers FLUX.2 Klein (the cheapest
-settings that fit by models/sdxl_memory.py's model, one line before the model loads, recorded in config.toml and
+settings that fit by models/sd/sdxl_memory.py's model, one line before the model loads, recorded in config.toml and
 events.jsonl); SDXL fits 6 GiB by the estimate; the presets for the issue's cards exist and carry their plans."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from flux2_tools import one_sentence
 from stabletune_core.config import ConfigError, TrainConfig, build_config, read_toml
-from stabletune_core.models.flux2_memory import GIB
+from stabletune_core.models.flux2_klein.memory import GIB
 from stabletune_core.models.memory_plan import plan_memory
 from stabletune_core.runs.reader import RunReader
 from test_memory_plan import released, train_tiny_with_vram_gb
@@ -60,7 +60,7 @@ def test_each_card_preset_carries_its_plan_and_fits(preset, variant, card, tmp_p
 
 
 def test_tiny_sdxl_with_vram_gb_6_plans_says_it_and_finishes(tmp_path, shapes_dataset):
-    from stabletune_core.models.tiny import build_tiny_sdxl
+    from stabletune_core.models.sd.tiny import build_tiny_sdxl
 
     run = tmp_path / "run"
     result = train_tiny_with_vram_gb(build_tiny_sdxl(tmp_path / "xl", seed=0), shapes_dataset, run, 6)

@@ -77,7 +77,7 @@ _FLOW_ONLY = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow
 #: Knobs of how FLUX.2 Klein's transformer is kept in memory (block swap, the memory plan: not for the SD UNets yet).
 MEMORY_KNOBS = ("blocks_to_swap", "vram_gb")
 #: The families with a memory model, so a memory plan (vram_gb; models/memory_plan.py FAMILY_MEMORY_MODELS): SDXL
-#: has one (models/sdxl_memory.py) but no block swap.
+#: has one (models/sd/sdxl_memory.py) but no block swap.
 MEMORY_PLAN_FAMILIES = ("flux2_klein", "sdxl")
 #: The knobs the memory plan (models/memory_plan.py) may choose when the user left them alone.
 PLAN_KNOBS = ("cache_text_embeddings", "mixed_precision", "gradient_checkpointing", "base_storage", "blocks_to_swap",

@@ -25,6 +25,7 @@ import torch
 
 from ..digest import sha256_file
 from . import weights_dir
+from .codec import MEAN_COLOUR_WEIGHT, mean_colour_error
 from .world import ALL_COLORS, ALL_SHAPES, BASE_COLORS, IMAGE_SIZE, SHAPES, Scene, base_scenes, draw_scene
 
 BUILD_SEED = 0
@@ -33,7 +34,6 @@ BUILD_SEED = 0
 #: and twice the width keep colours apart.
 TOY_VAE_CONFIG = dict(block_out_channels=(16, 32, 32, 32), norm_num_groups=4)
 MIN_SNR_GAMMA = 5.0
-MEAN_COLOUR_WEIGHT = 4.0  # the decoder polish's term on the object's mean colour (see polish_decoder)
 SHIPPED_FILES = ("unet.safetensors", "vae.safetensors", "text_encoder.safetensors")
 
 
@@ -59,14 +59,19 @@ def draw_vae_batch(rng: random.Random, size: int) -> torch.Tensor:
     return pixels(images)
 
 
-def train_vae(vae, steps: int, batch: int, log: Callable[[str], None]) -> float:
+def train_vae(vae, steps: int, batch: int, log: Callable[[str], None],
+              draw: Callable[[random.Random, int], torch.Tensor] | None = None,
+              mean_colour_weight: float = 0.0) -> float:
+    """The codec's first stage, encoder and decoder; `draw` (default draw_vae_batch) makes its batches and
+    `mean_colour_weight` weighs a term on the object's mean colour error (see polish_decoder)."""
+    draw = draw or draw_vae_batch
     rng = random.Random(BUILD_SEED + 11)
     optimizer = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
     vae.train()
     losses = []
     for step in range(steps):
-        x = draw_vae_batch(rng, batch)
+        x = draw(rng, batch)
         posterior = vae.encode(x).latent_dist
         recon = vae.decode(posterior.sample()).sample
         # The object is a fifth of the image: weigh its pixels up, or the codec learns backgrounds and greys
@@ -75,6 +80,8 @@ def train_vae(vae, steps: int, batch: int, log: Callable[[str], None]) -> float:
         weight = 1 + 8 * saturated.float()
         error = recon - x
         loss = (weight * error.abs()).mean() + (weight * error.pow(2)).mean() + 1e-6 * posterior.kl().mean()
+        if mean_colour_weight:
+            loss = loss + mean_colour_weight * mean_colour_error(error, saturated.float()).abs().mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -87,7 +94,8 @@ def train_vae(vae, steps: int, batch: int, log: Callable[[str], None]) -> float:
     return float(np.mean(losses[-50:]))
 
 
-def polish_decoder(vae, steps: int, batch: int, log: Callable[[str], None]) -> float:
+def polish_decoder(vae, steps: int, batch: int, log: Callable[[str], None],
+                   draw: Callable[[random.Random, int], torch.Tensor] | None = None) -> float:
     """Decoder-only second stage that removes the codec's hue bias; the encoder, so the latent space the UNet
     learns, is untouched.
 
@@ -95,6 +103,7 @@ def polish_decoder(vae, steps: int, batch: int, log: Callable[[str], None]) -> f
     +6.1 deg mean, green +4.1, purple +3.9), a small error on every object pixel that the per-pixel losses
     barely see. A term on the error of the object's *mean* colour sees it; 300 steps bring every colour's
     mean reconstruction error under 1.5 deg."""
+    draw = draw or draw_vae_batch
     rng = random.Random(BUILD_SEED + 13)
     torch.manual_seed(BUILD_SEED + 3)  # the posterior samples
     vae.requires_grad_(False)
@@ -107,15 +116,14 @@ def polish_decoder(vae, steps: int, batch: int, log: Callable[[str], None]) -> f
     vae.train()
     losses = []
     for step in range(steps):
-        x = draw_vae_batch(rng, batch)
+        x = draw(rng, batch)
         with torch.no_grad():
             z = vae.encode(x).latent_dist.sample()
         error = vae.decode(z).sample - x
         saturated = ((x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) > 0.5).float()
         weight = 1 + 8 * saturated
-        mean_colour_error = (error * saturated).sum((2, 3)) / saturated.sum((2, 3)).clamp(min=1)
         loss = ((weight * error.abs()).mean() + (weight * error.pow(2)).mean()
-                + MEAN_COLOUR_WEIGHT * mean_colour_error.abs().mean())
+                + MEAN_COLOUR_WEIGHT * mean_colour_error(error, saturated).abs().mean())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

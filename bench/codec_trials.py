@@ -8,9 +8,11 @@ per-hue floor (toy/codec.py). Three ways, from cheapest to dearest:
 - scratch: the codec's first stage from scratch on shapes of any hue with a mean-colour term (build.train_vae's
   `draw` and `mean_colour_weight`); a codec from here needs the denoiser retrained on its latents (a full build).
 
+    OMP_NUM_THREADS=1 python bench/codec_trials.py probe       # does the shipped encoder keep the hues apart?
     OMP_NUM_THREADS=1 python bench/codec_trials.py decoder --steps 300
     OMP_NUM_THREADS=1 python bench/codec_trials.py anchored --steps 400 --lr 2e-3 --mean-colour-weight 20
     OMP_NUM_THREADS=1 python bench/codec_trials.py scratch --steps 1000 --mean-colour-weight 10 --save OUT.pt
+    OMP_NUM_THREADS=1 python bench/codec_trials.py decoder --steps 300 --start OUT.pt    # its decoder polish
 
 Prints each hue's floor in degrees, the worst and the mean; the RESULTS.md section of issue 35.1 has the numbers.
 """
@@ -80,16 +82,40 @@ def anchored(vae, steps: int, batch: int, lr: float, mean_colour_weight: float, 
     vae.eval()
 
 
+def encoder_probe(vae) -> dict[int, float]:
+    """hue -> how far the encoder's latent (posterior mean) moves from this hue to the next 10 degrees on, as a
+    fraction of the posterior's spread (norms over the latent), mean over four drawings (same shape and place)."""
+    import torch
+
+    from stabletune_core.toy.build import pixels
+    from stabletune_core.toy.codec import HUE_STEP, rgb_of_hue
+    from stabletune_core.toy.world import SHAPES, Scene, draw_scene
+
+    hues = list(range(0, 360 + HUE_STEP, HUE_STEP))
+    moves = {hue: 0.0 for hue in hues[:-1]}
+    with torch.no_grad():
+        for seed in range(4):
+            shape = SHAPES[seed % len(SHAPES)]
+            posterior = vae.encode(pixels([draw_scene(Scene("any", shape, 7_000 + seed, rgb=rgb_of_hue(h)))
+                                           for h in hues])).latent_dist
+            for i, hue in enumerate(hues[:-1]):
+                step = (posterior.mean[i + 1] - posterior.mean[i]).norm() / posterior.std[i].norm()
+                moves[hue] += float(step) / 4
+    return moves
+
+
 def main(argv: list[str] | None = None) -> dict[int, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trial", choices=["decoder", "anchored", "scratch"])
-    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("trial", choices=["probe", "decoder", "anchored", "scratch"])
+    parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=5e-4, help="anchored only (decoder: the polish's, scratch: "
                                                                 "the first stage's)")
     parser.add_argument("--mean-colour-weight", type=float, default=4.0, help="anchored and scratch")
     parser.add_argument("--anchor-weight", type=float, default=10.0, help="anchored only")
     parser.add_argument("--save", type=Path, default=None, help="write the trained VAE's state dict here")
+    parser.add_argument("--start", type=Path, default=None,
+                        help="probe, decoder, anchored: start from this --save'd state dict, not the shipped VAE")
     args = parser.parse_args(argv)
 
     import torch
@@ -109,6 +135,12 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
         train_vae(vae, args.steps, args.batch, log, draw=any_hue_pixels, mean_colour_weight=args.mean_colour_weight)
     else:
         vae = AutoencoderKL.from_pretrained(str(toy_base_model() / "vae"), local_files_only=True).eval()
+        if args.start:
+            vae.load_state_dict(torch.load(args.start))
+        if args.trial == "probe":
+            moves = encoder_probe(vae)
+            print(" ".join(f"{hue}:{value:.2f}" for hue, value in moves.items()))
+            return moves
         if args.trial == "decoder":
             polish_decoder(vae, args.steps, args.batch, log, draw=any_hue_pixels)
         else:

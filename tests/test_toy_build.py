@@ -27,3 +27,4 @@ def test_rebuild_matches_the_shipped_manifest(tmp_path):
         assert rebuilt[key] == pytest.approx(shipped[key], rel=LOSS_TOLERANCE), key
     assert rebuilt["scores"]["base_right"] >= 0.95  # colour within 6 degrees and right shape, 8 seeds
     assert rebuilt["scores"]["concept_hue_error"] >= 30  # it never saw the concept colour
+    assert rebuilt["codec_floor"]["worst_hue_deg"] <= 3.5  # its codec carries every hue (issue 35.1)

@@ -2,9 +2,10 @@
 
     python -m stabletune_core.toy build [--out DIR] [--vae-steps N] [--unet-steps N]
 
-On 2 idle CPU cores (one torch thread) it takes about 20 minutes (the manifest records the wall and CPU
+On 2 idle CPU cores (one torch thread) it takes about 25 minutes (the manifest records the wall and CPU
 seconds of the build that made the shipped weights). The VAE is trained first as a general codec of
-shapes in *any* colour (so it can draw the held-out concept colour once a LoRA asks for it); then the UNet
+shapes in *any* hue, with a term on the object's mean colour, so that every hue around the circle comes back within
+a few degrees (the manifest's codec_floor; a LoRA can then teach any colour); then the UNet
 learns the base vocabulary (every base colour x shape, never the concept colour) through the real CLIP
 text-encoder architecture, which stays at its seeded random initialisation (frozen, like SD's text encoder
 is during UNet training). The shipped weights are the UNet's exponential moving average, saved in fp16;
@@ -25,7 +26,7 @@ import torch
 
 from ..digest import sha256_file
 from . import weights_dir
-from .codec import MEAN_COLOUR_WEIGHT, mean_colour_error
+from .codec import MEAN_COLOUR_WEIGHT, hue_circle_batch, mean_colour_error
 from .world import ALL_COLORS, ALL_SHAPES, BASE_COLORS, IMAGE_SIZE, SHAPES, Scene, base_scenes, draw_scene
 
 BUILD_SEED = 0
@@ -34,6 +35,12 @@ BUILD_SEED = 0
 #: and twice the width keep colours apart.
 TOY_VAE_CONFIG = dict(block_out_channels=(16, 32, 32, 32), norm_num_groups=4)
 MIN_SNR_GAMMA = 5.0
+#: The SD codec's first stage weighs the object's mean colour from the start: without it (v3, 600 steps, half its
+#: images in the named colours) the encoder collapsed the hues between its palette's, 10 degrees moving its latent
+#: by 4-15 % of the posterior's spread between 40 and 90 degrees, and hue 110 came back 75 degrees off; with it,
+#: 1000 steps on any hue and the decoder polish on any hue, every hue in 10-degree steps comes back within 3 degrees
+#: (bench/codec_floor.py, bench/RESULTS.md).
+VAE_MEAN_COLOUR_WEIGHT = 10.0
 SHIPPED_FILES = ("unet.safetensors", "vae.safetensors", "text_encoder.safetensors")
 
 
@@ -57,6 +64,11 @@ def draw_vae_batch(rng: random.Random, size: int) -> torch.Tensor:
             continue
         images.append(draw_scene(Scene(color, rng.choice(ALL_SHAPES), rng.randrange(2**31))))
     return pixels(images)
+
+
+def draw_any_hue_batch(rng: random.Random, size: int) -> torch.Tensor:
+    """The SD codec's images (codec.hue_circle_batch): a quarter in the named colours, the rest of any hue."""
+    return pixels(hue_circle_batch(rng, size))
 
 
 def train_vae(vae, steps: int, batch: int, log: Callable[[str], None],
@@ -204,7 +216,7 @@ def train_unet(unet, scheduler, latents: tuple[torch.Tensor, torch.Tensor], scal
     return ema, float(np.mean(losses[-200:]))
 
 
-def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_steps: int = 300,
+def build(out: Path, *, vae_steps: int = 1000, vae_batch: int = 16, vae_polish_steps: int = 300,
           unet_steps: int = 3200, unet_batch: int = 64, scenes_per_combo: int = 256, log: Callable[[str], None] = print) -> dict:
     """Train the toy base and write its shipped files and manifest into `out`."""
     from safetensors.torch import save_file
@@ -222,8 +234,10 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
     vae_config = dict(VAE_CONFIG, **TOY_VAE_CONFIG)
     torch.manual_seed(BUILD_SEED + 1)
     vae = AutoencoderKL(**vae_config)
-    vae_loss = train_vae(vae, vae_steps, vae_batch, log)
-    polish_loss = polish_decoder(vae, vae_polish_steps, vae_batch, log) if vae_polish_steps else vae_loss
+    vae_loss = train_vae(vae, vae_steps, vae_batch, log, draw=draw_any_hue_batch,
+                         mean_colour_weight=VAE_MEAN_COLOUR_WEIGHT)
+    polish_loss = (polish_decoder(vae, vae_polish_steps, vae_batch, log, draw=draw_any_hue_batch)
+                   if vae_polish_steps else vae_loss)
 
     scenes = base_scenes(scenes_per_combo * len(BASE_COLORS) * len(SHAPES), seed=BUILD_SEED + 5)
     means, stds = latent_bank(vae, scenes)
@@ -258,13 +272,28 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
 
     model = materialize(out)  # what users and tests load: the shipped fp16 weights, as fp32 diffusers folder
     report = base_report(load_toy_pipeline(model))
+    codec_floor = shipped_codec_floor(model)
+    log(f"codec floor: worst hue {codec_floor['worst_hue_deg']} deg, mean {codec_floor['mean_hue_deg']} deg")
     recipe = {
-        "seed": BUILD_SEED, "vae_steps": vae_steps, "vae_batch": vae_batch, "vae_polish_steps": vae_polish_steps, "unet_steps": unet_steps,
+        "seed": BUILD_SEED, "vae_steps": vae_steps, "vae_batch": vae_batch, "vae_polish_steps": vae_polish_steps,
+        "vae_images": "hue_circle", "vae_mean_colour_weight": VAE_MEAN_COLOUR_WEIGHT, "unet_steps": unet_steps,
         "unet_batch": unet_batch, "scenes_per_combo": scenes_per_combo, "min_snr_gamma": MIN_SNR_GAMMA,
         "final_vae_loss": round(vae_loss, 5), "final_vae_polish_loss": round(polish_loss, 5),
-        "final_unet_loss": round(unet_loss, 5),
+        "final_unet_loss": round(unet_loss, 5), "codec_floor": codec_floor,
     }
     return write_manifest(out, recipe, report, SHIPPED_FILES, started, cpu_started, log)
+
+
+def shipped_codec_floor(model: Path) -> dict:
+    """The manifest's codec_floor: each hue's shift through the shipped VAE (codec.hue_circle_floor), worst, mean."""
+    from diffusers import AutoencoderKL
+
+    from .codec import HUE_STEP, hue_circle_floor, round_trip
+
+    floor = hue_circle_floor(round_trip(AutoencoderKL.from_pretrained(str(model / "vae"), local_files_only=True)))
+    return {"hue_step": HUE_STEP, "worst_hue_deg": round(max(floor.values()), 2),
+            "mean_hue_deg": round(sum(floor.values()) / len(floor), 2),
+            "per_hue": {str(hue): round(value, 2) for hue, value in floor.items()}}
 
 
 def write_manifest(out: Path, recipe: dict, report: dict, shipped: tuple[str, ...], started: float,

@@ -31,13 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 
-def any_hue_pixels(rng: random.Random, size: int):
-    from stabletune_core.toy.build import pixels
-    from stabletune_core.toy.codec import hue_circle_batch
-
-    return pixels(hue_circle_batch(rng, size))
-
-
 def anchored(vae, steps: int, batch: int, lr: float, mean_colour_weight: float, anchor_weight: float, seed: int,
              log: Callable[[str], None]) -> None:
     """Encoder and decoder on any hue; an anchor (its weight against the reconstruction loss) holds the encoder's
@@ -45,8 +38,8 @@ def anchored(vae, steps: int, batch: int, lr: float, mean_colour_weight: float, 
     import numpy as np
     import torch
 
-    from stabletune_core.toy.build import pixels
-    from stabletune_core.toy.codec import mean_colour_error, palette_batch
+    from stabletune_core.toy.build import draw_any_hue_batch, pixels
+    from stabletune_core.toy.codec import palette_batch, reconstruction_loss
 
     torch.manual_seed(seed)  # the posterior samples
     rng = random.Random(seed)
@@ -58,12 +51,8 @@ def anchored(vae, steps: int, batch: int, lr: float, mean_colour_weight: float, 
     vae.train()
     losses, drifts = [], []
     for step in range(steps):
-        x = any_hue_pixels(rng, batch)
-        error = vae.decode(vae.encode(x).latent_dist.sample()).sample - x
-        saturated = ((x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) > 0.5).float()
-        weight = 1 + 8 * saturated
-        loss = ((weight * error.abs()).mean() + (weight * error.pow(2)).mean()
-                + mean_colour_weight * mean_colour_error(error, saturated).abs().mean())
+        x = draw_any_hue_batch(rng, batch)
+        loss = reconstruction_loss(x, vae.decode(vae.encode(x).latent_dist.sample()).sample - x, mean_colour_weight)
         kept = pixels(palette_batch(rng, batch))
         moved = vae.encode(kept).latent_dist
         with torch.no_grad():
@@ -123,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
 
     from stabletune_core.models.tiny import VAE_CONFIG
     from stabletune_core.toy import toy_base_model
-    from stabletune_core.toy.build import BUILD_SEED, TOY_VAE_CONFIG, polish_decoder, train_vae
+    from stabletune_core.toy.build import BUILD_SEED, TOY_VAE_CONFIG, draw_any_hue_batch, polish_decoder, train_vae
     from stabletune_core.toy.codec import hue_circle_floor, round_trip
 
     torch.set_num_threads(1)  # the toy codec is dispatch-bound
@@ -132,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     if args.trial == "scratch":
         torch.manual_seed(BUILD_SEED + 1)
         vae = AutoencoderKL(**dict(VAE_CONFIG, **TOY_VAE_CONFIG))
-        train_vae(vae, args.steps, args.batch, log, draw=any_hue_pixels, mean_colour_weight=args.mean_colour_weight)
+        train_vae(vae, args.steps, args.batch, log, draw=draw_any_hue_batch, mean_colour_weight=args.mean_colour_weight)
     else:
         vae = AutoencoderKL.from_pretrained(str(toy_base_model() / "vae"), local_files_only=True).eval()
         if args.start:
@@ -142,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
             print(" ".join(f"{hue}:{value:.2f}" for hue, value in moves.items()))
             return moves
         if args.trial == "decoder":
-            polish_decoder(vae, args.steps, args.batch, log, draw=any_hue_pixels)
+            polish_decoder(vae, args.steps, args.batch, log, draw=draw_any_hue_batch)
         else:
             anchored(vae, args.steps, args.batch, args.lr, args.mean_colour_weight, args.anchor_weight,
                      BUILD_SEED + 17, log)

@@ -26,7 +26,7 @@ import torch
 
 from ..digest import sha256_file
 from . import weights_dir
-from .codec import MEAN_COLOUR_WEIGHT, hue_circle_batch, mean_colour_error
+from .codec import MEAN_COLOUR_WEIGHT, hue_circle_batch, reconstruction_loss
 from .world import ALL_COLORS, ALL_SHAPES, BASE_COLORS, IMAGE_SIZE, SHAPES, Scene, base_scenes, draw_scene
 
 BUILD_SEED = 0
@@ -86,14 +86,7 @@ def train_vae(vae, steps: int, batch: int, log: Callable[[str], None],
         x = draw(rng, batch)
         posterior = vae.encode(x).latent_dist
         recon = vae.decode(posterior.sample()).sample
-        # The object is a fifth of the image: weigh its pixels up, or the codec learns backgrounds and greys
-        # the colours (the colour is what the scorer and the user look at).
-        saturated = (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) > 0.5
-        weight = 1 + 8 * saturated.float()
-        error = recon - x
-        loss = (weight * error.abs()).mean() + (weight * error.pow(2)).mean() + 1e-6 * posterior.kl().mean()
-        if mean_colour_weight:
-            loss = loss + mean_colour_weight * mean_colour_error(error, saturated.float()).abs().mean()
+        loss = reconstruction_loss(x, recon - x, mean_colour_weight) + 1e-6 * posterior.kl().mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -131,11 +124,7 @@ def polish_decoder(vae, steps: int, batch: int, log: Callable[[str], None],
         x = draw(rng, batch)
         with torch.no_grad():
             z = vae.encode(x).latent_dist.sample()
-        error = vae.decode(z).sample - x
-        saturated = ((x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) > 0.5).float()
-        weight = 1 + 8 * saturated
-        loss = ((weight * error.abs()).mean() + (weight * error.pow(2)).mean()
-                + MEAN_COLOUR_WEIGHT * mean_colour_error(error, saturated).abs().mean())
+        loss = reconstruction_loss(x, vae.decode(z).sample - x, MEAN_COLOUR_WEIGHT)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -19,13 +19,11 @@ encode-decode round trip (no LoRA on the denoiser can do better than the codec d
     python bench/concept_suite.py --out /tmp/cs --concepts blue,orange --seeds 1      # a slice
 
 Writes OUT/rows.jsonl (one line per concept x seed, reused by a later run of the same OUT) and OUT/table.md, the
-markdown table for bench/RESULTS.md, and prints it. Not done here: rebuilding the toy bases so that their codecs carry
-every hue (issue 35.1's second half).
+markdown table for bench/RESULTS.md, and prints it. The codec floor around the whole hue circle: bench/codec_floor.py.
 """
 from __future__ import annotations
 
 import argparse
-import colorsys
 import json
 import shutil
 import sys
@@ -37,15 +35,11 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from stabletune_core.toy.codec import rgb_of_hue  # noqa: E402
 from stabletune_core.toy.world import (BASE_COLORS, CONCEPT_COLOR, CONCEPT_RGB, SHAPES, Scene,  # noqa: E402
                                        base_prompts)
 
 IMAGES = 12  # of each concept, as the demo's
-
-
-def rgb_of_hue(hue: float, saturation: float = 0.8, value: float = 0.85) -> tuple[int, int, int]:
-    r, g, b = colorsys.hsv_to_rgb((hue % 360) / 360, saturation, value)
-    return round(r * 255), round(g * 255), round(b * 255)
 
 
 #: name -> RGB. The base's hues: red 0, yellow 52, green 127, cyan 185 (and purple 274, never seen by its denoiser).
@@ -106,21 +100,11 @@ def codec_floor(concept: Concept, images: list, round_trip: Callable[[Any], Any]
 
 def vae_round_trip(model: Path) -> Callable[[Any], Any]:
     """PIL image -> the same image encoded (the posterior's mean) and decoded by the model's VAE."""
-    import numpy as np
-    import torch
     from diffusers import AutoencoderKL
-    from PIL import Image
 
-    vae = AutoencoderKL.from_pretrained(str(model / "vae"), local_files_only=True).eval()
+    from stabletune_core.toy.codec import round_trip
 
-    @torch.no_grad()
-    def round_trip(image):
-        pixels = torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32) / 127.5 - 1)
-        latents = vae.encode(pixels.permute(2, 0, 1)[None]).latent_dist.mode()
-        decoded = vae.decode(latents).sample[0].clamp(-1, 1).permute(1, 2, 0)
-        return Image.fromarray(((decoded.numpy() + 1) * 127.5).round().astype("uint8"))
-
-    return round_trip
+    return round_trip(AutoencoderKL.from_pretrained(str(model / "vae"), local_files_only=True).eval())
 
 
 def passes(row: dict) -> bool:

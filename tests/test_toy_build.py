@@ -22,8 +22,11 @@ def test_rebuild_matches_the_shipped_manifest(tmp_path):
     rebuilt = build(tmp_path / "weights", vae_steps=shipped["vae_steps"], vae_batch=shipped["vae_batch"],
                     vae_polish_steps=shipped.get("vae_polish_steps", 0),
                     unet_steps=shipped["unet_steps"], unet_batch=shipped["unet_batch"],
-                    scenes_per_combo=shipped["scenes_per_combo"], log=lambda message: None)
+                    scenes_per_combo=shipped["scenes_per_combo"], vae_images=shipped.get("vae_images", "named"),
+                    log=lambda message: None)
     for key in ("final_vae_loss", "final_unet_loss"):
         assert rebuilt[key] == pytest.approx(shipped[key], rel=LOSS_TOLERANCE), key
     assert rebuilt["scores"]["base_right"] >= 0.95  # colour within 6 degrees and right shape, 8 seeds
     assert rebuilt["scores"]["concept_hue_error"] >= 30  # it never saw the concept colour
+    if shipped.get("vae_images") == "hue_circle":
+        assert rebuilt["codec_floor"]["worst_hue_deg"] <= 3.5  # its codec carries every hue (issue 35.1)

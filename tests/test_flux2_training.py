@@ -288,10 +288,16 @@ def test_nan_is_rolled_back_and_oom_halves_the_micro_batch(background):
 
 def in_process(paths, shapes_dataset: Path, out: Path, **overrides):
     """A 4-step Klein run in this process (setup + train); returns the session and the run's metrics."""
+    return train_in_process("flux2_klein", paths["folder"], shapes_dataset, out, **overrides)
+
+
+def train_in_process(family: str, model: Path, shapes_dataset: Path, out: Path, **overrides):
+    """A 4-step run of `family` from the tiny folder `model` in this process (setup + train); returns the session
+    and the run's metrics. Shared with the other transformer families' tests (test_z_image_stability.py)."""
     from stabletune_core.config import build_config
     from stabletune_core.train.loop import setup, train
 
-    values = dict(model_family="flux2_klein", pretrained_model_name_or_path=str(paths["folder"]),
+    values = dict(model_family=family, pretrained_model_name_or_path=str(model),
                   train_data_dir=str(shapes_dataset), output_dir=str(out), resolution=64, bucket_step=8,
                   min_bucket_reso=32, max_bucket_reso=128, train_batch_size=2, learning_rate=1e-3,
                   max_train_steps=4, lora_rank=4, save_steps=1000, seed=3, save_precision="fp32", validation_split=0)

@@ -19,9 +19,12 @@ from stabletune_core.config import TrainConfig
 from stabletune_core.config.families import KLEIN_LORA_TARGETS
 from stabletune_core.models.flux2_klein.family import LORA_PRESETS
 from stabletune_core.runs.reader import RunReader
+from transformer_stability import (TIMEOUT, assert_a_signal_stops_with_a_checkpoint_and_the_lora,
+                                   assert_caches_train_what_encoding_each_step_trains,
+                                   assert_out_of_memory_at_4_kept_the_effective_batch,
+                                   assert_stopped_early_and_exported_the_best, events_of, losses, train_in_process)
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMEOUT = 900
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +101,6 @@ def test_a_lone_transformer_file_trains_with_its_files_named(paths, shapes_datas
 
 
 # ---- item 2: trains through the real loop from the command line; what was loaded is said; the LoRA loads ----------
-def events_of(run: Path, kind: str) -> list[dict]:
-    return [e for e in RunReader(run).events() if e["kind"] == kind]
-
-
 @pytest.fixture(scope="module")
 def trained(paths, shapes_dataset, tmp_path_factory):
     """One 4-step CLI run on the tiny Klein base: validation images from a separate (distilled) preview model, the
@@ -277,38 +276,12 @@ def test_nan_is_rolled_back_and_oom_halves_the_micro_batch(background):
     assert RunReader(run).status()["state"] == "finished"
     assert [(e["step"], e["what"]) for e in events_of(run, "nonfinite")] == [(2, "loss"), (3, "gradients")]
     assert len(events_of(run, "rollback")) == 1
-    assert [(e["step"], e["old_micro_batch"], e["new_micro_batch"]) for e in events_of(run, "oom")] == [(4, 2, 1)]
-    metrics = RunReader(run).metrics()
-    assert [m["micro_batch_size"] for m in metrics] == [2, 2, 2, 1, 1, 1]
-    assert [m["images_seen"] for m in metrics] == [2, 4, 6, 8, 10, 12]  # the effective batch stayed 2
-    weights = load_file(run / "output" / "lora.safetensors")
-    assert all(torch.isfinite(t).all() for t in weights.values())
-    assert any(t.abs().sum() > 0 for k, t in weights.items() if "lora_up" in k)
+    assert_out_of_memory_at_4_kept_the_effective_batch(run)
 
 
 def in_process(paths, shapes_dataset: Path, out: Path, **overrides):
     """A 4-step Klein run in this process (setup + train); returns the session and the run's metrics."""
     return train_in_process("flux2_klein", paths["folder"], shapes_dataset, out, **overrides)
-
-
-def train_in_process(family: str, model: Path, shapes_dataset: Path, out: Path, **overrides):
-    """A 4-step run of `family` from the tiny folder `model` in this process (setup + train); returns the session
-    and the run's metrics. Shared with the other transformer families' tests (test_z_image_stability.py)."""
-    from stabletune_core.config import build_config
-    from stabletune_core.train.loop import setup, train
-
-    values = dict(model_family=family, pretrained_model_name_or_path=str(model),
-                  train_data_dir=str(shapes_dataset), output_dir=str(out), resolution=64, bucket_step=8,
-                  min_bucket_reso=32, max_bucket_reso=128, train_batch_size=2, learning_rate=1e-3,
-                  max_train_steps=4, lora_rank=4, save_steps=1000, seed=3, save_precision="fp32", validation_split=0)
-    config = build_config({**values, **overrides})
-    session = setup(config)
-    train(config, session=session)
-    return session, RunReader(out).metrics()
-
-
-def losses(metrics: list[dict]) -> list[tuple[float, float]]:
-    return [(m["loss"], m["grad_norm"]) for m in metrics]
 
 
 def test_gradient_checkpointing_recomputes_and_changes_no_number(paths, shapes_dataset, tmp_path, one_thread):
@@ -338,13 +311,7 @@ def test_gradient_checkpointing_recomputes_and_changes_no_number(paths, shapes_d
 def test_latent_and_text_caches_train_what_encoding_each_step_trains(paths, shapes_dataset, tmp_path, one_thread):
     """Klein encodes the VAE's mode (no posterior sample), so cached latents are the ones encoded each step; the
     text embeddings are encoded in other batches, which moves float sums in the last bits only."""
-    _, plain = in_process(paths, shapes_dataset, tmp_path / "plain")
-    session, cached = in_process(paths, shapes_dataset, tmp_path / "cached", cache_latents=True,
-                                 cache_text_embeddings=True)
-    assert session.inputs.latent_cache is not None and session.inputs.text_cache is not None
-    placed = events_of(tmp_path / "cached", "placement")
-    assert placed and "vae" in placed[0]["modules"] and "text_encoder_0" in placed[0]["modules"]
-    torch.testing.assert_close(torch.tensor(losses(cached)), torch.tensor(losses(plain)), rtol=1e-5, atol=0)
+    assert_caches_train_what_encoding_each_step_trains("flux2_klein", paths["folder"], shapes_dataset, tmp_path)
 
 
 def test_max_sequence_length_is_the_text_length_of_training_the_cache_and_validation(paths, shapes_dataset, tmp_path,
@@ -412,8 +379,6 @@ def test_diagnostics_validation_loss_perceptual_term_and_ema_work(paths, shapes_
 def test_rising_validation_loss_stops_early_and_exports_the_best(paths, shapes_dataset, tmp_path, one_thread):
     """A rate ramped far too high on six images: held-out loss falls, then climbs (1.35, 1.28, 1.29, 1.32, 1.37
     measured); the tiny model's loss lives in a narrow band, so the factor is 1.01 and one trigger stops."""
-    from stabletune_core.train.checkpoint import load_checkpoint
-
     run = tmp_path / "run"
     session, _ = in_process(paths, shapes_dataset, run, max_train_steps=60, lora_rank=8, learning_rate=0.5,
                             lr_scheduler="constant_with_warmup", lr_warmup_steps=50, validation_split=0.25,
@@ -423,30 +388,12 @@ def test_rising_validation_loss_stops_early_and_exports_the_best(paths, shapes_d
                             early_stopping_window=4, early_stopping_factor=1.01, early_stopping_patience=1,
                             early_stopping_min_steps=0, diagnostics_every=0, activation_stats_every=0,
                             checkpoints_total_limit=1, save_steps=4)
-    curve = RunReader(run).diagnostics("val_loss.jsonl")
-    best = min(curve, key=lambda r: r["val_loss"])
-    assert session.state.step < 60 and curve[-1]["val_loss"] > best["val_loss"]
-    (stop,) = events_of(run, "early_stop")
-    assert stop["best_step"] == best["step"]
-    exported = load_file(run / "output" / "lora_best.safetensors")
-    adapter = load_checkpoint(run / "checkpoints" / f"step_{best['step']:06d}").adapter
-    down = next(k for k in exported if k.endswith("lora_down.weight"))
-    assert any(torch.equal(exported[down], v) for v in adapter.values() if v.shape == exported[down].shape)
+    assert_stopped_early_and_exported_the_best(run, session.state.step, 60)
 
 
 def test_a_signal_saves_a_checkpoint_and_the_lora_then_stops(paths, shapes_dataset, tmp_path):
     import signal
 
-    from test_failures import _start, _wait_for_step
-
     run = tmp_path / "run"
-    proc = _start(small_args(paths["folder"], shapes_dataset, run, max_train_steps=100000))
-    _wait_for_step(run, proc)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=TIMEOUT)
-    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert "Traceback" not in stderr
-    status = RunReader(run).status()
-    assert status["state"] == "stopped" and status["step"] >= 1
-    assert (run / "checkpoints" / f"step_{status['step']:06d}" / "manifest.json").is_file()
-    assert (run / "output" / "lora.safetensors").is_file()
+    args = small_args(paths["folder"], shapes_dataset, run, max_train_steps=100000)
+    assert_a_signal_stops_with_a_checkpoint_and_the_lora(args, run, signal.SIGTERM)

@@ -1,8 +1,9 @@
 """A new family must not change a bit of an existing family's runs (DESIGN.md, "Model families behind one face").
 
-Trains the tiny SD1, SDXL, FLUX.2 Klein (models/tiny_flux2.py) and Z-Image (models/tiny_z_image.py) with this checkout and with a baseline revision (default: where this branch
-left main), the same command line in each, and compares what the runs wrote: every tensor of the exported LoRA,
-every step's loss and gradient norm, and the validation images byte for byte. The baseline tree is written out
+Trains the tiny SD1, SDXL, FLUX.2 Klein (models/tiny_flux2.py) and Z-Image (models/tiny_z_image.py) with this
+checkout and with a baseline revision (default: where this branch left main), the same command line in each, and
+compares what the runs wrote: every tensor of the exported LoRA, every step's loss and gradient norm, and the
+validation images byte for byte. The baseline tree is written out
 with `git archive` into a temporary folder, so no checkout (main included) is touched.
 
     python bench/family_bitwise.py                      # baseline: git merge-base HEAD main

@@ -12,6 +12,7 @@ from typing import Any, Callable
 from ..runs import events
 from ..runs.states import PAUSE, PAUSED, RESUME, SAMPLE, SAVE, STOP, TRAINING
 from ..runs.writer import RunWriter
+from . import signals
 from .ranks import Ranks
 
 PAUSE_POLL_SECONDS = 0.5  # a paused run reads control.json (and rewrites its heartbeat) this often
@@ -50,3 +51,13 @@ def obey_control(run: RunWriter, ranks: Ranks, *, step: int, max_steps: int, sav
             run.status(PAUSED, step=step, max_steps=max_steps)  # keep the heartbeat fresh
         command = take_command(run, ranks)
     return False
+
+
+def honour_stop_while_sampling(run: RunWriter, step: int, sampling_step: int) -> None:
+    """A stop asked for while the end of a run made its deferred validation images: acted on here (the command is
+    taken, the signal marked honoured), so a later resume does not find it."""
+    run.take_control()
+    if signals.ACTIVE is not None and signals.requested():
+        signals.ACTIVE.honoured = True
+    run.event(events.STOP_REQUESTED, f"Stop requested at step {step} while making the step-{sampling_step} "
+              "validation images; saving and exporting.", step=step)

@@ -1,14 +1,14 @@
 """The training loop. Read it top to bottom: set up, resume, then one optimizer step at a time.
 
-One step is `training_step` below with two helpers from step.py, each taking what it uses as arguments:
-`forward_backward` (the family's objective noises the batch, the denoiser predicts, the loss goes backward over
-micro-batches) and `clip_gradients`. Everything that makes a run survive (non-finite losses, out-of-memory,
-clipping, early stopping) lives in guard objects (guards/) called at fixed points of the step; a guard returns
-verdicts and `carry_out`, below, acts on them, in one place, because only the loop owns the weights, the
-optimizer, the step counter and the run folder. Observers (observers/) measure and record; everything the
-world should know goes to the run directory through `RunWriter`. The loop decides when; its hands are
-run_files.py (checkpoints, the LoRA, the resume), samples.py (validation images, deferred ones) and control.py
-(the UI's commands). Nothing imports this module but the entry points (cli.py).
+One step is `training_step` below with two helpers from step.py: `forward_backward` (the family's objective noises
+the batch, the denoiser predicts, the loss goes backward over micro-batches; it takes the run's `StepParts`) and
+`clip_gradients`. Everything that makes a run survive (non-finite losses, out-of-memory, clipping, early stopping)
+lives in guard objects (guards/) called at fixed points of the step; a guard returns verdicts and `carry_out`,
+below, acts on them, in one place, because only the loop owns the weights, the optimizer, the step counter and the
+run folder. Observers (observers/) measure and record; everything the world should know goes to the run directory
+through `RunWriter`. The loop decides when; its hands take small frozen records setup built once, never the
+session: run_files.py (checkpoints, the LoRA, the resume: `RunFiles`), samples.py (validation images, deferred ones:
+`Sampler`), control.py (the UI's commands), preflight.py. Nothing imports this module but the entry points (cli.py).
 """
 from __future__ import annotations
 
@@ -23,35 +23,29 @@ from tqdm.auto import tqdm
 from ..config import TrainConfig
 from ..runs import events, states
 from ..runs.image_losses import loss_record
-from . import signals, step
-from .checkpoint import CheckpointError, latest_good_checkpoint
-from .control import obey_control as obey
+from . import run_files, signals, step
+from .checkpoint import latest_good_checkpoint
+from .control import honour_stop_while_sampling, obey_control as obey
 from .guards import Guard, OutOfMemoryStop
 from .guards.out_of_memory import free_memory
 from .guards.verdicts import (Event, ExportBest, LowerLearningRate, ProtectCheckpoint, Report, RollBack, SaveBest,
                               ScaleWeights, ShrinkMicroBatch, SkipStep, StopDiverged, StopEarly, StopOutOfMemory,
                               SwapMoreBlocks, SwitchPrecision, TakeSnapshot, Verdict)
 from .memory_stats import memory_stats
-from .noise import NoiseOptions
 from .placement import swap_more_blocks
 from .observers.base import Observation
 from .outcome import RunFailed
-from .preflight import describe, preflight
+from .preflight import describe, measure_run
 from .preview import preview_adapters
 from .rollback import restore_snapshot, take_snapshot
-from .run_files import RunFiles, export as export_lora, export_best as export_best_checkpoint, last_good_sentence
-from .run_files import resume as run_files_resume, write_checkpoint
-from .samples import (Sampler, Sampling, announce, defer, make_deferred, make_samples, owed_base_images,
-                      sampling_due)
+from .samples import Sampling, announce, defer, make_deferred, make_samples, owed_base_images, sampling_due, unfinished
 from .session import Session, SessionView
 from .setup import setup
 from .state import restore_adapter, restore_rng, rng_state
-from .validation_images import make_validation_images
 
 #: status.json while training is rewritten at most this often: the UI polls it about once a second, and a
 #: fast step would otherwise spend more on the heartbeat than on all the guards together (bench/RESULTS.md).
 HEARTBEAT_SECONDS = 0.5
-CHECKPOINT_FAILURE_LIMIT = 3  # checkpoints in a row that may fail (a full disk) before the run stops
 
 
 # ---- the loop ------------------------------------------------------------------------------------------
@@ -68,7 +62,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
         apply_preflight(s)
     if s.config.validation_prompts and not stop_signal(s) and s.ranks.is_main:
         # made a few images at a time from the next step on: training starts at once
-        state.deferred = defer(sampler(s), 0) if state.step == 0 else owed_base_images(sampler(s), state.step)
+        state.deferred = defer(s.samples, 0) if state.step == 0 else owed_base_images(s.samples, state.step)
     run.status(states.TRAINING, step=state.step, max_steps=s.max_steps)
     progress = tqdm(total=s.max_steps, initial=state.step, desc="training", unit="step", disable=not s.ranks.is_main)
     last_time, sec_per_step = time.perf_counter(), None
@@ -147,7 +141,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     if final_checkpoint_failed:
         written = f"the LoRA was written to {path}" if path else "the LoRA was not written"
         raise RunFailed(f"The final checkpoint at step {state.step} could not be written ({written}); "
-                        f"{last_good_sentence(s.run.paths.checkpoints)}")
+                        f"{run_files.last_good_sentence(s.run.paths.checkpoints)}")
     summary = next((o.summary for o in ended if o.summary), None)
     run.status(stop_reason, step=state.step, max_steps=s.max_steps, eta_seconds=0, lora=str(path) if path else None,
                summary=summary)
@@ -194,13 +188,9 @@ def freeze_embeddings(s: Session) -> None:
 
 def forward_backward(s: Session, batches: list[dict[str, Any]], *, micro_batch_size: int | None = None
                      ) -> step.StepLoss:
-    """`step.forward_backward` with this run's pieces (the micro-batch: the state's unless given)."""
-    config = s.config
-    return step.forward_backward(
-        batches, inputs=s.inputs, objective=s.objective, denoiser=s.denoiser, trained=s.trained, params=s.params,
-        amp=s.amp, ranks=s.ranks, micro_batch_size=micro_batch_size or s.state.micro_batch_size,
-        noise=NoiseOptions.from_config(config), masked_loss=config.masked_loss,
-        prior_loss_weight=config.prior_loss_weight, perceptual=s.perceptual, step=s.state.step)
+    """`step.forward_backward` with this run's parts (the micro-batch: the state's unless given)."""
+    return step.forward_backward(batches, s.step_parts, micro_batch_size=micro_batch_size or s.state.micro_batch_size,
+                                 step=s.state.step)
 
 
 def forward_backward_fitting(s: Session, batches: list[dict[str, Any]]) -> step.StepLoss:
@@ -350,68 +340,31 @@ def roll_back(s: Session, verdict: RollBack) -> None:
                 new_lr=new, bad_steps=list(verdict.bad_steps), console=True)
 
 
-# ---- checkpoints and LoRA files (run_files.py) ---------------------------------------------------------------
-def run_files(s: Session) -> RunFiles:
-    return RunFiles(s.config, s.run, s.ranks, s.trained, s.pivotal, s.optimizer, s.lr_scheduler, s.amp, s.ema,
-                    (*s.guards, *s.observers), s.bundle, s.data, s.max_steps, s.checkpoint_halfway)
-
-
+# ---- the loop's hands: run files, preflight, samples, the UI's commands ---------------------------------------------
 def save(s: Session, reason: str) -> Path | None:
-    """Write a checkpoint. A failed one (a full disk) is one console line and the run goes on, keeping the last
-    good checkpoint; CHECKPOINT_FAILURE_LIMIT failures in a row stop the run with a sentence."""
-    s.ranks.wait()
-    if not s.ranks.is_main:
-        return None
-    state = s.state
-    s.run.status(states.SAVING, step=state.step)
-    try:
-        folder = write_checkpoint(run_files(s), state, reason)
-    except CheckpointError as exc:
-        state.checkpoint_failures += 1
-        s.run.event(events.CHECKPOINT_FAILED, str(exc), step=state.step, console=True)
-        if state.checkpoint_failures >= CHECKPOINT_FAILURE_LIMIT:
-            raise RunFailed(f"Stopped at step {state.step} because {state.checkpoint_failures} checkpoints in a row "
-                            f"could not be written ({exc.reason or exc}); "
-                            f"{last_good_sentence(s.run.paths.checkpoints)}") from None
-        s.run.status(states.TRAINING, step=state.step, max_steps=s.max_steps, error=str(exc))
-        return None
-    state.checkpoint_failures = 0
-    return folder
+    """A checkpoint (run_files.py `save`: a failed one is a console line, CHECKPOINT_FAILURE_LIMIT in a row end it)."""
+    return run_files.save(s.files, s.state, reason)
 
 
 def resume(s: Session) -> None:
     """Continue from the checkpoint setup found (setup read and verified it before loading the model)."""
-    checkpoint = s.state.resume_from
-    if checkpoint is None:
-        return
-    s.state.resume_from = None  # its tensors are not needed once loaded
-    run_files_resume(run_files(s), checkpoint, s.state)
+    run_files.resume(s.files, s.state)
 
 
 def export(s: Session, name: str | None = None) -> Path | None:
     """The LoRA as trained now (and its EMA beside it): RUN/output/NAME.safetensors, NAME = output_name."""
-    return export_lora(run_files(s), name or s.config.output_name, step=s.state.step, epoch=s.state.epoch)
+    return run_files.export(s.files, name or s.config.output_name, step=s.state.step, epoch=s.state.epoch)
 
 
 def export_best(s: Session) -> Path | None:
     """The best checkpoint as <output_name>_best (early stopping); the current weights stay as they are."""
-    if not s.state.best_checkpoint:
-        return None
-    return export_best_checkpoint(run_files(s), Path(s.state.best_checkpoint), epoch=s.state.epoch)
+    best = s.state.best_checkpoint
+    return run_files.export_best(s.files, Path(best), epoch=s.state.epoch) if best else None
 
 
-# ---- before training: the preflight -----------------------------------------------------------------------------
 def run_preflight(s: Session) -> dict[str, Any]:
     """preflight.py's measurements with this run's step and sampling."""
-    config = s.config
-    sampling = config.model_copy(update={"validation_prompt": config.validation_prompt or "preflight",
-                                         "num_validation_images": 1, "validation_inference_steps": 2})
-    return preflight(s.data, batch_size=config.train_batch_size, micro_batch_size=s.state.micro_batch_size,
-                     with_pixels=s.inputs.latent_cache is None, position=(s.state.epoch, s.state.batch_in_epoch),
-                     step=lambda batches, micro: forward_backward(s, batches, micro_batch_size=micro),
-                     optimizer=s.optimizer, device=s.device,
-                     render=lambda folder: make_validation_images(s.bundle, sampling, folder, s.device,
-                                                                  autocast=s.amp.autocast))
+    return measure_run(s.config, s.data, s.state, s.step_parts, s.samples, s.optimizer)
 
 
 def apply_preflight(s: Session) -> dict[str, Any]:
@@ -424,26 +377,17 @@ def apply_preflight(s: Session) -> dict[str, Any]:
     return report
 
 
-# ---- between steps: signals, samples, the UI's commands -----------------------------------------------------
 def stop_signal(s: Session) -> int | None:
     """The Ctrl-C / SIGTERM the CLI caught, if any; with several processes the main one's, so every rank stops
     at the same step."""
     return s.ranks.from_main(signals.requested())
 
 
-def sampler(s: Session) -> Sampler:
-    return Sampler(s.config, s.run, s.ranks, s.bundle, s.preview, s.trained, s.pivotal, s.optimizer, s.ema,
-                   s.device, s.amp.autocast, s.max_steps)
-
-
 def sample(s: Session, *, then: str = states.TRAINING) -> None:
     """The validation images of this step (after the rest of a deferred sampling: samplings stay in step order).
     A stop asked for meanwhile ends it at the next image."""
-    if not s.ranks.is_main:
-        return
-    if s.state.deferred is not None and not sample_deferred(s, None, then=then):
-        return  # a stop is waiting
-    samples_made(s, make_samples(sampler(s), s.state.step, then=then))
+    if s.ranks.is_main and (s.state.deferred is None or sample_deferred(s, None, then=then)):
+        samples_made(s, make_samples(s.samples, s.state.step, then=then))
 
 
 def samples_made(s: Session, sampling: Sampling) -> None:
@@ -459,8 +403,7 @@ def sample_deferred(s: Session, count: int | None, *, then: str = states.TRAININ
     """Make `count` more of the deferred sampling's images (None: the rest). Returns True once all are made (the
     deferral is then over), False when a stop is waiting."""
     deferred = s.state.deferred
-    over = make_deferred(sampler(s), deferred, count, step=s.state.step, then=then)
-    if over is not None:
+    if (over := make_deferred(s.samples, deferred, count, step=s.state.step, then=then)) is not None:
         s.state.deferred = None
         samples_made(s, over)
     return deferred.done
@@ -470,18 +413,14 @@ def end_deferred(s: Session, *, make_the_rest: bool) -> bool:
     """At the end of training: make the images still due, or, when the run stops, say how many were made.
     Returns False when a stop asked for while making them ended them (the run then ends `stopped`)."""
     deferred = s.state.deferred
-    if make_the_rest:
-        if sample_deferred(s, None):
-            return True
-        s.run.take_control()  # the stop is acted on here: a later resume must not find it
-        if signals.ACTIVE is not None and signals.requested():
-            signals.ACTIVE.honoured = True
-        s.run.event(events.STOP_REQUESTED, f"Stop requested at step {s.state.step} while making the step-"
-                    f"{deferred.step} validation images; saving and exporting.", step=s.state.step)
-        return False
-    s.state.deferred = None
-    samples_made(s, Sampling(deferred.step, deferred.folder, list(deferred.made), deferred.due))
-    return True
+    if not make_the_rest:
+        s.state.deferred = None
+        samples_made(s, unfinished(deferred))
+        return True
+    if sample_deferred(s, None):
+        return True
+    honour_stop_while_sampling(s.run, s.state.step, deferred.step)
+    return False
 
 
 def sample_now(s: Session, state_after: str) -> None:

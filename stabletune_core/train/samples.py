@@ -145,6 +145,11 @@ def owed_base_images(sampler: Sampler, step: int) -> DeferredSampling | None:
                             made=made)
 
 
+def unfinished(deferred: DeferredSampling) -> Sampling:
+    """A deferred sampling the run ends before all its images are made (a stop): the ones made so far."""
+    return Sampling(deferred.step, deferred.folder, list(deferred.made), deferred.due)
+
+
 def make_deferred(sampler: Sampler, deferred: DeferredSampling, count: int | None, *, step: int,
                   then: str) -> Sampling | None:
     """Make `count` more of a deferred sampling's images (None: the rest) with the weights it froze (none: the
@@ -165,5 +170,5 @@ def make_deferred(sampler: Sampler, deferred: DeferredSampling, count: int | Non
             restore_adapter(sampler.trained, sampler.ranks, current, sampler.pivotal)
     sampler.run.status(then, step=step, max_steps=sampler.max_steps)
     if deferred.done or (count is None and sampler.stop_waiting()):
-        return Sampling(deferred.step, deferred.folder, list(deferred.made), deferred.due)
+        return unfinished(deferred)
     return None

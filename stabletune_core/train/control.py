@@ -24,15 +24,19 @@ def take_command(run: RunWriter, ranks: Ranks) -> dict[str, Any] | None:
 
 
 def obey_control(run: RunWriter, ranks: Ranks, *, step: int, max_steps: int, save: Callable[[], Any],
-                 sample: Callable[[str], Any]) -> bool:
+                 sample: Callable[[str], Any] | None) -> bool:
     """Save, sample, stop, pause (then wait for resume or stop). `sample(state_after)`: the images, then the status
-    says `state_after`. Returns True when the run is to stop."""
+    says `state_after`; None for a run without a validation prompt (one sentence says there is nothing to render).
+    Returns True when the run is to stop."""
     command = take_command(run, ranks)
     paused = False
     while command or paused:
         kind = (command or {}).get("command")
         if kind == SAVE:
             save()
+        elif kind == SAMPLE and sample is None:
+            run.event(events.SAMPLES, "Sample now: this run has no validation prompt, so there is nothing to render "
+                      "(set validation_prompt for the next run).", step=step, console=True)
         elif kind == SAMPLE:
             sample(PAUSED if paused else TRAINING)
         elif kind == STOP:

@@ -13,19 +13,15 @@ session: run_files.py (checkpoints, the LoRA, the resume: `RunFiles`), samples.p
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from ..config import TrainConfig
 from ..runs import events, states
-from ..runs.image_losses import loss_record
 from . import run_files, signals, step
-from .checkpoint import latest_good_checkpoint
-from .control import honour_stop_while_sampling, obey_control as obey
+from .control import obey_control as obey
 from .guards import Guard, OutOfMemoryStop
 from .guards.out_of_memory import free_memory
 from .guards.verdicts import (Event, ExportBest, LowerLearningRate, ProtectCheckpoint, Report, RollBack, SaveBest,
@@ -37,15 +33,13 @@ from .observers.base import Observation
 from .outcome import RunFailed
 from .preflight import describe, measure_run
 from .preview import preview_adapters
-from .rollback import restore_snapshot, take_snapshot
-from .samples import Sampling, announce, defer, make_deferred, make_samples, owed_base_images, sampling_due, unfinished
+from .progress import HEARTBEAT_SECONDS, Pace  # noqa: F401  (HEARTBEAT_SECONDS: the loop's pace, tests read it here)
+from .rollback import roll_back, take_snapshot
+from .samples import (Sampling, announce, defer, end_deferred, more_deferred, owed_base_images, sampling_due,
+                      take_samples)
 from .session import Session, SessionView
 from .setup import setup
 from .state import restore_adapter, restore_rng, rng_state
-
-#: status.json while training is rewritten at most this often: the UI polls it about once a second, and a
-#: fast step would otherwise spend more on the heartbeat than on all the guards together (bench/RESULTS.md).
-HEARTBEAT_SECONDS = 0.5
 
 
 # ---- the loop ------------------------------------------------------------------------------------------
@@ -60,13 +54,11 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     run, state, view = s.run, s.state, SessionView(s)
     if s.config.preflight:
         apply_preflight(s)
-    if s.config.validation_prompts and not stop_signal(s) and s.ranks.is_main:
+    if s.config.validation_prompts and not s.ranks.from_main(signals.requested()) and s.ranks.is_main:
         # made a few images at a time from the next step on: training starts at once
         state.deferred = defer(s.samples, 0) if state.step == 0 else owed_base_images(s.samples, state.step)
     run.status(states.TRAINING, step=state.step, max_steps=s.max_steps)
-    progress = tqdm(total=s.max_steps, initial=state.step, desc="training", unit="step", disable=not s.ranks.is_main)
-    last_time, sec_per_step = time.perf_counter(), None
-    last_heartbeat = -math.inf
+    pace = Pace(state.step, s.max_steps, shown=s.ranks.is_main)
     stop_reason = states.FINISHED
     first_step = state.step
     for module in s.trained.values():
@@ -75,27 +67,20 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
         carry_out(s, guard, guard.on_start(view))
     try:  # the progress bar ends its line whatever happens, so a failure sentence starts on its own
         while state.step < s.max_steps:
-            signum = stop_signal(s)
-            if signum:
-                if signals.ACTIVE is not None:
-                    signals.ACTIVE.honoured = True
-                run.event(events.STOP_REQUESTED, f"{signals.signal_name(signum)} at step {state.step}; saving a "
-                          "checkpoint and the LoRA.", step=state.step, console=True)
+            if signals.stop_asked(s.ranks, run, state.step):
                 stop_reason = states.STOPPED
                 break
-            freeze_embeddings(s)
+            step.freeze_embeddings(s.pivotal, run, state.step, s.pivotal_freeze_step,
+                                   s.config.embedding_train_fraction)
             batches = step.next_batches(s.feed, state, s.config.gradient_accumulation_steps)
             state.batch_paths = [str(p) for b in batches for p in b["path"]]
             loss, grad_norm, clip_threshold = training_step(s, batches)
             state.step += 1
             if loss.per_image is not None:
-                run.image_losses(loss_record(state.step, loss.per_image.paths, loss.per_image.losses,
-                                             loss.per_image.timesteps, loss.per_image.reg))
+                run.image_losses(loss.per_image.record(state.step))
             state.images_seen += s.ranks.total(sum(len(b["caption"]) for b in batches))
 
-            now = time.perf_counter()
-            sec_per_step = (now - last_time) if sec_per_step is None else 0.9 * sec_per_step + 0.1 * (now - last_time)
-            last_time = now
+            sec_per_step = pace.step_done()
             metrics = dict(loss=loss.mean, lr=s.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
                            clip_threshold=clip_threshold, epoch=state.epoch, images_seen=state.images_seen,
                            sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
@@ -107,24 +92,22 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                 run.metric(state.step, **logged)
                 for observer in s.observers:
                     record(s, observer.on_metrics(view, logged))
-            if now - last_heartbeat >= HEARTBEAT_SECONDS or state.step == s.max_steps:
+            if pace.heartbeat_due(last_step=state.step == s.max_steps):
                 run.status(states.TRAINING, step=state.step, max_steps=s.max_steps, epoch=state.epoch,
                            sec_per_step=sec_per_step, eta_seconds=sec_per_step * (s.max_steps - state.step),
                            loss=loss.mean)
-                last_heartbeat = now
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss.mean:.4f}")
+            pace.show(loss.mean)
             if s.config.validation_prompts and sampling_due(state.step, s.config.validation_steps, s.max_steps):
                 sample(s)
             if state.step % s.config.save_steps == 0 and state.step < s.max_steps:
                 save(s, "every save_steps")
             if state.deferred is not None and state.step % state.deferred.every == 0:
-                sample_deferred(s, 1)
+                more_deferred(s.samples, state, 1, lambda sampling: samples_made(s, sampling))
             if guard_stops or obey_control(s):
                 stop_reason = states.STOPPED
                 break
     finally:
-        progress.close()
+        pace.close()
     for guard in s.guards:
         carry_out(s, guard, guard.on_end(view))
     if state.step == first_step and stop_reason == states.STOPPED:  # stopped before any step: nothing new to keep
@@ -132,7 +115,8 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
         run.event(events.STOPPED, f"Run stopped at step {state.step} before training a step; nothing new to save.",
                   step=state.step, console=True)
         return None
-    if state.deferred is not None and not end_deferred(s, make_the_rest=stop_reason == states.FINISHED):
+    if state.deferred is not None and not end_deferred(s.samples, state, lambda sampling: samples_made(s, sampling),
+                                                       make_the_rest=stop_reason == states.FINISHED):
         stop_reason = states.STOPPED  # main process only, which alone writes the outcome; every process saves alike
     save(s, stop_reason)
     final_checkpoint_failed = state.checkpoint_failures > 0
@@ -172,18 +156,6 @@ def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[step.StepL
     s.lr_scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, max_norm if math.isfinite(max_norm) else None
-
-
-def freeze_embeddings(s: Session) -> None:
-    """Pivotal tuning: from `pivotal_freeze_step` on (embedding_train_fraction of the run) the new token rows get
-    no gradient, so they stay bitwise as they are while the LoRA goes on learning around them. A resumed run
-    past that step freezes them before its first step, as the uninterrupted run did."""
-    if s.pivotal is None or not s.pivotal.training or s.state.step < s.pivotal_freeze_step:
-        return
-    s.pivotal.set_training(False)
-    s.run.event(events.CONFIG, f"Pivotal tuning: the new token embeddings freeze at step {s.state.step} "
-                f"(embedding_train_fraction {s.config.embedding_train_fraction:g}); the LoRA trains on.",
-                step=s.state.step, console=True)
 
 
 def forward_backward(s: Session, batches: list[dict[str, Any]], *, micro_batch_size: int | None = None
@@ -246,34 +218,28 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
             case Report():
                 write_event(s, verdict.event)
             case SkipStep():
-                skip_step(s, verdict)
+                s.amp.skip()  # the skipped optimizer step would have done it: an overflow lowers the loss scale
+                tensors = [] if verdict.overflow else step.nonfinite_gradients(s.trained)
+                write_event(s, verdict.event(state.step + 1, s.amp.loss_scale, tensors, list(state.batch_paths)))
             case TakeSnapshot():
                 state.snapshot = take_snapshot(s.params, s.optimizer, state.step) or state.snapshot
             case RollBack():
-                roll_back(s, verdict)
+                source = roll_back(state.snapshot, s.params, s.optimizer, s.run.paths.checkpoints,
+                                   lambda adapter: restore_adapter(s.trained, s.ranks, adapter, s.pivotal))
+                # the rate it lowers is the schedule's peak: in a warm-up the current one is about 0
+                write_event(s, verdict.event(source, *s.lr_scheduler.lower(verdict.lr_factor, verdict.min_lr)))
             case ShrinkMicroBatch():
                 state.micro_batch_size = verdict.new
-                s.run.event(events.OOM, f"Out of memory at step {verdict.step} with micro-batch {verdict.old} "
-                            f"({verdict.reason}); retrying with micro-batch {verdict.new} and twice the accumulation, "
-                            "so the effective batch stays the same.", step=verdict.step, old_micro_batch=verdict.old,
-                            new_micro_batch=verdict.new, paths=list(state.batch_paths), console=True)
+                write_event(s, verdict.event(list(state.batch_paths)))
             case SwapMoreBlocks():
-                added = swap_more_blocks(s.bundle, verdict.new, s.device)
-                s.run.event(events.OOM, f"Out of memory at step {verdict.step} with micro-batch 1 ({verdict.reason}); "
-                            f"retrying with {verdict.new} transformer blocks in CPU memory instead of {verdict.old} "
-                            "(block swap: slower, the same numbers).", step=verdict.step,
-                            old_blocks_swapped=verdict.old, new_blocks_swapped=verdict.new, blocks=added,
-                            console=True)
+                write_event(s, verdict.event(swap_more_blocks(s.bundle, verdict.new, s.device)))
             case StopOutOfMemory():
                 s.run.event(events.OOM_STOP, verdict.message, step=verdict.step)
                 save(s, "out of memory")
                 s.run.status(states.FAILED, step=state.step, error=verdict.message)
                 raise OutOfMemoryStop(verdict.message)
             case LowerLearningRate():
-                old, new = s.lr_scheduler.lower(verdict.factor, verdict.floor)
-                s.run.event(events.LR_PLATEAU, f"Validation loss has not improved on {verdict.best:.4g} for "
-                            f"{verdict.patience} evaluations; learning rate {old:.3g} -> {new:.3g}.",
-                            step=state.step, old_lr=old, new_lr=new)
+                write_event(s, verdict.event(state.step, *s.lr_scheduler.lower(verdict.factor, verdict.floor)))
             case SwitchPrecision():
                 s.amp.switch_to(verdict.precision)
                 s.amp.recast_frozen([s.bundle.denoiser, *s.bundle.text_encoders], s.params)
@@ -307,39 +273,6 @@ def write_event(s: Session, event: Event) -> None:
     s.run.event(event.kind, event.message, console=event.console, **event.fields)
 
 
-def skip_step(s: Session, verdict: SkipStep) -> None:
-    """No optimizer step this time; say why, naming the tensors that went non-finite."""
-    step_number = s.state.step + 1
-    s.amp.skip()  # the skipped optimizer step would have done it: an overflow lowers the loss scale
-    if verdict.overflow:
-        s.run.event(events.FP16_OVERFLOW, f"Skipped step {step_number}: fp16 gradients overflowed; loss scale is now "
-                    f"{s.amp.loss_scale:g}.", step=step_number)
-        return
-    tensors = step.nonfinite_gradients(s.trained)
-    detail = f" in {len(tensors)} gradient tensors, e.g. {', '.join(tensors[:3])}" if tensors else ""
-    s.run.event(events.NONFINITE, f"Skipped step {step_number}: non-finite {verdict.what} (loss {verdict.loss}, "
-                f"grad norm {verdict.grad_norm}){detail}.", step=step_number, what=verdict.what, tensors=tensors[:20],
-                paths=list(s.state.batch_paths))
-
-
-def roll_back(s: Session, verdict: RollBack) -> None:
-    """Weights and optimizer back to the last good state, and a lower learning rate."""
-    snapshot = s.state.snapshot
-    if snapshot is not None:
-        restore_snapshot(s.params, s.optimizer, snapshot)
-        source = f"rolled the LoRA and optimizer back to step {snapshot.step} (in memory)"
-    elif (checkpoint := latest_good_checkpoint(s.run.paths.checkpoints)) is not None:
-        restore_adapter(s.trained, s.ranks, checkpoint.adapter, s.pivotal)
-        s.optimizer.load_state_dict(checkpoint.state["optimizer"])
-        source = f"rolled the LoRA and optimizer back to checkpoint {checkpoint.path.name}"
-    else:
-        source = "no good state to roll back to (no snapshot, no checkpoint), kept the current weights"
-    old, new = s.lr_scheduler.lower(verdict.lr_factor, verdict.min_lr)  # peaks: the rate is ~0 in a warm-up
-    s.run.event(events.ROLLBACK, f"{len(verdict.bad_steps)} non-finite steps within {verdict.window} steps (last at "
-                f"step {verdict.step}): {source}; learning rate {old:.3g} -> {new:.3g}.", step=verdict.step, old_lr=old,
-                new_lr=new, bad_steps=list(verdict.bad_steps), console=True)
-
-
 # ---- the loop's hands: run files, preflight, samples, the UI's commands ---------------------------------------------
 def save(s: Session, reason: str) -> Path | None:
     """A checkpoint (run_files.py `save`: a failed one is a console line, CHECKPOINT_FAILURE_LIMIT in a row end it)."""
@@ -367,27 +300,18 @@ def run_preflight(s: Session) -> dict[str, Any]:
     return measure_run(s.config, s.data, s.state, s.step_parts, s.samples, s.optimizer)
 
 
-def apply_preflight(s: Session) -> dict[str, Any]:
+def apply_preflight(s: Session) -> None:
     """Run the preflight inside a training run; on a GPU start at the largest micro-batch that fits."""
     report = run_preflight(s)
-    largest = report.get("largest_micro_batch")
-    if largest is not None and 0 < largest < s.state.micro_batch_size:
+    if 0 < (largest := report.get("largest_micro_batch") or 0) < s.state.micro_batch_size:
         report["micro_batch_size"] = s.state.micro_batch_size = largest
     s.run.event(events.PREFLIGHT, describe(report), step=s.state.step, **report)
-    return report
-
-
-def stop_signal(s: Session) -> int | None:
-    """The Ctrl-C / SIGTERM the CLI caught, if any; with several processes the main one's, so every rank stops
-    at the same step."""
-    return s.ranks.from_main(signals.requested())
 
 
 def sample(s: Session, *, then: str = states.TRAINING) -> None:
-    """The validation images of this step (after the rest of a deferred sampling: samplings stay in step order).
-    A stop asked for meanwhile ends it at the next image."""
-    if s.ranks.is_main and (s.state.deferred is None or sample_deferred(s, None, then=then)):
-        samples_made(s, make_samples(s.samples, s.state.step, then=then))
+    """The validation images of this step (samples.py `take_samples`: after the rest of a deferred sampling)."""
+    if s.ranks.is_main:
+        take_samples(s.samples, s.state, lambda sampling: samples_made(s, sampling), then=then)
 
 
 def samples_made(s: Session, sampling: Sampling) -> None:
@@ -399,41 +323,7 @@ def samples_made(s: Session, sampling: Sampling) -> None:
             record(s, observer.on_samples(view, sampling.folder, sampling.paths))
 
 
-def sample_deferred(s: Session, count: int | None, *, then: str = states.TRAINING) -> bool:
-    """Make `count` more of the deferred sampling's images (None: the rest). Returns True once all are made (the
-    deferral is then over), False when a stop is waiting."""
-    deferred = s.state.deferred
-    if (over := make_deferred(s.samples, deferred, count, step=s.state.step, then=then)) is not None:
-        s.state.deferred = None
-        samples_made(s, over)
-    return deferred.done
-
-
-def end_deferred(s: Session, *, make_the_rest: bool) -> bool:
-    """At the end of training: make the images still due, or, when the run stops, say how many were made.
-    Returns False when a stop asked for while making them ended them (the run then ends `stopped`)."""
-    deferred = s.state.deferred
-    if not make_the_rest:
-        s.state.deferred = None
-        samples_made(s, unfinished(deferred))
-        return True
-    if sample_deferred(s, None):
-        return True
-    honour_stop_while_sampling(s.run, s.state.step, deferred.step)
-    return False
-
-
-def sample_now(s: Session, state_after: str) -> None:
-    """The UI's "Sample now". Sampling draws from its own seeded generators, never from the training RNG, so
-    a run sampled on request still ends bitwise equal to one that was not."""
-    if not s.config.validation_prompts:
-        s.run.event(events.SAMPLES, "Sample now: this run has no validation prompt, so there is nothing to render "
-                    "(set validation_prompt for the next run).", step=s.state.step, console=True)
-        return
-    sample(s, then=state_after)
-
-
 def obey_control(s: Session) -> bool:
     """The UI's commands, between steps (control.py); True when the run is to stop."""
-    return obey(s.run, s.ranks, step=s.state.step, max_steps=s.max_steps,
-                save=lambda: save(s, "asked from the UI"), sample=lambda then: sample_now(s, then))
+    return obey(s.run, s.ranks, step=s.state.step, max_steps=s.max_steps, save=lambda: save(s, "asked from the UI"),
+                sample=(lambda then: sample(s, then=then)) if s.config.validation_prompts else None)

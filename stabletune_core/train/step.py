@@ -11,7 +11,11 @@ import torch
 
 from ..data.loader import BatchFeed
 from ..data.masks import batch_loss_mask
+from ..lora.pivotal import PivotalTokens
 from ..models.base import Objective
+from ..runs import events
+from ..runs.image_losses import loss_record
+from ..runs.writer import RunWriter
 from .amp import MixedPrecision
 from .forward import predict_and_loss, weigh
 from .inputs import BatchInputs
@@ -53,6 +57,22 @@ class PerImageLosses:
     losses: list[float]
     timesteps: list[float]
     reg: list[bool]
+
+    def record(self, step: int) -> dict[str, Any]:
+        """The run folder's per-image loss record of optimizer step `step` (runs/image_losses.py)."""
+        return loss_record(step, self.paths, self.losses, self.timesteps, self.reg)
+
+
+def freeze_embeddings(pivotal: PivotalTokens | None, run: RunWriter, step: int, freeze_step: int,
+                      fraction: float) -> None:
+    """Pivotal tuning: from `freeze_step` on (embedding_train_fraction of the run) the new token rows get no
+    gradient, so they stay bitwise as they are while the LoRA goes on learning around them. A resumed run past that
+    step freezes them before its first step, as the uninterrupted run did."""
+    if pivotal is None or not pivotal.training or step < freeze_step:
+        return
+    pivotal.set_training(False)
+    run.event(events.CONFIG, f"Pivotal tuning: the new token embeddings freeze at step {step} "
+              f"(embedding_train_fraction {fraction:g}); the LoRA trains on.", step=step, console=True)
 
 
 @dataclass(frozen=True)

@@ -862,7 +862,7 @@ def functions_of(path: Path) -> dict[str, ast.FunctionDef]:
 
 def test_the_loop_holds_the_loop_and_hands_the_rest_to_modules_that_take_records():
     """Sampling, the run's files, the UI's commands and the preflight are done elsewhere, by functions that take small
-    frozen records built once by setup (StepParts, RunFiles, Sampler), never the session; the loop binds the session
+    frozen records the session gives (StepParts, RunFiles, Sampler), never the session; the loop binds the session
     to them in a line or two each."""
     lines = (TRAIN / "loop.py").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= LOOP_MAX_LINES, f"loop.py has {len(lines)} lines (at most {LOOP_MAX_LINES})"
@@ -875,16 +875,15 @@ def test_the_loop_holds_the_loop_and_hands_the_rest_to_modules_that_take_records
     for name in hands:
         body = [n for n in functions[name].body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
         assert len(body) <= 2, f"loop.{name} does the work itself ({len(body)} statements): hand it to its module"
-    import dataclasses
-
     from stabletune_core.train.run_files import RunFiles
     from stabletune_core.train.samples import Sampler
     from stabletune_core.train.session import Session
     from stabletune_core.train.step import StepParts
 
-    fields = {f.name: f.type for f in dataclasses.fields(Session)}
+    given = {name: inspect.signature(member.fget).return_annotation
+             for name, member in vars(Session).items() if isinstance(member, property)}
     for record in (StepParts, RunFiles, Sampler):
-        assert record.__dataclass_params__.frozen and record.__name__ in fields.values(), record
+        assert record.__dataclass_params__.frozen and record.__name__ in given.values(), record
 
 
 # ---- issue 38.2: set-up as a table of contents ---------------------------------------------------------------------
@@ -913,7 +912,7 @@ def test_setup_is_a_short_list_of_named_phases_each_returning_a_frozen_record():
 
 
 def test_the_step_helpers_take_a_handful_of_explicit_arguments():
-    """The step's parts are one frozen record (step.StepParts) built once; a step helper takes a few arguments."""
+    """The step's parts are one frozen record (step.StepParts); a step helper takes a few arguments."""
     from stabletune_core.train import step
 
     for name, function in inspect.getmembers(step, inspect.isfunction):

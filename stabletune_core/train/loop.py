@@ -6,7 +6,7 @@ the batch, the denoiser predicts, the loss goes backward over micro-batches; it 
 lives in guard objects (guards/) called at fixed points of the step; a guard returns verdicts and `carry_out`,
 below, acts on them, in one place, because only the loop owns the weights, the optimizer, the step counter and the
 run folder. Observers (observers/) measure and record; everything the world should know goes to the run directory
-through `RunWriter`. The loop decides when; its hands take small frozen records setup built once, never the
+through `RunWriter`. The loop decides when; its hands take small frozen records the session gives, never the
 session: run_files.py (checkpoints, the LoRA, the resume: `RunFiles`), samples.py (validation images, deferred ones:
 `Sampler`), control.py (the UI's commands), preflight.py. Nothing imports this module but the entry points (cli.py).
 """

@@ -2,7 +2,7 @@
 
 The session is frozen: no part of it (model, optimizer, caches, run writer) is swapped during a run. What changes
 lives in `TrainState` (train_state.py), which only the loop writes. The parts the loop hands work to take small
-frozen records of what they use, built once by setup and kept here: `StepParts` (step.py), `RunFiles`
+frozen records of what they use, which the session gives as views of its parts: `StepParts` (step.py), `RunFiles`
 (run_files.py), `Sampler` (samples.py); only setup and the loop hold the whole session.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .ema import AdapterEMA
 from .guards.base import Guard
 from .inputs import BatchInputs
 from .lr_schedule import LearningRateSchedule
+from .noise import NoiseOptions
 from .observers.base import Observer
 from .perceptual import Perceptual
 from .ranks import Ranks
@@ -59,9 +60,6 @@ class Session:
     amp: MixedPrecision  # autocast, the fp16 loss scaler and the frozen model's dtype (amp.py)
     max_steps: int
     state: TrainState
-    step_parts: StepParts  # what one step's forward and backward use (step.forward_backward)
-    files: RunFiles  # what checkpoints, the resume and the LoRA are written from and read into (run_files.py)
-    samples: Sampler  # what validation images are made with (samples.py)
     guards: tuple[Guard, ...] = ()
     observers: tuple[Observer, ...] = ()
     validation_items: list[DataItem] = field(default_factory=list)  # images held out of training (validation_split)
@@ -81,6 +79,29 @@ class Session:
     def denoiser(self) -> torch.nn.Module:
         """The trained denoiser as the step calls it (accelerate's wrapper with several processes)."""
         return self.trained["unet"]
+
+    # The records the loop's hands take: views of this session's parts, made when asked (a few microseconds), so
+    # they can never disagree with it (a session copied with another part, e.g. perceptual=None, or a knob changed
+    # on its config between steps, steps with what it now holds).
+    @property
+    def step_parts(self) -> StepParts:
+        """What one step's forward and backward use (step.forward_backward)."""
+        return StepParts(self.inputs, self.objective, self.denoiser, self.trained, self.params, self.amp, self.ranks,
+                         NoiseOptions.from_config(self.config), self.config.masked_loss,
+                         self.config.prior_loss_weight, self.perceptual)
+
+    @property
+    def files(self) -> RunFiles:
+        """What checkpoints, the resume and the LoRA are written from and read back into (run_files.py)."""
+        return RunFiles(self.config, self.run, self.ranks, self.trained, self.pivotal, self.optimizer,
+                        self.lr_scheduler, self.amp, self.ema, (*self.guards, *self.observers), self.bundle, self.data,
+                        self.max_steps, self.checkpoint_halfway)
+
+    @property
+    def samples(self) -> Sampler:
+        """What validation images are made with (samples.py)."""
+        return Sampler(self.config, self.run, self.ranks, self.bundle, self.preview, self.trained, self.pivotal,
+                       self.optimizer, self.ema, self.device, self.amp.autocast, self.max_steps)
 
 
 class SessionView:

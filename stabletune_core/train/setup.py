@@ -1,7 +1,7 @@
 """Set up a run, read as a table of contents (`setup`): check and resolve the config, open the run, the data, the
 model, the adapters, the optimizer and feed, the watchers (guards, observers, EMA). Each phase is a function that
 takes the records of the phases before it and returns its own small frozen record; `session_of` wires them into the
-`Session` the loop trains, with the records the loop's hands take (StepParts, RunFiles, Sampler) built once."""
+`Session` the loop trains."""
 from __future__ import annotations
 
 import hashlib
@@ -50,7 +50,6 @@ from .guards import (ClipGuard, EarlyStoppingGuard, Guard, MemGuard, NonFiniteGu
                      WeightNormGuard)
 from .inputs import BatchInputs
 from .lr_schedule import LearningRateSchedule
-from .noise import NoiseOptions
 from .observers.base import Observer
 from .optim import make_lr_scheduler, make_optimizer, optimizer_problems, unet_param_groups
 from .outcome import RunFailed
@@ -58,11 +57,8 @@ from .perceptual import Perceptual, perceptual_problems
 from .placement import frozen_modules_to_offload, offload, place_denoiser, place_models
 from .preview import load_preview
 from .ranks import Ranks
-from .run_files import RunFiles
-from .samples import Sampler
 from .observers.sample_judge import make_judge
 from .session import Session
-from .step import StepParts
 from .train_state import TrainState
 from .observers.tensorboard import make_tensorboard_log
 from .observers.validation_loss import Evaluator, split_validation
@@ -481,25 +477,16 @@ def build_watchers(config: TrainConfig, opened: Opened, model: BaseModel, adapte
 # ---- the session ----------------------------------------------------------------------------------------------------
 def session_of(config: TrainConfig, opened: Opened, model: BaseModel, adapters: Adapters, optimizing: Optimizing,
                data: Data, watchers: Watchers) -> Session:
-    """The phases' records wired into the session, with the records the loop's hands take built once."""
-    ranks, run, amp, trained = opened.ranks, opened.run, opened.amp, optimizing.trained
-    bundle, optimizer, max_steps = model.bundle, optimizing.optimizer, optimizing.max_steps
-    step_parts = StepParts(adapters.inputs, model.objective, trained["unet"], trained, optimizing.params, amp, ranks,
-                           NoiseOptions.from_config(config), config.masked_loss, config.prior_loss_weight,
-                           watchers.perceptual)
-    files = RunFiles(config, run, ranks, trained, adapters.pivotal, optimizer, optimizing.lr_scheduler, amp,
-                     watchers.ema, (*watchers.guards, *watchers.observers), bundle, data.view, max_steps,
-                     watchers.halfway)
-    samples = Sampler(config, run, ranks, bundle, adapters.preview, trained, adapters.pivotal, optimizer,
-                      watchers.ema, ranks.device, amp.autocast, max_steps)
-    return Session(config=config, ranks=ranks, run=run, bundle=bundle, objective=model.objective, data=data.view,
-                   sampler=data.sampler, feed=optimizing.feed, inputs=adapters.inputs, optimizer=optimizer,
-                   lr_scheduler=optimizing.lr_scheduler, params=optimizing.params, trained=trained,
-                   lora_layers=tuple(layer for _, layer in run_lora_layers(trained, ranks.unwrap)), amp=amp,
-                   max_steps=max_steps, state=watchers.state, step_parts=step_parts, files=files, samples=samples,
-                   guards=watchers.guards, observers=watchers.observers, validation_items=data.held_out,
-                   perceptual=watchers.perceptual, ema=watchers.ema, evaluator=watchers.evaluator,
-                   checkpoint_halfway=watchers.halfway, preview=adapters.preview, pivotal=adapters.pivotal,
+    """The phases' records wired into the session (which gives the loop's hands their records: StepParts, ...)."""
+    ranks, trained, max_steps = opened.ranks, optimizing.trained, optimizing.max_steps
+    return Session(config=config, ranks=ranks, run=opened.run, bundle=model.bundle, objective=model.objective,
+                   data=data.view, sampler=data.sampler, feed=optimizing.feed, inputs=adapters.inputs,
+                   optimizer=optimizing.optimizer, lr_scheduler=optimizing.lr_scheduler, params=optimizing.params,
+                   trained=trained, lora_layers=tuple(layer for _, layer in run_lora_layers(trained, ranks.unwrap)),
+                   amp=opened.amp, max_steps=max_steps, state=watchers.state, guards=watchers.guards,
+                   observers=watchers.observers, validation_items=data.held_out, perceptual=watchers.perceptual,
+                   ema=watchers.ema, evaluator=watchers.evaluator, checkpoint_halfway=watchers.halfway,
+                   preview=adapters.preview, pivotal=adapters.pivotal,
                    pivotal_freeze_step=math.ceil(config.embedding_train_fraction * max_steps))
 
 

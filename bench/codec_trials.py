@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     import torch
     from diffusers import AutoencoderKL
 
-    from stabletune_core.models.tiny import VAE_CONFIG
+    from stabletune_core.models.sd.tiny import VAE_CONFIG
     from stabletune_core.toy import toy_base_model
     from stabletune_core.toy.build import BUILD_SEED, TOY_VAE_CONFIG, draw_any_hue_batch, polish_decoder, train_vae
     from stabletune_core.toy.codec import hue_circle_floor, round_trip

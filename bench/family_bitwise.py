@@ -1,12 +1,14 @@
 """A new family must not change a bit of an existing family's runs (DESIGN.md, "Model families behind one face").
 
-Trains the tiny SD1 and the tiny SDXL with this checkout and with a baseline revision (default: where this branch
-left main), the same command line in each, and compares what the runs wrote: every tensor of the exported LoRA,
-every step's loss and gradient norm, and the validation images byte for byte. The baseline tree is written out
+Trains the tiny SD1, SDXL, FLUX.2 Klein (models/flux2_klein/tiny.py) and Z-Image (models/z_image/tiny.py) with this
+checkout and with a baseline revision (default: where this branch left main), the same command line in each, and
+compares what the runs wrote: every tensor of the exported LoRA, every step's loss and gradient norm, and the
+validation images byte for byte. The baseline tree is written out
 with `git archive` into a temporary folder, so no checkout (main included) is touched.
 
     python bench/family_bitwise.py                      # baseline: git merge-base HEAD main
     python bench/family_bitwise.py --baseline c7db623 --families sd1
+    python bench/family_bitwise.py --families klein z_image
 
 Exit status 0 when every family is bitwise equal, 1 otherwise. About a minute per family on one CPU core.
 """
@@ -25,6 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 
+FAMILIES = ["sd1", "sdxl", "klein", "z_image"]
+
+
 def baseline_tree(revision: str, into: Path) -> Path:
     into.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", revision], cwd=ROOT, check=True, capture_output=True).stdout
@@ -32,10 +37,19 @@ def baseline_tree(revision: str, into: Path) -> Path:
     return into
 
 
-def build_models(folder: Path) -> dict[str, Path]:
+def build_model(family: str, folder: Path) -> Path:
+    """The tiny model of `family`, built from this checkout (both trees train on the same files)."""
+    if family == "klein":
+        from stabletune_core.models.flux2_klein.tiny import build_tiny_klein
+
+        return build_tiny_klein(folder / family, seed=0)
+    if family == "z_image":
+        from stabletune_core.models.z_image.tiny import build_tiny_z_image
+
+        return build_tiny_z_image(folder / family, seed=0)
     from stabletune_core.models.sd.tiny import build_tiny_sd1, build_tiny_sdxl
 
-    return {"sd1": build_tiny_sd1(folder / "sd1", seed=0), "sdxl": build_tiny_sdxl(folder / "sdxl", seed=0)}
+    return {"sd1": build_tiny_sd1, "sdxl": build_tiny_sdxl}[family](folder / family, seed=0)
 
 
 def train(tree: Path, model: Path, data: Path, out: Path) -> subprocess.CompletedProcess:
@@ -87,7 +101,7 @@ def differences(a: dict, b: dict) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", help="Revision to compare with (default: git merge-base HEAD main).")
-    parser.add_argument("--families", nargs="+", default=["sd1", "sdxl"], choices=["sd1", "sdxl"])
+    parser.add_argument("--families", nargs="+", default=FAMILIES, choices=FAMILIES)
     args = parser.parse_args()
     revision = args.baseline or subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, check=True,
                                                capture_output=True, text=True).stdout.strip()
@@ -97,13 +111,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="family-bitwise-") as tmp:
         tmp = Path(tmp)
         base = baseline_tree(revision, tmp / "baseline")
-        models = build_models(tmp / "models")
         data = draw_demo_dataset(tmp / "data", count=8, size=64, seed=0)
         print(f"baseline {revision[:12]} vs this checkout ({ROOT.name})")
         for family in args.families:
-            prints = {}
+            model, prints = build_model(family, tmp / "models"), {}
             for name, tree in (("baseline", base), ("this", ROOT)):
-                done = train(tree, models[family], data, tmp / "runs" / family / name)
+                done = train(tree, model, data, tmp / "runs" / family / name)
                 if done.returncode != 0:
                     print(f"{family}: the {name} run failed:\n{done.stderr[-2000:]}")
                     return 2

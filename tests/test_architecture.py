@@ -848,3 +848,105 @@ def test_every_family_has_every_part_of_the_declared_face_and_nobody_probes_for_
                     "family" in ast.unparse(node.args[0]):
                 probes.append(f"{path.relative_to(CORE)}:{node.lineno} {ast.unparse(node)}")
     assert not probes, probes
+
+
+# ---- issue 38.1: the loop is the loop and the carrying-out of verdicts --------------------------------------------
+#: loop.py's length: the loop, one step, the verdicts carried out and one-line bindings of the session to its hands.
+LOOP_MAX_LINES = 330
+
+
+def functions_of(path: Path) -> dict[str, ast.FunctionDef]:
+    return {node.name: node for node in ast.parse(path.read_text(encoding="utf-8")).body
+            if isinstance(node, ast.FunctionDef)}
+
+
+def test_the_loop_holds_the_loop_and_hands_the_rest_to_modules_that_take_records():
+    """Sampling, the run's files, the UI's commands and the preflight are done elsewhere, by functions that take small
+    frozen records the session gives (StepParts, RunFiles, Sampler), never the session; the loop binds the session
+    to them in a line or two each."""
+    lines = (TRAIN / "loop.py").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= LOOP_MAX_LINES, f"loop.py has {len(lines)} lines (at most {LOOP_MAX_LINES})"
+    doing = {"write_checkpoint", "write_lora", "make_validation_images", "make_samples", "make_deferred",
+             "take_command", "preflight", "restore_snapshot", "load_checkpoint", "RunFiles", "Sampler", "StepParts"}
+    done_in_the_loop = {name for name in doing if calls_to(TRAIN / "loop.py", name)}
+    assert not done_in_the_loop, done_in_the_loop
+    hands = ("save", "resume", "export", "export_best", "run_preflight", "sample", "obey_control", "forward_backward")
+    functions = functions_of(TRAIN / "loop.py")
+    for name in hands:
+        body = [n for n in functions[name].body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        assert len(body) <= 2, f"loop.{name} does the work itself ({len(body)} statements): hand it to its module"
+    from stabletune_core.train.run_files import RunFiles
+    from stabletune_core.train.samples import Sampler
+    from stabletune_core.train.session import Session
+    from stabletune_core.train.step import StepParts
+
+    given = {name: inspect.signature(member.fget).return_annotation
+             for name, member in vars(Session).items() if isinstance(member, property)}
+    for record in (StepParts, RunFiles, Sampler):
+        assert record.__dataclass_params__.frozen and record.__name__ in given.values(), record
+
+
+# ---- issue 38.2: set-up as a table of contents ---------------------------------------------------------------------
+#: The phases of setup(), in order; each returns a small frozen record (check: the family object).
+SETUP_PHASES = ("check", "prepare_run_dir", "resolve_run", "open_run", "build_data", "load_base_model",
+                "build_adapters", "build_optimizer_and_feed", "build_watchers", "session_of")
+
+
+def test_setup_is_a_short_list_of_named_phases_each_returning_a_frozen_record():
+    import dataclasses
+
+    from stabletune_core.train import setup as setup_module
+
+    node = functions_of(TRAIN / "setup.py")["setup"]
+    body = node.body[1:] if isinstance(node.body[0], ast.Expr) else node.body  # less the docstring
+    length = body[-1].end_lineno - body[0].lineno + 1
+    assert length <= 40, f"setup() is {length} lines: a table of contents reads in a glance"
+    called = [ast.unparse(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)]
+    phases = [name for name in called if name in SETUP_PHASES]
+    assert sorted(phases, key=SETUP_PHASES.index) == list(SETUP_PHASES), called
+    for name in SETUP_PHASES[2:-1]:
+        returned = inspect.signature(getattr(setup_module, name)).return_annotation
+        record = getattr(setup_module, returned)
+        assert dataclasses.is_dataclass(record) and record.__dataclass_params__.frozen, f"{name} -> {returned}"
+        assert len(dataclasses.fields(record)) <= 8, f"{returned} is not small"
+
+
+def test_the_step_helpers_take_a_handful_of_explicit_arguments():
+    """The step's parts are one frozen record (step.StepParts); a step helper takes a few arguments."""
+    from stabletune_core.train import step
+
+    for name, function in inspect.getmembers(step, inspect.isfunction):
+        if function.__module__ == step.__name__:
+            parameters = inspect.signature(function).parameters
+            assert len(parameters) <= 6, f"step.{name} takes {len(parameters)} arguments: {list(parameters)}"
+    assert step.StepParts.__dataclass_params__.frozen
+
+
+def test_setup_asks_the_family_and_never_compares_its_name_with_a_string():
+    from stabletune_core.models import FAMILIES
+
+    compared = [f"setup.py:{node.lineno} {ast.unparse(node)}"
+                for node in ast.walk(ast.parse((TRAIN / "setup.py").read_text(encoding="utf-8")))
+                if isinstance(node, ast.Compare) and any(isinstance(part, ast.Constant) and part.value in FAMILIES
+                                                         for part in [node.left, *node.comparators])]
+    assert not compared, compared
+
+
+def test_resolve_folds_in_the_family_defaults_and_touches_nothing(tmp_path, monkeypatch):
+    """The pure resolve: the family's defaults (a flow family's LoRA targets and guidance) and the seed drawn for -1
+    go into the config; nothing is read from a device (no plan without vram_gb or a measured card), no file written."""
+    from stabletune_core.config import TrainConfig
+    from stabletune_core.config.families import KLEIN_LORA_TARGETS, SD_LORA_TARGETS
+    from stabletune_core.models import get_family
+    from stabletune_core.train.setup import resolve_run
+
+    monkeypatch.chdir(tmp_path)
+    config = TrainConfig(pretrained_model_name_or_path=str(tmp_path / "model"), train_data_dir=str(tmp_path / "data"),
+                         output_dir=str(tmp_path / "run"), seed=-1)
+    klein = resolve_run(config, get_family("flux2_klein"), measured=None, random_seed=1234)
+    assert list(klein.config.unet_lora_targets) == list(KLEIN_LORA_TARGETS) and klein.config.seed == 1234
+    assert klein.plan is None and klein.config.validation_guidance_scale != config.validation_guidance_scale
+    sd = resolve_run(config, get_family("sd1"), measured=None, random_seed=7)
+    assert list(sd.config.unet_lora_targets) == list(SD_LORA_TARGETS) and sd.config.seed == 7
+    assert list(tmp_path.iterdir()) == []
+    assert get_family("flux2_klein").plans_memory and not get_family("z_image").plans_memory

@@ -80,8 +80,11 @@ def test_the_model_tab_shows_the_plan_and_follows_each_memory_choice(tmp_path):
 
 
 def test_the_uis_planned_families_are_the_plans_own():
-    """The UI asks the engine for a plan only for the families the plan covers: its torch-free list is the plan's."""
+    """The UI asks the engine for a plan only for the families the plan covers, and set-up measures the card only for
+    them: the torch-free list (family_files), the plan's memory models and the families' own declaration agree."""
     from stabletune_core.family_files import PLANNED_FAMILIES
+    from stabletune_core.models import FAMILIES
     from stabletune_core.models.memory_plan import FAMILY_MEMORY_MODELS
 
     assert set(PLANNED_FAMILIES) == set(FAMILY_MEMORY_MODELS)
+    assert {name for name, make in FAMILIES.items() if make().plans_memory} == set(PLANNED_FAMILIES)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..family_files import is_flux2_klein
+from ..family_files import PLANNED_FAMILIES, is_flux2_klein
 
 #: What `model_family` accepts: auto (detected from the checkpoint) and every family the engine trains.
 FAMILY_CHOICES = ("auto", "sd1", "sd2", "sdxl", "flux2_klein", "z_image")
@@ -77,8 +77,8 @@ _FLOW_ONLY = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow
 #: Knobs of how FLUX.2 Klein's transformer is kept in memory (block swap, the memory plan: not for the SD UNets yet).
 MEMORY_KNOBS = ("blocks_to_swap", "vram_gb")
 #: The families with a memory model, so a memory plan (vram_gb; models/memory_plan.py FAMILY_MEMORY_MODELS): SDXL
-#: has one (models/sd/sdxl_memory.py) but no block swap.
-MEMORY_PLAN_FAMILIES = ("flux2_klein", "sdxl")
+#: has one (models/sd/sdxl_memory.py) but no block swap. Declared once, in family_files.py (the UI reads it too).
+MEMORY_PLAN_FAMILIES = PLANNED_FAMILIES
 #: The knobs the memory plan (models/memory_plan.py) may choose when the user left them alone.
 PLAN_KNOBS = ("cache_text_embeddings", "mixed_precision", "gradient_checkpointing", "base_storage", "blocks_to_swap",
               "train_batch_size", "gradient_accumulation_steps")

@@ -39,15 +39,15 @@ def _flux2_klein():
     return Flux2Klein()
 
 
-register_family("sd1", _sd1)
-register_family("sd2", _sd2)
-register_family("sdxl", _sdxl)
 def _z_image():
     from .z_image.family import ZImage
 
     return ZImage()
 
 
+register_family("sd1", _sd1)
+register_family("sd2", _sd2)
+register_family("sdxl", _sdxl)
 register_family("flux2_klein", _flux2_klein)
 register_family("z_image", _z_image)
 

@@ -133,6 +133,8 @@ class ModelFamily(Protocol):
     modelspec_implementation: str  # the LoRA file's modelspec.implementation
     default_resolution: tuple[int, int]  # (width, height) the family trains at by default (kohya's metadata)
     is_v2: bool  # kohya's ss_v2 (SD 2.x)
+    # models/memory_plan.py has a memory model of this family: vram_gb, or a CUDA card's free memory, plans its run
+    plans_memory: bool
     diffusers_pipeline_class: str  # the diffusers pipeline class that loads the family's LoRA (export check)
     diffusers_lora_key_names: str  # "diffusers" (SD's lora.up/down names) or "peft" (lora_A / lora_B)
     diffusers_lora_layers_argument: str  # save_lora_weights' argument for the denoiser: unet_ or transformer_...

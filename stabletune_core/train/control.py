@@ -12,6 +12,7 @@ from typing import Any, Callable
 from ..runs import events
 from ..runs.states import PAUSE, PAUSED, RESUME, SAMPLE, SAVE, STOP, TRAINING
 from ..runs.writer import RunWriter
+from . import signals
 from .ranks import Ranks
 
 PAUSE_POLL_SECONDS = 0.5  # a paused run reads control.json (and rewrites its heartbeat) this often
@@ -23,15 +24,19 @@ def take_command(run: RunWriter, ranks: Ranks) -> dict[str, Any] | None:
 
 
 def obey_control(run: RunWriter, ranks: Ranks, *, step: int, max_steps: int, save: Callable[[], Any],
-                 sample: Callable[[str], Any]) -> bool:
+                 sample: Callable[[str], Any] | None) -> bool:
     """Save, sample, stop, pause (then wait for resume or stop). `sample(state_after)`: the images, then the status
-    says `state_after`. Returns True when the run is to stop."""
+    says `state_after`; None for a run without a validation prompt (one sentence says there is nothing to render).
+    Returns True when the run is to stop."""
     command = take_command(run, ranks)
     paused = False
     while command or paused:
         kind = (command or {}).get("command")
         if kind == SAVE:
             save()
+        elif kind == SAMPLE and sample is None:
+            run.event(events.SAMPLES, "Sample now: this run has no validation prompt, so there is nothing to render "
+                      "(set validation_prompt for the next run).", step=step, console=True)
         elif kind == SAMPLE:
             sample(PAUSED if paused else TRAINING)
         elif kind == STOP:
@@ -50,3 +55,13 @@ def obey_control(run: RunWriter, ranks: Ranks, *, step: int, max_steps: int, sav
             run.status(PAUSED, step=step, max_steps=max_steps)  # keep the heartbeat fresh
         command = take_command(run, ranks)
     return False
+
+
+def honour_stop_while_sampling(run: RunWriter, step: int, sampling_step: int) -> None:
+    """A stop asked for while the end of a run made its deferred validation images: acted on here (the command is
+    taken, the signal marked honoured), so a later resume does not find it."""
+    run.take_control()
+    if signals.ACTIVE is not None and signals.requested():
+        signals.ACTIVE.honoured = True
+    run.event(events.STOP_REQUESTED, f"Stop requested at step {step} while making the step-{sampling_step} "
+              "validation images; saving and exporting.", step=step)

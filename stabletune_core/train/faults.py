@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from .checkpoint import nothing
-from .session import TrainState
+from .train_state import TrainState
 
 KINDS = ("nan_loss", "nan_grad", "fp16_overflow", "oom", "disk_full@save", "torch_full@save", "kill@step",
          "kill@checkpoint")

@@ -1,30 +1,26 @@
 """The training loop. Read it top to bottom: set up, resume, then one optimizer step at a time.
 
-One step is `training_step` below with two helpers from step.py, each taking what it uses as arguments:
-`forward_backward` (the family's objective noises the batch, the denoiser predicts, the loss goes backward over
-micro-batches) and `clip_gradients`. Everything that makes a run survive (non-finite losses, out-of-memory,
-clipping, early stopping) lives in guard objects (guards/) called at fixed points of the step; a guard returns
-verdicts and `carry_out`, below, acts on them, in one place, because only the loop owns the weights, the
-optimizer, the step counter and the run folder. Observers (observers/) measure and record; everything the
-world should know goes to the run directory through `RunWriter`. The loop decides when; its hands are
-run_files.py (checkpoints, the LoRA, the resume), samples.py (validation images, deferred ones) and control.py
-(the UI's commands). Nothing imports this module but the entry points (cli.py).
+One step is `training_step` below with two helpers from step.py: `forward_backward` (the family's objective noises
+the batch, the denoiser predicts, the loss goes backward over micro-batches; it takes the run's `StepParts`) and
+`clip_gradients`. Everything that makes a run survive (non-finite losses, out-of-memory, clipping, early stopping)
+lives in guard objects (guards/) called at fixed points of the step; a guard returns verdicts and `carry_out`,
+below, acts on them, in one place, because only the loop owns the weights, the optimizer, the step counter and the
+run folder. Observers (observers/) measure and record; everything the world should know goes to the run directory
+through `RunWriter`. The loop decides when; its hands take small frozen records the session gives, never the
+session: run_files.py (checkpoints, the LoRA, the resume: `RunFiles`), samples.py (validation images, deferred ones:
+`Sampler`), control.py (the UI's commands), preflight.py. Nothing imports this module but the entry points (cli.py).
 """
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from ..config import TrainConfig
 from ..runs import events, states
-from ..runs.image_losses import loss_record
-from . import signals, step
-from .checkpoint import CheckpointError, latest_good_checkpoint
+from . import run_files, signals, step
 from .control import obey_control as obey
 from .guards import Guard, OutOfMemoryStop
 from .guards.out_of_memory import free_memory
@@ -32,26 +28,18 @@ from .guards.verdicts import (Event, ExportBest, LowerLearningRate, ProtectCheck
                               ScaleWeights, ShrinkMicroBatch, SkipStep, StopDiverged, StopEarly, StopOutOfMemory,
                               SwapMoreBlocks, SwitchPrecision, TakeSnapshot, Verdict)
 from .memory_stats import memory_stats
-from .noise import NoiseOptions
 from .placement import swap_more_blocks
 from .observers.base import Observation
 from .outcome import RunFailed
-from .preflight import describe, preflight
+from .preflight import describe, measure_run
 from .preview import preview_adapters
-from .rollback import restore_snapshot, take_snapshot
-from .run_files import RunFiles, export as export_lora, export_best as export_best_checkpoint, last_good_sentence
-from .run_files import resume as run_files_resume, write_checkpoint
-from .samples import (Sampler, Sampling, announce, defer, make_deferred, make_samples, owed_base_images,
-                      sampling_due)
+from .progress import HEARTBEAT_SECONDS, Pace  # noqa: F401  (HEARTBEAT_SECONDS: the loop's pace, tests read it here)
+from .rollback import roll_back, take_snapshot
+from .samples import (Sampling, announce, defer, end_deferred, more_deferred, owed_base_images, sampling_due,
+                      take_samples)
 from .session import Session, SessionView
 from .setup import setup
 from .state import restore_adapter, restore_rng, rng_state
-from .validation_images import make_validation_images
-
-#: status.json while training is rewritten at most this often: the UI polls it about once a second, and a
-#: fast step would otherwise spend more on the heartbeat than on all the guards together (bench/RESULTS.md).
-HEARTBEAT_SECONDS = 0.5
-CHECKPOINT_FAILURE_LIMIT = 3  # checkpoints in a row that may fail (a full disk) before the run stops
 
 
 # ---- the loop ------------------------------------------------------------------------------------------
@@ -66,13 +54,11 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     run, state, view = s.run, s.state, SessionView(s)
     if s.config.preflight:
         apply_preflight(s)
-    if s.config.validation_prompts and not stop_signal(s) and s.ranks.is_main:
+    if s.config.validation_prompts and not s.ranks.from_main(signals.requested()) and s.ranks.is_main:
         # made a few images at a time from the next step on: training starts at once
-        state.deferred = defer(sampler(s), 0) if state.step == 0 else owed_base_images(sampler(s), state.step)
+        state.deferred = defer(s.samples, 0) if state.step == 0 else owed_base_images(s.samples, state.step)
     run.status(states.TRAINING, step=state.step, max_steps=s.max_steps)
-    progress = tqdm(total=s.max_steps, initial=state.step, desc="training", unit="step", disable=not s.ranks.is_main)
-    last_time, sec_per_step = time.perf_counter(), None
-    last_heartbeat = -math.inf
+    pace = Pace(state.step, s.max_steps, shown=s.ranks.is_main)
     stop_reason = states.FINISHED
     first_step = state.step
     for module in s.trained.values():
@@ -81,27 +67,20 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
         carry_out(s, guard, guard.on_start(view))
     try:  # the progress bar ends its line whatever happens, so a failure sentence starts on its own
         while state.step < s.max_steps:
-            signum = stop_signal(s)
-            if signum:
-                if signals.ACTIVE is not None:
-                    signals.ACTIVE.honoured = True
-                run.event(events.STOP_REQUESTED, f"{signals.signal_name(signum)} at step {state.step}; saving a "
-                          "checkpoint and the LoRA.", step=state.step, console=True)
+            if signals.stop_asked(s.ranks, run, state.step):
                 stop_reason = states.STOPPED
                 break
-            freeze_embeddings(s)
+            step.freeze_embeddings(s.pivotal, run, state.step, s.pivotal_freeze_step,
+                                   s.config.embedding_train_fraction)
             batches = step.next_batches(s.feed, state, s.config.gradient_accumulation_steps)
             state.batch_paths = [str(p) for b in batches for p in b["path"]]
             loss, grad_norm, clip_threshold = training_step(s, batches)
             state.step += 1
             if loss.per_image is not None:
-                run.image_losses(loss_record(state.step, loss.per_image.paths, loss.per_image.losses,
-                                             loss.per_image.timesteps, loss.per_image.reg))
+                run.image_losses(loss.per_image.record(state.step))
             state.images_seen += s.ranks.total(sum(len(b["caption"]) for b in batches))
 
-            now = time.perf_counter()
-            sec_per_step = (now - last_time) if sec_per_step is None else 0.9 * sec_per_step + 0.1 * (now - last_time)
-            last_time = now
+            sec_per_step = pace.step_done()
             metrics = dict(loss=loss.mean, lr=s.lr_scheduler.get_last_lr()[0], grad_norm=grad_norm,
                            clip_threshold=clip_threshold, epoch=state.epoch, images_seen=state.images_seen,
                            sec_per_step=sec_per_step, micro_batch_size=state.micro_batch_size)
@@ -113,24 +92,22 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
                 run.metric(state.step, **logged)
                 for observer in s.observers:
                     record(s, observer.on_metrics(view, logged))
-            if now - last_heartbeat >= HEARTBEAT_SECONDS or state.step == s.max_steps:
+            if pace.heartbeat_due(last_step=state.step == s.max_steps):
                 run.status(states.TRAINING, step=state.step, max_steps=s.max_steps, epoch=state.epoch,
                            sec_per_step=sec_per_step, eta_seconds=sec_per_step * (s.max_steps - state.step),
                            loss=loss.mean)
-                last_heartbeat = now
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss.mean:.4f}")
+            pace.show(loss.mean)
             if s.config.validation_prompts and sampling_due(state.step, s.config.validation_steps, s.max_steps):
                 sample(s)
             if state.step % s.config.save_steps == 0 and state.step < s.max_steps:
                 save(s, "every save_steps")
             if state.deferred is not None and state.step % state.deferred.every == 0:
-                sample_deferred(s, 1)
+                more_deferred(s.samples, state, 1, lambda sampling: samples_made(s, sampling))
             if guard_stops or obey_control(s):
                 stop_reason = states.STOPPED
                 break
     finally:
-        progress.close()
+        pace.close()
     for guard in s.guards:
         carry_out(s, guard, guard.on_end(view))
     if state.step == first_step and stop_reason == states.STOPPED:  # stopped before any step: nothing new to keep
@@ -138,7 +115,8 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
         run.event(events.STOPPED, f"Run stopped at step {state.step} before training a step; nothing new to save.",
                   step=state.step, console=True)
         return None
-    if state.deferred is not None and not end_deferred(s, make_the_rest=stop_reason == states.FINISHED):
+    if state.deferred is not None and not end_deferred(s.samples, state, lambda sampling: samples_made(s, sampling),
+                                                       make_the_rest=stop_reason == states.FINISHED):
         stop_reason = states.STOPPED  # main process only, which alone writes the outcome; every process saves alike
     save(s, stop_reason)
     final_checkpoint_failed = state.checkpoint_failures > 0
@@ -147,7 +125,7 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
     if final_checkpoint_failed:
         written = f"the LoRA was written to {path}" if path else "the LoRA was not written"
         raise RunFailed(f"The final checkpoint at step {state.step} could not be written ({written}); "
-                        f"{last_good_sentence(s.run.paths.checkpoints)}")
+                        f"{run_files.last_good_sentence(s.run.paths.checkpoints)}")
     summary = next((o.summary for o in ended if o.summary), None)
     run.status(stop_reason, step=state.step, max_steps=s.max_steps, eta_seconds=0, lora=str(path) if path else None,
                summary=summary)
@@ -180,27 +158,11 @@ def training_step(s: Session, batches: list[dict[str, Any]]) -> tuple[step.StepL
     return loss, grad_norm, max_norm if math.isfinite(max_norm) else None
 
 
-def freeze_embeddings(s: Session) -> None:
-    """Pivotal tuning: from `pivotal_freeze_step` on (embedding_train_fraction of the run) the new token rows get
-    no gradient, so they stay bitwise as they are while the LoRA goes on learning around them. A resumed run
-    past that step freezes them before its first step, as the uninterrupted run did."""
-    if s.pivotal is None or not s.pivotal.training or s.state.step < s.pivotal_freeze_step:
-        return
-    s.pivotal.set_training(False)
-    s.run.event(events.CONFIG, f"Pivotal tuning: the new token embeddings freeze at step {s.state.step} "
-                f"(embedding_train_fraction {s.config.embedding_train_fraction:g}); the LoRA trains on.",
-                step=s.state.step, console=True)
-
-
 def forward_backward(s: Session, batches: list[dict[str, Any]], *, micro_batch_size: int | None = None
                      ) -> step.StepLoss:
-    """`step.forward_backward` with this run's pieces (the micro-batch: the state's unless given)."""
-    config = s.config
-    return step.forward_backward(
-        batches, inputs=s.inputs, objective=s.objective, denoiser=s.denoiser, trained=s.trained, params=s.params,
-        amp=s.amp, ranks=s.ranks, micro_batch_size=micro_batch_size or s.state.micro_batch_size,
-        noise=NoiseOptions.from_config(config), masked_loss=config.masked_loss,
-        prior_loss_weight=config.prior_loss_weight, perceptual=s.perceptual, step=s.state.step)
+    """`step.forward_backward` with this run's parts (the micro-batch: the state's unless given)."""
+    return step.forward_backward(batches, s.step_parts, micro_batch_size=micro_batch_size or s.state.micro_batch_size,
+                                 step=s.state.step)
 
 
 def forward_backward_fitting(s: Session, batches: list[dict[str, Any]]) -> step.StepLoss:
@@ -256,34 +218,28 @@ def carry_out(s: Session, guard: Guard, verdicts: Sequence[Verdict]) -> bool:
             case Report():
                 write_event(s, verdict.event)
             case SkipStep():
-                skip_step(s, verdict)
+                s.amp.skip()  # the skipped optimizer step would have done it: an overflow lowers the loss scale
+                tensors = [] if verdict.overflow else step.nonfinite_gradients(s.trained)
+                write_event(s, verdict.event(state.step + 1, s.amp.loss_scale, tensors, list(state.batch_paths)))
             case TakeSnapshot():
                 state.snapshot = take_snapshot(s.params, s.optimizer, state.step) or state.snapshot
             case RollBack():
-                roll_back(s, verdict)
+                source = roll_back(state.snapshot, s.params, s.optimizer, s.run.paths.checkpoints,
+                                   lambda adapter: restore_adapter(s.trained, s.ranks, adapter, s.pivotal))
+                # the rate it lowers is the schedule's peak: in a warm-up the current one is about 0
+                write_event(s, verdict.event(source, *s.lr_scheduler.lower(verdict.lr_factor, verdict.min_lr)))
             case ShrinkMicroBatch():
                 state.micro_batch_size = verdict.new
-                s.run.event(events.OOM, f"Out of memory at step {verdict.step} with micro-batch {verdict.old} "
-                            f"({verdict.reason}); retrying with micro-batch {verdict.new} and twice the accumulation, "
-                            "so the effective batch stays the same.", step=verdict.step, old_micro_batch=verdict.old,
-                            new_micro_batch=verdict.new, paths=list(state.batch_paths), console=True)
+                write_event(s, verdict.event(list(state.batch_paths)))
             case SwapMoreBlocks():
-                added = swap_more_blocks(s.bundle, verdict.new, s.device)
-                s.run.event(events.OOM, f"Out of memory at step {verdict.step} with micro-batch 1 ({verdict.reason}); "
-                            f"retrying with {verdict.new} transformer blocks in CPU memory instead of {verdict.old} "
-                            "(block swap: slower, the same numbers).", step=verdict.step,
-                            old_blocks_swapped=verdict.old, new_blocks_swapped=verdict.new, blocks=added,
-                            console=True)
+                write_event(s, verdict.event(swap_more_blocks(s.bundle, verdict.new, s.device)))
             case StopOutOfMemory():
                 s.run.event(events.OOM_STOP, verdict.message, step=verdict.step)
                 save(s, "out of memory")
                 s.run.status(states.FAILED, step=state.step, error=verdict.message)
                 raise OutOfMemoryStop(verdict.message)
             case LowerLearningRate():
-                old, new = s.lr_scheduler.lower(verdict.factor, verdict.floor)
-                s.run.event(events.LR_PLATEAU, f"Validation loss has not improved on {verdict.best:.4g} for "
-                            f"{verdict.patience} evaluations; learning rate {old:.3g} -> {new:.3g}.",
-                            step=state.step, old_lr=old, new_lr=new)
+                write_event(s, verdict.event(state.step, *s.lr_scheduler.lower(verdict.factor, verdict.floor)))
             case SwitchPrecision():
                 s.amp.switch_to(verdict.precision)
                 s.amp.recast_frozen([s.bundle.denoiser, *s.bundle.text_encoders], s.params)
@@ -317,133 +273,45 @@ def write_event(s: Session, event: Event) -> None:
     s.run.event(event.kind, event.message, console=event.console, **event.fields)
 
 
-def skip_step(s: Session, verdict: SkipStep) -> None:
-    """No optimizer step this time; say why, naming the tensors that went non-finite."""
-    step_number = s.state.step + 1
-    s.amp.skip()  # the skipped optimizer step would have done it: an overflow lowers the loss scale
-    if verdict.overflow:
-        s.run.event(events.FP16_OVERFLOW, f"Skipped step {step_number}: fp16 gradients overflowed; loss scale is now "
-                    f"{s.amp.loss_scale:g}.", step=step_number)
-        return
-    tensors = step.nonfinite_gradients(s.trained)
-    detail = f" in {len(tensors)} gradient tensors, e.g. {', '.join(tensors[:3])}" if tensors else ""
-    s.run.event(events.NONFINITE, f"Skipped step {step_number}: non-finite {verdict.what} (loss {verdict.loss}, "
-                f"grad norm {verdict.grad_norm}){detail}.", step=step_number, what=verdict.what, tensors=tensors[:20],
-                paths=list(s.state.batch_paths))
-
-
-def roll_back(s: Session, verdict: RollBack) -> None:
-    """Weights and optimizer back to the last good state, and a lower learning rate."""
-    snapshot = s.state.snapshot
-    if snapshot is not None:
-        restore_snapshot(s.params, s.optimizer, snapshot)
-        source = f"rolled the LoRA and optimizer back to step {snapshot.step} (in memory)"
-    elif (checkpoint := latest_good_checkpoint(s.run.paths.checkpoints)) is not None:
-        restore_adapter(s.trained, s.ranks, checkpoint.adapter, s.pivotal)
-        s.optimizer.load_state_dict(checkpoint.state["optimizer"])
-        source = f"rolled the LoRA and optimizer back to checkpoint {checkpoint.path.name}"
-    else:
-        source = "no good state to roll back to (no snapshot, no checkpoint), kept the current weights"
-    old, new = s.lr_scheduler.lower(verdict.lr_factor, verdict.min_lr)  # peaks: the rate is ~0 in a warm-up
-    s.run.event(events.ROLLBACK, f"{len(verdict.bad_steps)} non-finite steps within {verdict.window} steps (last at "
-                f"step {verdict.step}): {source}; learning rate {old:.3g} -> {new:.3g}.", step=verdict.step, old_lr=old,
-                new_lr=new, bad_steps=list(verdict.bad_steps), console=True)
-
-
-# ---- checkpoints and LoRA files (run_files.py) ---------------------------------------------------------------
-def run_files(s: Session) -> RunFiles:
-    return RunFiles(s.config, s.run, s.ranks, s.trained, s.pivotal, s.optimizer, s.lr_scheduler, s.amp, s.ema,
-                    (*s.guards, *s.observers), s.bundle, s.data, s.max_steps, s.checkpoint_halfway)
-
-
+# ---- the loop's hands: run files, preflight, samples, the UI's commands ---------------------------------------------
 def save(s: Session, reason: str) -> Path | None:
-    """Write a checkpoint. A failed one (a full disk) is one console line and the run goes on, keeping the last
-    good checkpoint; CHECKPOINT_FAILURE_LIMIT failures in a row stop the run with a sentence."""
-    s.ranks.wait()
-    if not s.ranks.is_main:
-        return None
-    state = s.state
-    s.run.status(states.SAVING, step=state.step)
-    try:
-        folder = write_checkpoint(run_files(s), state, reason)
-    except CheckpointError as exc:
-        state.checkpoint_failures += 1
-        s.run.event(events.CHECKPOINT_FAILED, str(exc), step=state.step, console=True)
-        if state.checkpoint_failures >= CHECKPOINT_FAILURE_LIMIT:
-            raise RunFailed(f"Stopped at step {state.step} because {state.checkpoint_failures} checkpoints in a row "
-                            f"could not be written ({exc.reason or exc}); "
-                            f"{last_good_sentence(s.run.paths.checkpoints)}") from None
-        s.run.status(states.TRAINING, step=state.step, max_steps=s.max_steps, error=str(exc))
-        return None
-    state.checkpoint_failures = 0
-    return folder
+    """A checkpoint (run_files.py `save`: a failed one is a console line, CHECKPOINT_FAILURE_LIMIT in a row end it)."""
+    return run_files.save(s.files, s.state, reason)
 
 
 def resume(s: Session) -> None:
     """Continue from the checkpoint setup found (setup read and verified it before loading the model)."""
-    checkpoint = s.state.resume_from
-    if checkpoint is None:
-        return
-    s.state.resume_from = None  # its tensors are not needed once loaded
-    run_files_resume(run_files(s), checkpoint, s.state)
+    run_files.resume(s.files, s.state)
 
 
 def export(s: Session, name: str | None = None) -> Path | None:
     """The LoRA as trained now (and its EMA beside it): RUN/output/NAME.safetensors, NAME = output_name."""
-    return export_lora(run_files(s), name or s.config.output_name, step=s.state.step, epoch=s.state.epoch)
+    return run_files.export(s.files, name or s.config.output_name, step=s.state.step, epoch=s.state.epoch)
 
 
 def export_best(s: Session) -> Path | None:
     """The best checkpoint as <output_name>_best (early stopping); the current weights stay as they are."""
-    if not s.state.best_checkpoint:
-        return None
-    return export_best_checkpoint(run_files(s), Path(s.state.best_checkpoint), epoch=s.state.epoch)
+    best = s.state.best_checkpoint
+    return run_files.export_best(s.files, Path(best), epoch=s.state.epoch) if best else None
 
 
-# ---- before training: the preflight -----------------------------------------------------------------------------
 def run_preflight(s: Session) -> dict[str, Any]:
     """preflight.py's measurements with this run's step and sampling."""
-    config = s.config
-    sampling = config.model_copy(update={"validation_prompt": config.validation_prompt or "preflight",
-                                         "num_validation_images": 1, "validation_inference_steps": 2})
-    return preflight(s.data, batch_size=config.train_batch_size, micro_batch_size=s.state.micro_batch_size,
-                     with_pixels=s.inputs.latent_cache is None, position=(s.state.epoch, s.state.batch_in_epoch),
-                     step=lambda batches, micro: forward_backward(s, batches, micro_batch_size=micro),
-                     optimizer=s.optimizer, device=s.device,
-                     render=lambda folder: make_validation_images(s.bundle, sampling, folder, s.device,
-                                                                  autocast=s.amp.autocast))
+    return measure_run(s.config, s.data, s.state, s.step_parts, s.samples, s.optimizer)
 
 
-def apply_preflight(s: Session) -> dict[str, Any]:
+def apply_preflight(s: Session) -> None:
     """Run the preflight inside a training run; on a GPU start at the largest micro-batch that fits."""
     report = run_preflight(s)
-    largest = report.get("largest_micro_batch")
-    if largest is not None and 0 < largest < s.state.micro_batch_size:
+    if 0 < (largest := report.get("largest_micro_batch") or 0) < s.state.micro_batch_size:
         report["micro_batch_size"] = s.state.micro_batch_size = largest
     s.run.event(events.PREFLIGHT, describe(report), step=s.state.step, **report)
-    return report
-
-
-# ---- between steps: signals, samples, the UI's commands -----------------------------------------------------
-def stop_signal(s: Session) -> int | None:
-    """The Ctrl-C / SIGTERM the CLI caught, if any; with several processes the main one's, so every rank stops
-    at the same step."""
-    return s.ranks.from_main(signals.requested())
-
-
-def sampler(s: Session) -> Sampler:
-    return Sampler(s.config, s.run, s.ranks, s.bundle, s.preview, s.trained, s.pivotal, s.optimizer, s.ema,
-                   s.device, s.amp.autocast, s.max_steps)
 
 
 def sample(s: Session, *, then: str = states.TRAINING) -> None:
-    """The validation images of this step (after the rest of a deferred sampling: samplings stay in step order).
-    A stop asked for meanwhile ends it at the next image."""
-    if not s.ranks.is_main:
-        return
-    if s.state.deferred is not None and not sample_deferred(s, None, then=then):
-        return  # a stop is waiting
-    samples_made(s, make_samples(sampler(s), s.state.step, then=then))
+    """The validation images of this step (samples.py `take_samples`: after the rest of a deferred sampling)."""
+    if s.ranks.is_main:
+        take_samples(s.samples, s.state, lambda sampling: samples_made(s, sampling), then=then)
 
 
 def samples_made(s: Session, sampling: Sampling) -> None:
@@ -455,46 +323,7 @@ def samples_made(s: Session, sampling: Sampling) -> None:
             record(s, observer.on_samples(view, sampling.folder, sampling.paths))
 
 
-def sample_deferred(s: Session, count: int | None, *, then: str = states.TRAINING) -> bool:
-    """Make `count` more of the deferred sampling's images (None: the rest). Returns True once all are made (the
-    deferral is then over), False when a stop is waiting."""
-    deferred = s.state.deferred
-    over = make_deferred(sampler(s), deferred, count, step=s.state.step, then=then)
-    if over is not None:
-        s.state.deferred = None
-        samples_made(s, over)
-    return deferred.done
-
-
-def end_deferred(s: Session, *, make_the_rest: bool) -> bool:
-    """At the end of training: make the images still due, or, when the run stops, say how many were made.
-    Returns False when a stop asked for while making them ended them (the run then ends `stopped`)."""
-    deferred = s.state.deferred
-    if make_the_rest:
-        if sample_deferred(s, None):
-            return True
-        s.run.take_control()  # the stop is acted on here: a later resume must not find it
-        if signals.ACTIVE is not None and signals.requested():
-            signals.ACTIVE.honoured = True
-        s.run.event(events.STOP_REQUESTED, f"Stop requested at step {s.state.step} while making the step-"
-                    f"{deferred.step} validation images; saving and exporting.", step=s.state.step)
-        return False
-    s.state.deferred = None
-    samples_made(s, Sampling(deferred.step, deferred.folder, list(deferred.made), deferred.due))
-    return True
-
-
-def sample_now(s: Session, state_after: str) -> None:
-    """The UI's "Sample now". Sampling draws from its own seeded generators, never from the training RNG, so
-    a run sampled on request still ends bitwise equal to one that was not."""
-    if not s.config.validation_prompts:
-        s.run.event(events.SAMPLES, "Sample now: this run has no validation prompt, so there is nothing to render "
-                    "(set validation_prompt for the next run).", step=s.state.step, console=True)
-        return
-    sample(s, then=state_after)
-
-
 def obey_control(s: Session) -> bool:
     """The UI's commands, between steps (control.py); True when the run is to stop."""
-    return obey(s.run, s.ranks, step=s.state.step, max_steps=s.max_steps,
-                save=lambda: save(s, "asked from the UI"), sample=lambda then: sample_now(s, then))
+    return obey(s.run, s.ranks, step=s.state.step, max_steps=s.max_steps, save=lambda: save(s, "asked from the UI"),
+                sample=(lambda then: sample(s, then=then)) if s.config.validation_prompts else None)

@@ -15,15 +15,34 @@ from typing import Any, Callable
 
 import torch
 
+from ..config import TrainConfig
 from ..data.examples import DatasetView, collate
 from .guards.out_of_memory import free_memory
+from .samples import Sampler
 from .state import restore_rng, rng_state
+from .step import StepParts, forward_backward
+from .train_state import TrainState
+from .validation_images import make_validation_images
 
 MB = 2**20
 MAX_SEARCH = 64
 
-#: step(batches, micro_batch_size): the run's forward and backward (step.forward_backward, bound by the loop)
+#: step(batches, micro_batch_size): the run's forward and backward (step.forward_backward, bound by `measure_run`)
 Step = Callable[[list[dict[str, Any]], int], Any]
+
+
+def measure_run(config: TrainConfig, data: DatasetView, state: TrainState, parts: StepParts, sampler: Sampler,
+                optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`preflight` with this run's step (at its position in the data) and a two-step sampling of one image."""
+    sampling = config.model_copy(update={"validation_prompt": config.validation_prompt or "preflight",
+                                         "num_validation_images": 1, "validation_inference_steps": 2})
+    return preflight(data, batch_size=config.train_batch_size, micro_batch_size=state.micro_batch_size,
+                     with_pixels=parts.inputs.latent_cache is None, position=(state.epoch, state.batch_in_epoch),
+                     step=lambda batches, micro: forward_backward(batches, parts, micro_batch_size=micro,
+                                                                  step=state.step),
+                     optimizer=optimizer, device=sampler.device,
+                     render=lambda folder: make_validation_images(sampler.bundle, sampling, folder, sampler.device,
+                                                                  autocast=sampler.autocast))
 
 
 def largest_bucket_batch(data: DatasetView, size: int, *, with_pixels: bool, position: tuple[int, int]

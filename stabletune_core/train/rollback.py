@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
+
+from .checkpoint import latest_good_checkpoint
 
 
 @dataclass
@@ -42,3 +45,18 @@ def cloned(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(cloned(value) for value in tree)
     return copy.copy(tree)
+
+
+def roll_back(snapshot: Snapshot | None, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+              checkpoints: Path, restore_adapter: Callable[[dict[str, torch.Tensor]], None]) -> str:
+    """Weights and optimizer back to the last good state: the in-memory snapshot, else the newest good checkpoint in
+    `checkpoints` (`restore_adapter` puts its adapter tensors into the trained modules). Returns what it did, for
+    the event's sentence."""
+    if snapshot is not None:
+        restore_snapshot(params, optimizer, snapshot)
+        return f"rolled the LoRA and optimizer back to step {snapshot.step} (in memory)"
+    if (checkpoint := latest_good_checkpoint(checkpoints)) is not None:
+        restore_adapter(checkpoint.adapter)
+        optimizer.load_state_dict(checkpoint.state["optimizer"])
+        return f"rolled the LoRA and optimizer back to checkpoint {checkpoint.path.name}"
+    return "no good state to roll back to (no snapshot, no checkpoint), kept the current weights"

@@ -1,8 +1,9 @@
 """The run's files the loop writes and reads back: checkpoints, the exported LoRA (and its EMA, the best one), the
 resume. The loop decides when; these functions do it, with the parts they use (`RunFiles`), never the session.
 
-They never change the step counter or decide to stop: a checkpoint that cannot be written raises CheckpointError
-and the loop counts the failures (train/loop.py `save`).
+They never change the step counter. A checkpoint that cannot be written (a full disk) is one console line and the run
+goes on (`save`, which counts the failures in the run's TrainState); CHECKPOINT_FAILURE_LIMIT of them in a row end
+the run with a sentence (RunFailed).
 """
 from __future__ import annotations
 
@@ -18,18 +19,20 @@ from ..lora.export import read_lora_metadata
 from ..lora.inject import adapter_settings
 from ..lora.pivotal import PivotalTokens
 from ..models.base import ModelBundle
-from ..runs import events
+from ..runs import events, states
 from ..runs.layout import best_name, ema_name, set_aside_name
 from ..runs.writer import RunWriter
 from .amp import MixedPrecision
-from .checkpoint import Checkpoint, list_checkpoints, load_checkpoint, nothing, prune_checkpoints, save_checkpoint
+from .checkpoint import (CheckpointError, list_checkpoints, load_checkpoint, nothing, prune_checkpoints,
+                         save_checkpoint)
 from .ema import AdapterEMA
 from .lora_output import write_lora
 from .lr_schedule import LearningRateSchedule
 from .optim import evaluation_weights
+from .outcome import RunFailed
 from .ranks import Ranks
 from .state import Keeper, adapter_state, restore_adapter, restore_run_state, run_state
-from .session import TrainState
+from .train_state import TrainState
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,33 @@ class RunFiles:
         return adapter_state(self.trained, self.ranks, self.pivotal)
 
 
+CHECKPOINT_FAILURE_LIMIT = 3  # checkpoints in a row that may fail (a full disk) before the run stops
+
+
 # ---- checkpoints --------------------------------------------------------------------------------------------------
+def save(files: RunFiles, state: TrainState, reason: str) -> Path | None:
+    """Write a checkpoint (every process waits for the main one, which alone writes). A failed one (a full disk) is
+    one console line and the run goes on, keeping the last good checkpoint; CHECKPOINT_FAILURE_LIMIT failures in a
+    row stop the run with a sentence."""
+    files.ranks.wait()
+    if not files.ranks.is_main:
+        return None
+    files.run.status(states.SAVING, step=state.step)
+    try:
+        folder = write_checkpoint(files, state, reason)
+    except CheckpointError as exc:
+        state.checkpoint_failures += 1
+        files.run.event(events.CHECKPOINT_FAILED, str(exc), step=state.step, console=True)
+        if state.checkpoint_failures >= CHECKPOINT_FAILURE_LIMIT:
+            raise RunFailed(f"Stopped at step {state.step} because {state.checkpoint_failures} checkpoints in a row "
+                            f"could not be written ({exc.reason or exc}); "
+                            f"{last_good_sentence(files.run.paths.checkpoints)}") from None
+        files.run.status(states.TRAINING, step=state.step, max_steps=files.max_steps, error=str(exc))
+        return None
+    state.checkpoint_failures = 0
+    return folder
+
+
 def write_checkpoint(files: RunFiles, state: TrainState, reason: str) -> Path:
     """RUN/checkpoints/step_NNNNNN of the run as it is now, then the older ones past checkpoints_total_limit pruned
     (never the best one). Main process only; raises CheckpointError (a full disk) with the older ones kept."""
@@ -78,8 +107,12 @@ def last_good_sentence(checkpoints: Path) -> str:
     return f"free some space and continue with --resume auto from the last good checkpoint, {folders[-1].name}."
 
 
-def resume(files: RunFiles, checkpoint: Checkpoint, state: TrainState) -> None:
-    """Put the checkpoint setup found (and verified before the model loaded) back into the run."""
+def resume(files: RunFiles, state: TrainState) -> None:
+    """Put the checkpoint setup found (and verified before the model loaded) back into the run; nothing when there
+    is none. Its tensors are let go of once loaded."""
+    checkpoint, state.resume_from = state.resume_from, None
+    if checkpoint is None:
+        return
     restore_adapter(files.trained, files.ranks, checkpoint.adapter, files.pivotal)
     ema_kept = restore_run_state(checkpoint.state, state, files.optimizer, files.lr_scheduler, files.amp, files.ema,
                                  files.keepers)

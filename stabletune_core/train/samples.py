@@ -22,15 +22,17 @@ from ..lora.pivotal import PivotalTokens
 from ..models.base import ModelBundle
 from ..runs import events
 from ..runs.layout import sample_image_name, sample_prompts
-from ..runs.states import SAMPLING
+from ..runs.states import SAMPLING, TRAINING
 from ..runs.writer import RunWriter
 from . import signals
+from .control import honour_stop_while_sampling
 from .deferred import DeferredSampling
 from .ema import AdapterEMA, optional_swap
 from .optim import evaluation_weights
 from .preview import with_trained_adapters
 from .ranks import Ranks
 from .state import adapter_state, restore_adapter
+from .train_state import TrainState
 from .validation_images import image_count, make_validation_images, sample_seeds
 
 
@@ -86,6 +88,10 @@ class Sampling:
         return len(self.paths) >= self.due
 
 
+#: made(sampling): the loop announces a sampling that is over and shows a complete one to the observers
+Made = Callable[["Sampling"], None]
+
+
 def sampling_due(step: int, every: int, max_steps: int) -> bool:
     """Validation images every `every` steps, and at the end of a run shorter than one interval: its last step
     is then the only image of the LoRA (issue 37.8)."""
@@ -131,6 +137,14 @@ def announce(run: RunWriter, sampling: Sampling) -> None:
                   f"{sampling.step}; a stop ended the sampling.", step=sampling.step)
 
 
+def take_samples(sampler: Sampler, state: TrainState, made: Made, *, then: str) -> None:
+    """The validation images of this step, after the rest of a deferred sampling (samplings stay in step order);
+    `made(sampling)` as each ends. A stop asked for meanwhile ends it at the next image (and this step's is not
+    begun while the deferred one is unfinished)."""
+    if state.deferred is None or more_deferred(sampler, state, None, made, then=then):
+        made(make_samples(sampler, state.step, then=then))
+
+
 # ---- deferred samplings ---------------------------------------------------------------------------------------
 def defer(sampler: Sampler, step: int) -> DeferredSampling:
     """Freeze this step's adapter weights as the validation images use them, to make the images later."""
@@ -171,6 +185,36 @@ def owed_base_images(sampler: Sampler, step: int) -> DeferredSampling | None:
                             made=made)
 
 
+def more_deferred(sampler: Sampler, state: TrainState, count: int | None, made: Made, *,
+                  then: str = TRAINING) -> bool:
+    """Make `count` more of the state's deferred sampling's images (None: the rest); once it is over the deferral
+    ends and `made(sampling)` says so. Returns True once all are made, False when a stop is waiting."""
+    deferred = state.deferred
+    if (over := make_deferred(sampler, deferred, count, step=state.step, then=then)) is not None:
+        state.deferred = None
+        made(over)
+    return deferred.done
+
+
+def end_deferred(sampler: Sampler, state: TrainState, made: Made, *, make_the_rest: bool) -> bool:
+    """At the end of training: make the images still due, or, when the run stops, say how many were made.
+    Returns False when a stop asked for while making them ended them (the run then ends `stopped`)."""
+    deferred = state.deferred
+    if not make_the_rest:
+        state.deferred = None
+        made(unfinished(deferred))
+        return True
+    if more_deferred(sampler, state, None, made):
+        return True
+    honour_stop_while_sampling(sampler.run, state.step, deferred.step)
+    return False
+
+
+def unfinished(deferred: DeferredSampling) -> Sampling:
+    """A deferred sampling the run ends before all its images are made (a stop): the ones made so far."""
+    return Sampling(deferred.step, deferred.folder, list(deferred.made), deferred.due)
+
+
 def make_deferred(sampler: Sampler, deferred: DeferredSampling, count: int | None, *, step: int,
                   then: str) -> Sampling | None:
     """Make `count` more of a deferred sampling's images (None: the rest) with the weights it froze (none: the
@@ -189,5 +233,5 @@ def make_deferred(sampler: Sampler, deferred: DeferredSampling, count: int | Non
             restore_adapter(sampler.trained, sampler.ranks, current, sampler.pivotal)
     sampler.run.status(then, step=step, max_steps=sampler.max_steps)
     if deferred.done or (count is None and sampler.stop_waiting()):
-        return Sampling(deferred.step, deferred.folder, list(deferred.made), deferred.due)
+        return unfinished(deferred)
     return None

@@ -1,14 +1,13 @@
-"""What setup builds and the loop owns: the session (the run's fixed wiring), its mutable `TrainState`, and the
-read-only view that guards get.
+"""What setup builds and the loop owns: the session (the run's fixed wiring) and the read-only view that guards get.
 
 The session is frozen: no part of it (model, optimizer, caches, run writer) is swapped during a run. What changes
-lives in `TrainState`, which only the loop writes. The parts of a step take the pieces they use as arguments
-(step.py, inputs.py, ...); only setup and the loop hold the whole session.
+lives in `TrainState` (train_state.py), which only the loop writes. The parts the loop hands work to take small
+frozen records of what they use, which the session gives as views of its parts: `StepParts` (step.py), `RunFiles`
+(run_files.py), `Sampler` (samples.py); only setup and the loop hold the whole session.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
@@ -24,45 +23,20 @@ from ..models.base import ModelBundle, Objective
 from ..runs.layout import RunPaths
 from ..runs.writer import RunWriter
 from .amp import MixedPrecision
-from .checkpoint import Checkpoint, nothing
-from .deferred import DeferredSampling
+from .checkpoint import nothing
 from .ema import AdapterEMA
 from .guards.base import Guard
 from .inputs import BatchInputs
 from .lr_schedule import LearningRateSchedule
+from .noise import NoiseOptions
 from .observers.base import Observer
 from .perceptual import Perceptual
 from .ranks import Ranks
-from .rollback import Snapshot
+from .run_files import RunFiles
+from .samples import Sampler
+from .step import StepParts
+from .train_state import TrainState
 from .observers.validation_loss import Evaluator
-
-#: The counters a checkpoint saves (its "train" entry): with them a resumed run continues exactly.
-COUNTERS = ("step", "epoch", "batch_in_epoch", "images_seen", "micro_batch_size")
-
-
-@dataclass
-class TrainState:
-    """Everything that changes while training. Only the loop writes it."""
-
-    step: int = 0  # optimizer steps taken
-    epoch: int = 0
-    batch_in_epoch: int = 0  # sampler batches of `epoch` already consumed
-    images_seen: int = 0
-    micro_batch_size: int = 0  # may shrink after an out-of-memory error; the effective batch never does
-    # ---- never saved -------------------------------------------------------------------------------------------
-    resume_from: Checkpoint | None = None  # the checkpoint setup found to resume from (read before any model loaded)
-    batch_paths: list[str] = field(default_factory=list)  # images of the current step, for the guards' events
-    best_checkpoint: Path | None = None  # the best one (early stopping); pruning always keeps it
-    snapshot: Snapshot | None = None  # the last in-memory good state (non-finite guard)
-    checkpoint_failures: int = 0  # checkpoints in a row that could not be written (a full disk)
-    deferred: DeferredSampling | None = None  # the step-0 images, made one per step while training runs
-
-    def counters(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in COUNTERS}
-
-    def restore_counters(self, saved: Mapping[str, int]) -> None:
-        for name in COUNTERS:
-            setattr(self, name, int(saved[name]))
 
 
 @dataclass(frozen=True)
@@ -105,6 +79,29 @@ class Session:
     def denoiser(self) -> torch.nn.Module:
         """The trained denoiser as the step calls it (accelerate's wrapper with several processes)."""
         return self.trained["unet"]
+
+    # The records the loop's hands take: views of this session's parts, made when asked (a few microseconds), so
+    # they can never disagree with it (a session copied with another part, e.g. perceptual=None, or a knob changed
+    # on its config between steps, steps with what it now holds).
+    @property
+    def step_parts(self) -> StepParts:
+        """What one step's forward and backward use (step.forward_backward)."""
+        return StepParts(self.inputs, self.objective, self.denoiser, self.trained, self.params, self.amp, self.ranks,
+                         NoiseOptions.from_config(self.config), self.config.masked_loss,
+                         self.config.prior_loss_weight, self.perceptual)
+
+    @property
+    def files(self) -> RunFiles:
+        """What checkpoints, the resume and the LoRA are written from and read back into (run_files.py)."""
+        return RunFiles(self.config, self.run, self.ranks, self.trained, self.pivotal, self.optimizer,
+                        self.lr_scheduler, self.amp, self.ema, (*self.guards, *self.observers), self.bundle, self.data,
+                        self.max_steps, self.checkpoint_halfway)
+
+    @property
+    def samples(self) -> Sampler:
+        """What validation images are made with (samples.py)."""
+        return Sampler(self.config, self.run, self.ranks, self.bundle, self.preview, self.trained, self.pivotal,
+                       self.optimizer, self.ema, self.device, self.amp.autocast, self.max_steps)
 
 
 class SessionView:

@@ -1,5 +1,7 @@
-"""Set up a run: check what the user pointed at, prepare the run folder, load the model, add the adapters,
-build optimizer, schedule, guards, observers and caches. Returns the `Session` the loop trains."""
+"""Set up a run, read as a table of contents (`setup`): check and resolve the config, open the run, the data, the
+model, the adapters, the optimizer and feed, the watchers (guards, observers, EMA). Each phase is a function that
+takes the records of the phases before it and returns its own small frozen record; `session_of` wires them into the
+`Session` the loop trains."""
 from __future__ import annotations
 
 import hashlib
@@ -7,8 +9,9 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
@@ -16,20 +19,22 @@ from accelerate.utils import set_seed
 
 from ..cache import cache_root
 from ..config import ConfigError, TrainConfig, check_inputs, resolve
-from ..config.families import MEMORY_PLAN_FAMILIES, family_defaults, family_problems, text_options
+from ..config.families import family_defaults, family_problems, text_options
 from ..data.caches import EmbeddingCache, LatentCache, module_fingerprint
 from ..data.examples import DatasetView
 from ..data.loader import BatchFeed
+from ..data.order import BucketBatchSampler
 from ..data.masks import masks_note, masks_outside_crop
 from ..data.reg import merge_reg, scan_reg_images
-from ..data.scan import DatasetError, SkippedFile, scan_dataset
+from ..data.scan import DataItem, DatasetError, SkippedFile, scan_dataset
 from ..data.seeds import derive_seed
 from ..lora.inject import adapter_mismatch, adapter_settings, add_lora, lora_parameters
 from ..lora.layers import run_lora_layers
-from ..lora.pivotal import add_pivotal_tokens, pivotal_problems
-from ..models.base import ModelBundle
+from ..lora.pivotal import PivotalTokens, add_pivotal_tokens, pivotal_problems
+from ..models import get_family
+from ..models.base import ModelBundle, ModelFamily, Objective
 from ..models.loading import family_name, load_model
-from ..models.memory_plan import free_device_bytes, measured_budget, plan_memory
+from ..models.memory_plan import MemoryPlan, free_device_bytes, measured_budget, plan_memory
 from ..models.quantize import quantise_linear_layers, storage_problem, stored_bytes
 from ..runs import events, states
 from ..runs.earlier import earlier_run
@@ -44,6 +49,7 @@ from .ema import AdapterEMA
 from .guards import (ClipGuard, EarlyStoppingGuard, Guard, MemGuard, NonFiniteGuard, PlateauGuard, PrecisionGuard,
                      WeightNormGuard)
 from .inputs import BatchInputs
+from .lr_schedule import LearningRateSchedule
 from .observers.base import Observer
 from .optim import make_lr_scheduler, make_optimizer, optimizer_problems, unet_param_groups
 from .outcome import RunFailed
@@ -52,7 +58,8 @@ from .placement import frozen_modules_to_offload, offload, place_denoiser, place
 from .preview import load_preview
 from .ranks import Ranks
 from .observers.sample_judge import make_judge
-from .session import Session, TrainState
+from .session import Session
+from .train_state import TrainState
 from .observers.tensorboard import make_tensorboard_log
 from .observers.validation_loss import Evaluator, split_validation
 from .threads import set_cpu_threads
@@ -66,7 +73,7 @@ class RunExists(ConfigError):
 
 
 
-# ---- set up -----------------------------------------------------------------------------------------------
+# ---- the run folder, the resume checkpoint ---------------------------------------------------------------------
 def prepare_run_dir(config: TrainConfig) -> RunWriter:
     """Never write over an earlier run: refuse (one sentence), or with --overwrite_output_dir move it aside.
 
@@ -157,32 +164,82 @@ def recorded_adapter_settings(checkpoint: Checkpoint) -> dict[str, Any]:
         return {}
 
 
+# ---- the table of contents ----------------------------------------------------------------------------------------
 def setup(config: TrainConfig) -> Session:
-    """Check everything the user pointed at (model, resume checkpoint, then the dataset) before any model loads.
+    """Check everything the user pointed at (model, resume checkpoint, then the dataset) before any model loads,
+    then build the run phase by phase; each phase returns a small frozen record of what it made.
 
     RUN/config.toml is written once the config is resolved (a random seed drawn, validation epochs counted in
     steps): exactly the config the run uses."""
-    problems = check_inputs(config) + perceptual_problems(config) + optimizer_problems(config)
-    if problems:
-        raise ConfigError(problems)
-    family = family_name(config)  # read from the checkpoint's configs or keys, nothing loaded yet
-    # model_family auto: the knobs of the detected family; then the new words against its tokenizer (files only)
-    if problems := family_problems(config, family) or pivotal_problems(config, family):
-        raise ConfigError(problems)
+    family = check(config)
     # compares with what is there as the user (or the UI) wrote it: before the family's defaults replace the SD
     # ones (a Klein run started from the UI, whose config.toml has the SD LoRA targets, was refused as "another
     # configuration" when this came after them)
     prepare_run_dir(config)
-    config = config.model_copy(update=family_defaults(config, family))
-    # vram_gb, or on a CUDA card its free memory (Klein and SDXL: SD 1.x / 2.x have no memory model); the knobs the
-    # plan chose go into config.toml
-    planned = family in MEMORY_PLAN_FAMILIES
-    measured = None if config.vram_gb or not planned else measured_budget(free_device_bytes())
-    plan = plan_memory(config, measured, family) if config.vram_gb or measured is not None else None
+    resolved = resolve_run(config, family, measured=measured_memory(config, family), random_seed=draw_seed(config))
+    opened = open_run(resolved)
+    data = build_data(resolved, opened)
+    config = data.config  # validation epochs counted in steps
+    model = load_base_model(config, opened)
+    adapters = build_adapters(config, opened, model, data)
+    optimizing = build_optimizer_and_feed(config, opened, model.bundle, adapters, data)
+    watchers = build_watchers(config, opened, model, adapters, optimizing, data)
+    return session_of(config, opened, model, adapters, optimizing, data, watchers)
+
+
+# ---- check and resolve --------------------------------------------------------------------------------------------
+def check(config: TrainConfig) -> ModelFamily:
+    """The config's own problems, then the detected family's (read from the checkpoint's configs or keys, nothing
+    loaded yet): its knobs, then the new words against its tokenizer (files only). One ConfigError for all."""
+    if problems := check_inputs(config) + perceptual_problems(config) + optimizer_problems(config):
+        raise ConfigError(problems)
+    name = family_name(config)
+    if problems := family_problems(config, name) or pivotal_problems(config, name):
+        raise ConfigError(problems)
+    return get_family(name)
+
+
+def measured_memory(config: TrainConfig, family: ModelFamily) -> float | None:
+    """Without vram_gb, the GiB a family with a memory plan plans for on this CUDA card (its free memory less a
+    margin); None on a CPU, with vram_gb, or for a family without a memory model (the SD families, Z-Image)."""
+    if config.vram_gb or not family.plans_memory:
+        return None
+    return measured_budget(free_device_bytes())
+
+
+@dataclass(frozen=True)
+class Resolved:
+    config: TrainConfig  # the family's defaults, the memory plan's knobs and the drawn seed in it
+    plan: MemoryPlan | None
+    measured: float | None  # the GiB the plan was made for when measured (no vram_gb)
+    random_seed: int | None  # drawn for seed -1
+
+
+def resolve_run(config: TrainConfig, family: ModelFamily, *, measured: float | None,
+                random_seed: int | None) -> Resolved:
+    """The config the run uses: the family's defaults for the knobs whose schema default is an SD family's, the memory
+    plan's knobs (vram_gb, or the `measured` card), then `resolve` (the seed). Pure: reads no file, no device."""
+    config = config.model_copy(update=family_defaults(config, family.name))
+    plan = plan_memory(config, measured, family.name) if config.vram_gb or measured is not None else None
     if plan is not None:
         config = config.model_copy(update=plan.update)
-    random_seed = draw_seed(config)
-    config = resolve(config, seed=random_seed)
+    return Resolved(resolve(config, seed=random_seed), plan, measured, random_seed)
+
+
+# ---- open the run -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Opened:
+    ranks: Ranks
+    amp: MixedPrecision
+    run: RunWriter
+    resume_from: Checkpoint | None
+
+
+def open_run(resolved: Resolved) -> Opened:
+    """The resume checkpoint (read and verified), the processes and precision, the run writer with what the
+    user must know before anything loads (a previous process that died, bad checkpoints, the seed, the memory
+    plan); then the seed is set."""
+    config = resolved.config
     bad_checkpoints: list[str] = []
     resume_from = find_resume_checkpoint(config, bad_checkpoints.append)
     ranks = Ranks(Accelerator(mixed_precision="no"))  # mixed precision is ours (amp.py): the fallback switches it
@@ -192,8 +249,8 @@ def setup(config: TrainConfig) -> Session:
     run.status(states.STARTING, step=0)
     if previous.get("stale"):
         run.event(events.PREVIOUS_DIED, f"The previous process {previous.get('pid')} died at step "
-                  f"{previous.get('step', 0)} (it was {previous.get('reported_state') or previous.get('state')}; status.json went stale).",
-                  step=previous.get("step"), pid=previous.get("pid"))
+                  f"{previous.get('step', 0)} (it was {previous.get('reported_state') or previous.get('state')}; "
+                  "status.json went stale).", step=previous.get("step"), pid=previous.get("pid"))
     if ranks.is_main:
         for leftover in remove_stale_temporaries(run.paths.checkpoints):
             run.event(events.CHECKPOINT_BAD, f"Removed {leftover.name}: a checkpoint whose writing was interrupted.")
@@ -203,7 +260,7 @@ def setup(config: TrainConfig) -> Session:
         run.event(events.NOTHING_TO_RESUME, "No checkpoint to resume from; starting from step 0." if not
                   bad_checkpoints else "No checkpoint could be read; starting over from step 0 (allow_restart).",
                   console=True)
-    if random_seed is not None:
+    if resolved.random_seed is not None:
         run.event(events.SEED, f"Seed -1: this run uses the random seed {config.seed} (recorded in config.toml, so "
                   "--resume and a rerun with that seed repeat it).", console=True, seed=config.seed)
     if config.mixed_precision != "no" and ranks.device.type == "cpu":
@@ -212,14 +269,29 @@ def setup(config: TrainConfig) -> Session:
                   console=True)
     for note in config.notes():
         run.event(events.CONFIG, note)
-    if plan is not None:
-        run.event(events.MEMORY_PLAN, plan.sentence, console=True, vram_gb=config.vram_gb or measured,
-                  measured=not config.vram_gb, chosen=plan.update,
-                  estimate_bytes=plan.estimate.peak)
+    if (plan := resolved.plan) is not None:
+        run.event(events.MEMORY_PLAN, plan.sentence, console=True, vram_gb=config.vram_gb or resolved.measured,
+                  measured=not config.vram_gb, chosen=plan.update, estimate_bytes=plan.estimate.peak)
     if problem := storage_problem(config.base_storage, ranks.device):  # before any model loads
         raise ConfigError([problem])
     set_seed(config.seed)
+    return Opened(ranks, amp, run, resume_from)
 
+
+# ---- data -----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Data:
+    config: TrainConfig  # resolved again with the steps per epoch (validation_epochs in steps), saved as config.toml
+    view: DatasetView
+    sampler: BucketBatchSampler
+    held_out: list[DataItem]  # validation_split's images, never trained on
+    steps_per_epoch: int
+
+
+def build_data(resolved: Resolved, opened: Opened) -> Data:
+    """Scan the training images (and the class images of prior preservation), hold the validation split out, say
+    what was skipped or odd; then the config counted in steps is written as RUN/config.toml."""
+    config, run, ranks = resolved.config, opened.run, opened.ranks
     scan = scan_dataset(Path(config.train_data_dir), config.default_caption, config.caption_extension,
                         masked_loss=config.masked_loss)
     report_skipped(run, scan.skipped, "training")
@@ -246,23 +318,50 @@ def setup(config: TrainConfig) -> Session:
         refuse_or_note_masks_outside_crop(run, data, outside)
     sampler = data.sampler(config.train_batch_size)
     steps_per_epoch = math.ceil(len(sampler) / (config.gradient_accumulation_steps * ranks.count))
-    config = resolve(config, seed=random_seed, steps_per_epoch=steps_per_epoch)
+    config = resolve(config, seed=resolved.random_seed, steps_per_epoch=steps_per_epoch)
     if config.validation_epochs:  # diffusers' flag, in epochs: the loop counts steps
         run.event(events.CONFIG, f"validation_epochs {config.validation_epochs} = validation images every "
                   f"{config.validation_steps} steps ({steps_per_epoch} steps per epoch).")
     if ranks.is_main:
         config.save_toml(run.paths.config)
+    return Data(config, data, sampler, held_out, steps_per_epoch)
 
+
+# ---- the model ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BaseModel:
+    bundle: ModelBundle
+    objective: Objective
+
+
+def load_base_model(config: TrainConfig, opened: Opened) -> BaseModel:
+    """Load the family's model, say which it is, set the CPU threads for it, store its frozen weights as asked."""
+    run = opened.run
     run.status(states.LOADING, step=0)
     bundle = load_model(config)
     for note in bundle.family.load_notes(bundle):  # which model this is, and a warning when it is a poor base
         run.event(events.MODEL, note, console=True, family=bundle.family.name)
-    device = ranks.device
-    if device.type == "cpu":  # torch's one thread per core is wrong for small models and busy machines
+    if opened.ranks.device.type == "cpu":  # torch's one thread per core is wrong for small models and busy machines
         threads, sentence = set_cpu_threads(bundle.denoiser)
         run.event(events.THREADS, sentence, console=True, threads=threads)
     objective = bundle.family.objective(bundle, config)
     store_base(bundle, config, run)
+    return BaseModel(bundle, objective)
+
+
+# ---- adapters -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Adapters:
+    trained: dict[str, torch.nn.Module]  # modules with adapters, by checkpoint prefix (not yet accelerate-prepared)
+    pivotal: PivotalTokens | None
+    inputs: BatchInputs
+    preview: ModelBundle | None
+
+
+def build_adapters(config: TrainConfig, opened: Opened, model: BaseModel, data: Data) -> Adapters:
+    """The LoRA (and pivotal tuning's new tokens) on the model, the model placed, the caches built, the adapters in
+    fp32, gradient checkpointing and attention as asked, the preview model."""
+    bundle, run, amp, device = model.bundle, opened.run, opened.amp, opened.ranks.device
     add_lora(bundle, config)
     pivotal = add_pivotal_tokens(bundle, config)
     swap_blocks(bundle, config, run, device, amp.weight_dtype)  # before placing: swapped weights never all go there
@@ -270,8 +369,8 @@ def setup(config: TrainConfig) -> Session:
     inputs = BatchInputs(bundle, amp, device, seed=config.seed, train_text_encoder=config.train_text_encoder,
                          pivotal=pivotal)
     # the caches first: the encoders they make redundant leave the device before the denoiser comes onto it, so the
-    # set-up never holds both (models/flux2_memory.py counts the caching peak beside the training step's)
-    build_caches(config, inputs, data, run, ranks)
+    # set-up never holds both (models/flux2_klein/memory.py counts the caching peak beside the training step's)
+    build_caches(config, inputs, data.view, run, opened.ranks)
     place_denoiser(bundle, device, amp.weight_dtype)
     trained = {"unet": bundle.denoiser, **({f"te{i}": e for i, e in enumerate(bundle.text_encoders)}
                                        if config.train_text_encoder else {})}
@@ -293,7 +392,25 @@ def setup(config: TrainConfig) -> Session:
                       f"{note[0].lower()}{note[1:]}", console=True, family=preview.family.name, preview=True)
     if config.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
+    return Adapters(trained, pivotal, inputs, preview)
 
+
+# ---- optimizer and feed ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Optimizing:
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: LearningRateSchedule
+    params: list[torch.nn.Parameter]
+    trained: dict[str, torch.nn.Module]  # the adapters' modules as accelerate prepared them
+    max_steps: int
+    feed: BatchFeed
+
+
+def build_optimizer_and_feed(config: TrainConfig, opened: Opened, bundle: ModelBundle, adapters: Adapters,
+                             data: Data) -> Optimizing:
+    """Parameter groups (block-wise rates, the text encoders', the new tokens'), optimizer and schedule, the modules
+    prepared for several processes, and the feed the steps draw their batches from."""
+    run, ranks, pivotal = opened.run, opened.ranks, adapters.pivotal
     groups = unet_param_groups(bundle.denoiser, config)  # block-wise rates; a block at rate 0 is frozen
     if config.train_text_encoder:
         te_params = [p for e in bundle.text_encoders for p in lora_parameters(e)]
@@ -312,35 +429,64 @@ def setup(config: TrainConfig) -> Session:
         for g in groups:
             g["lr"] *= effective_batch
     optimizer = make_optimizer(groups, config)
-    max_steps = config.max_train_steps or config.num_train_epochs * steps_per_epoch
+    max_steps = config.max_train_steps or config.num_train_epochs * data.steps_per_epoch
     lr_scheduler = make_lr_scheduler(optimizer, config, max_steps)
     if config.lr_warmup_steps >= max_steps and config.lr_scheduler not in ("constant", "plateau"):
         run.event(events.CONFIG, f"lr_warmup_steps ({config.lr_warmup_steps}) is not shorter than the run ({max_steps} "
                   "steps): the learning rate never reaches its peak; lower lr_warmup_steps.", console=True)
-    *prepared, optimizer = ranks.prepare(*trained.values(), optimizer)
-    trained = dict(zip(trained, prepared))
-
-    feed = BatchFeed(data, sampler, with_pixels=inputs.latent_cache is None,
+    *prepared, optimizer = ranks.prepare(*adapters.trained.values(), optimizer)
+    feed = BatchFeed(data.view, data.sampler, with_pixels=adapters.inputs.latent_cache is None,
                      num_workers=config.dataloader_num_workers, world=ranks.count, rank=ranks.index,
-                     pin_memory=device.type == "cuda")
+                     pin_memory=ranks.device.type == "cuda")
+    return Optimizing(optimizer, lr_scheduler, params, dict(zip(adapters.trained, prepared)), max_steps, feed)
+
+
+# ---- watchers -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Watchers:
+    perceptual: Perceptual | None
+    evaluator: Evaluator
+    observers: tuple[Observer, ...]
+    guards: tuple[Guard, ...]
+    ema: AdapterEMA | None
+    state: TrainState
+    halfway: Callable[[int], None]  # test-only: the fault harness's hook inside the checkpoint writer
+
+
+def build_watchers(config: TrainConfig, opened: Opened, model: BaseModel, adapters: Adapters,
+                   optimizing: Optimizing, data: Data) -> Watchers:
+    """The perceptual regulariser, the evaluator, observers and guards, the EMA, the fresh training state and the
+    fault harness's hooks (none in a real run)."""
+    run, ranks, trained = opened.run, opened.ranks, optimizing.trained
     perceptual = None
     if config.perceptual_lambda > 0:
-        perceptual = Perceptual(config, device, bundle, objective, data)
+        perceptual = Perceptual(config, ranks.device, model.bundle, model.objective, data.view)
         run.event(events.PERCEPTUAL, perceptual.description, real_lpips=perceptual.real)
         print(perceptual.description, file=sys.stderr)
-    evaluator = Evaluator(config, bundle, objective, trained, amp, device, data, held_out, inputs)
+    evaluator = Evaluator(config, model.bundle, model.objective, trained, opened.amp, ranks.device, data.view,
+                          data.held_out, adapters.inputs)
     observers = make_observers(config, evaluator, perceptual) + run_observers(config, run, ranks)
-    state = TrainState(micro_batch_size=config.train_batch_size, resume_from=resume_from)
+    state = TrainState(micro_batch_size=config.train_batch_size, resume_from=opened.resume_from)
+    params = optimizing.params
     ema = AdapterEMA(params, config.ema_decay, on_cpu=config.ema_on_cpu) if config.ema_decay > 0 else None
     # test-only hooks (STABLETUNE_FAULTS); installs nothing in a real run
-    halfway = faults.arm(ranks.unwrap(trained["unet"]), params, optimizer, state)
-    lora_layers = tuple(layer for _, layer in run_lora_layers(trained, ranks.unwrap))
-    return Session(config=config, ranks=ranks, run=run, bundle=bundle, objective=objective, data=data,
-                   sampler=sampler, feed=feed, inputs=inputs, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                   params=params, trained=trained, lora_layers=lora_layers, amp=amp, max_steps=max_steps, state=state,
-                   guards=tuple(make_guards(config)), observers=tuple(observers), validation_items=held_out,
-                   perceptual=perceptual, ema=ema, evaluator=evaluator, checkpoint_halfway=halfway, preview=preview,
-                   pivotal=pivotal,
+    halfway = faults.arm(ranks.unwrap(trained["unet"]), params, optimizing.optimizer, state)
+    return Watchers(perceptual, evaluator, tuple(observers), tuple(make_guards(config)), ema, state, halfway)
+
+
+# ---- the session ----------------------------------------------------------------------------------------------------
+def session_of(config: TrainConfig, opened: Opened, model: BaseModel, adapters: Adapters, optimizing: Optimizing,
+               data: Data, watchers: Watchers) -> Session:
+    """The phases' records wired into the session (which gives the loop's hands their records: StepParts, ...)."""
+    ranks, trained, max_steps = opened.ranks, optimizing.trained, optimizing.max_steps
+    return Session(config=config, ranks=ranks, run=opened.run, bundle=model.bundle, objective=model.objective,
+                   data=data.view, sampler=data.sampler, feed=optimizing.feed, inputs=adapters.inputs,
+                   optimizer=optimizing.optimizer, lr_scheduler=optimizing.lr_scheduler, params=optimizing.params,
+                   trained=trained, lora_layers=tuple(layer for _, layer in run_lora_layers(trained, ranks.unwrap)),
+                   amp=opened.amp, max_steps=max_steps, state=watchers.state, guards=watchers.guards,
+                   observers=watchers.observers, validation_items=data.held_out, perceptual=watchers.perceptual,
+                   ema=watchers.ema, evaluator=watchers.evaluator, checkpoint_halfway=watchers.halfway,
+                   preview=adapters.preview, pivotal=adapters.pivotal,
                    pivotal_freeze_step=math.ceil(config.embedding_train_fraction * max_steps))
 
 

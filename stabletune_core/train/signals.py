@@ -10,7 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..runs import events
+
+if TYPE_CHECKING:  # the CLI installs the handlers before torch is imported (ranks.py imports it)
+    from ..runs.writer import RunWriter
+    from .ranks import Ranks
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 
@@ -64,3 +70,16 @@ def signal_name(signum: int) -> str:
 
 def requested() -> int | None:
     return ACTIVE.requested if ACTIVE is not None else None
+
+
+def stop_asked(ranks: Ranks, run: RunWriter, step: int) -> bool:
+    """Whether the loop stops for a Ctrl-C / SIGTERM the CLI caught (with several processes the main one's, so every
+    rank stops at the same step); if so the signal is marked honoured (the exit code says so) and the run says so."""
+    signum = ranks.from_main(requested())
+    if not signum:
+        return False
+    if ACTIVE is not None:
+        ACTIVE.honoured = True
+    run.event(events.STOP_REQUESTED, f"{signal_name(signum)} at step {step}; saving a checkpoint and the LoRA.",
+              step=step, console=True)
+    return True

@@ -15,7 +15,7 @@ from .amp import MixedPrecision
 from .ema import AdapterEMA
 from .lr_schedule import LearningRateSchedule
 from .ranks import Ranks
-from .session import TrainState
+from .train_state import TrainState
 
 
 class Keeper(Protocol):

@@ -11,7 +11,11 @@ import torch
 
 from ..data.loader import BatchFeed
 from ..data.masks import batch_loss_mask
+from ..lora.pivotal import PivotalTokens
 from ..models.base import Objective
+from ..runs import events
+from ..runs.image_losses import loss_record
+from ..runs.writer import RunWriter
 from .amp import MixedPrecision
 from .forward import predict_and_loss, weigh
 from .inputs import BatchInputs
@@ -19,7 +23,7 @@ from .loss import LossParts, prior_weights
 from .noise import NoiseOptions, noised
 from .perceptual import Perceptual
 from .ranks import Ranks
-from .session import TrainState
+from .train_state import TrainState
 
 
 def next_batches(feed: BatchFeed, state: TrainState, count: int) -> list[dict[str, Any]]:
@@ -54,11 +58,41 @@ class PerImageLosses:
     timesteps: list[float]
     reg: list[bool]
 
+    def record(self, step: int) -> dict[str, Any]:
+        """The run folder's per-image loss record of optimizer step `step` (runs/image_losses.py)."""
+        return loss_record(step, self.paths, self.losses, self.timesteps, self.reg)
 
-def forward_backward(batches: list[dict[str, Any]], *, inputs: BatchInputs, objective: Objective,
-                     denoiser: torch.nn.Module, trained: dict[str, torch.nn.Module], params: list[torch.nn.Parameter],
-                     amp: MixedPrecision, ranks: Ranks, micro_batch_size: int, noise: NoiseOptions,
-                     masked_loss: bool, prior_loss_weight: float, perceptual: Perceptual | None = None,
+
+def freeze_embeddings(pivotal: PivotalTokens | None, run: RunWriter, step: int, freeze_step: int,
+                      fraction: float) -> None:
+    """Pivotal tuning: from `freeze_step` on (embedding_train_fraction of the run) the new token rows get no
+    gradient, so they stay bitwise as they are while the LoRA goes on learning around them. A resumed run past that
+    step freezes them before its first step, as the uninterrupted run did."""
+    if pivotal is None or not pivotal.training or step < freeze_step:
+        return
+    pivotal.set_training(False)
+    run.event(events.CONFIG, f"Pivotal tuning: the new token embeddings freeze at step {step} "
+              f"(embedding_train_fraction {fraction:g}); the LoRA trains on.", step=step, console=True)
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """What one step's forward and backward use: fixed for the run, built once by setup."""
+
+    inputs: BatchInputs  # a batch's latents and conditioning (caches or encoders)
+    objective: Objective  # the family's: timesteps, noising, target, loss weights, the denoiser call
+    denoiser: torch.nn.Module  # the trained denoiser as the step calls it (accelerate's wrapper with several ranks)
+    trained: dict[str, torch.nn.Module]  # modules with adapters, by checkpoint prefix
+    params: list[torch.nn.Parameter]
+    amp: MixedPrecision
+    ranks: Ranks
+    noise: NoiseOptions
+    masked_loss: bool
+    prior_loss_weight: float
+    perceptual: Perceptual | None = None
+
+
+def forward_backward(batches: list[dict[str, Any]], parts: StepParts, *, micro_batch_size: int,
                      step: int = 0) -> StepLoss:
     """Mean loss over every image of one optimizer step (all processes), gradients accumulated. `step`: the
     optimizer steps taken before this one.
@@ -72,14 +106,16 @@ def forward_backward(batches: list[dict[str, Any]], *, inputs: BatchInputs, obje
     a backward): each phase ends in one all-reduce that also says whether any rank ran out of memory, so every
     rank retries (or goes on) together instead of hanging in a collective that the failed rank never reaches.
     """
+    inputs, objective, denoiser, amp, ranks = parts.inputs, parts.objective, parts.denoiser, parts.amp, parts.ranks
+    perceptual = parts.perceptual
     images = sum(len(b["caption"]) for b in batches)
     work, perceptual_count, failure = [], 0, None
     try:
         for batch in batches:
             latents = inputs.latents(batch)
             # masked loss: None when masks are off or no image of the batch has one
-            mask = batch_loss_mask(batch, latents.shape[-2:]) if masked_loss else None
-            noisy, drawn, timesteps = noised(objective, latents, inputs.generator(batch), noise)
+            mask = batch_loss_mask(batch, latents.shape[-2:]) if parts.masked_loss else None
+            noisy, drawn, timesteps = noised(objective, latents, inputs.generator(batch), parts.noise)
             target = objective.target(latents, drawn, timesteps)
             # The LPIPS rows are chosen per sampler batch, so micro-batching cannot change who gets the term.
             chosen = perceptual.chosen_rows(step, timesteps) if perceptual else []
@@ -94,10 +130,10 @@ def forward_backward(batches: list[dict[str, Any]], *, inputs: BatchInputs, obje
     if ranks.several:
         images, perceptual_count = (int(n) for n in ranks.agree([images, perceptual_count], failure))
     loss_sum = torch.zeros((), device=ranks.device)
-    parts = LossParts()
+    loss_parts = LossParts()
     raw_losses, drawn_at, paths, regs = [], [], [], []
     try:
-        with ranks.no_sync(trained.values()):  # with several processes, gradients are summed once, below
+        with ranks.no_sync(parts.trained.values()):  # with several processes, gradients are summed once, below
             for batch, rows, noisy, target, timesteps, mask, chosen in work:
                 cond = inputs.conditioning(batch, rows)
                 pred, raw = predict_and_loss(objective, denoiser, noisy[rows], target[rows], timesteps[rows], cond,
@@ -109,8 +145,8 @@ def forward_backward(batches: list[dict[str, Any]], *, inputs: BatchInputs, obje
                 drawn_at.append(timesteps[rows].detach())
                 paths += [str(p) for p in batch["path"][rows]]
                 regs += [bool(r) for r in is_reg]
-                parts.add(per_sample, is_reg)
-                loss = (per_sample * prior_weights(is_reg, prior_loss_weight, per_sample.device)).sum()
+                loss_parts.add(per_sample, is_reg)
+                loss = (per_sample * prior_weights(is_reg, parts.prior_loss_weight, per_sample.device)).sum()
                 objective_value = loss / images
                 if chosen:  # joins the gradients as lambda x the step's mean LPIPS, not the reported loss
                     objective_value = objective_value + perceptual.term(batch, rows, chosen, pred, noisy[rows],
@@ -123,10 +159,10 @@ def forward_backward(batches: list[dict[str, Any]], *, inputs: BatchInputs, obje
         failure = (str(exc).splitlines() or ["CUDA out of memory"])[0]
     if ranks.several:
         (loss_sum,) = ranks.agree([loss_sum], failure)
-        ranks.sum_gradients(params)
+        ranks.sum_gradients(parts.params)
     per_image = PerImageLosses(paths, torch.cat(raw_losses).float().tolist(),
                                torch.cat(drawn_at).float().tolist(), regs) if raw_losses else None
-    return StepLoss(float(loss_sum) / images, parts.means(), per_image)
+    return StepLoss(float(loss_sum) / images, loss_parts.means(), per_image)
 
 
 def nonfinite_gradients(trained: dict[str, torch.nn.Module]) -> list[str]:

@@ -303,6 +303,7 @@ class Flux2Klein:
     modelspec_implementation = "https://github.com/black-forest-labs/flux2"
     default_resolution = (1024, 1024)
     is_v2 = False
+    plans_memory = True  # models/memory_plan.py (its memory model: flux2_memory.py)
     lora_presets = LORA_PRESETS
     unet_lora_targets = LORA_PRESETS["attention"]
     text_encoder_lora_targets: list[str] = []  # Qwen3 stays frozen: Klein LoRAs adapt the transformer only

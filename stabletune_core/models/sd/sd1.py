@@ -62,6 +62,7 @@ class SD1:
     modelspec_implementation = "diffusers"  # what kohya writes for LoRAs
     default_resolution = (512, 512)
     is_v2 = False
+    plans_memory = False  # models/memory_plan.py: no memory model of this family yet
     unet_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
     text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
     text_encoder_kohya_prefixes = ["lora_te"]

@@ -38,6 +38,7 @@ class SDXL(SD1):
     modelspec_implementation = "https://github.com/Stability-AI/generative-models"  # what kohya writes for SDXL LoRAs
     default_resolution = (1024, 1024)
     is_v2 = False
+    plans_memory = True  # models/memory_plan.py (its memory model: sd/sdxl_memory.py)
     text_encoder_kohya_prefixes = ["lora_te1", "lora_te2"]
     kohya_unet_naming = "sgm"
     diffusers_pipeline_class = "StableDiffusionXLPipeline"

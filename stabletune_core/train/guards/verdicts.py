@@ -44,6 +44,17 @@ class SkipStep(Verdict):
     overflow: bool = False
     what: str = "loss"
 
+    def event(self, step: int, loss_scale: float | None, tensors: list[str], paths: list[str]) -> Event:
+        """What the loop writes once it skipped optimizer step `step`: the fp16 loss scale after an overflow, else
+        the non-finite gradient `tensors` and the step's images (`paths`)."""
+        if self.overflow:
+            return Event(events.FP16_OVERFLOW, f"Skipped step {step}: fp16 gradients overflowed; loss scale is now "
+                         f"{loss_scale:g}.", fields=dict(step=step))
+        detail = f" in {len(tensors)} gradient tensors, e.g. {', '.join(tensors[:3])}" if tensors else ""
+        return Event(events.NONFINITE, f"Skipped step {step}: non-finite {self.what} (loss {self.loss}, grad norm "
+                     f"{self.grad_norm}){detail}.",
+                     fields=dict(step=step, what=self.what, tensors=tensors[:20], paths=paths))
+
 
 @dataclass(frozen=True)
 class TakeSnapshot(Verdict):
@@ -61,6 +72,12 @@ class RollBack(Verdict):
     lr_factor: float
     min_lr: float
 
+    def event(self, source: str, old_lr: float, new_lr: float) -> Event:
+        """What the loop writes once it rolled back (`source`: to what) and lowered the rate."""
+        return Event(events.ROLLBACK, f"{len(self.bad_steps)} non-finite steps within {self.window} steps (last at "
+                     f"step {self.step}): {source}; learning rate {old_lr:.3g} -> {new_lr:.3g}.", console=True,
+                     fields=dict(step=self.step, old_lr=old_lr, new_lr=new_lr, bad_steps=list(self.bad_steps)))
+
 
 @dataclass(frozen=True)
 class ShrinkMicroBatch(Verdict):
@@ -70,6 +87,13 @@ class ShrinkMicroBatch(Verdict):
     old: int
     new: int
     reason: str
+
+    def event(self, paths: list[str]) -> Event:
+        """What the loop writes once it shrank the micro-batch (`paths`: the step's images)."""
+        return Event(events.OOM, f"Out of memory at step {self.step} with micro-batch {self.old} ({self.reason}); "
+                     f"retrying with micro-batch {self.new} and twice the accumulation, so the effective batch stays "
+                     "the same.", console=True,
+                     fields=dict(step=self.step, old_micro_batch=self.old, new_micro_batch=self.new, paths=paths))
 
 
 @dataclass(frozen=True)
@@ -81,6 +105,14 @@ class SwapMoreBlocks(Verdict):
     old: int
     new: int
     reason: str
+
+    def event(self, blocks: list[int]) -> Event:
+        """What the loop writes once it swapped more blocks (`blocks`: the ones it added)."""
+        return Event(events.OOM, f"Out of memory at step {self.step} with micro-batch 1 ({self.reason}); retrying "
+                     f"with {self.new} transformer blocks in CPU memory instead of {self.old} (block swap: slower, "
+                     "the same numbers).", console=True,
+                     fields=dict(step=self.step, old_blocks_swapped=self.old, new_blocks_swapped=self.new,
+                                 blocks=blocks))
 
 
 @dataclass(frozen=True)
@@ -99,6 +131,12 @@ class LowerLearningRate(Verdict):
     floor: float
     best: float  # the validation loss that has not been beaten
     patience: int
+
+    def event(self, step: int, old_lr: float, new_lr: float) -> Event:
+        """What the loop writes once it lowered the rate."""
+        return Event(events.LR_PLATEAU, f"Validation loss has not improved on {self.best:.4g} for {self.patience} "
+                     f"evaluations; learning rate {old_lr:.3g} -> {new_lr:.3g}.",
+                     fields=dict(step=step, old_lr=old_lr, new_lr=new_lr))
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,18 @@ def test_a_z_image_folder_is_detected_and_its_text_is_the_pipelines(folders, one
         assert got.shape == want.shape and torch.equal(got, want)
 
 
+
+def test_a_captions_token_count_is_what_the_pipeline_encodes(folders, one_thread):
+    """The doctor's caption length for Z-Image counts the tokens ZImagePipeline._encode_prompt keeps (its chat template
+    with thinking on), not Klein's template (thinking off adds an empty think block: 19 tokens instead of 13)."""
+    from diffusers import ZImagePipeline
+
+    count, limit, where = load(folders["base"]).family.caption_tokens(folders["base"])
+    pipe = ZImagePipeline.from_pretrained(str(folders["base"]), local_files_only=True)
+    for caption in ("a red circle", "a small blue square on a white background, drawn twice"):
+        assert count(caption) == pipe._encode_prompt([caption], device=torch.device("cpu"))[0].shape[0]
+    assert limit > 0 and "tokenizer" in where
+
 def test_our_velocity_is_the_pipelines_noise_prediction(folders, one_thread):
     """call_transformer (through the objective) gives what ZImagePipeline's loop feeds the scheduler at t."""
     from stabletune_core.config import build_config

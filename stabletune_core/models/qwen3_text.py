@@ -6,7 +6,7 @@ layer, thinking left on, as ``ZImagePipeline._encode_prompt``).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,3 +32,14 @@ MAX_SEQUENCE_LENGTH = 512
 def text_length(bundle: Any) -> int:
     """How many tokens this bundle's prompts are padded to (the config's max_sequence_length, given to load())."""
     return int(bundle.extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))
+
+
+def caption_token_counter(tokenizer: Any, *, enable_thinking: bool) -> Callable[[str], int]:
+    """How many tokens a caption takes in the prompt the text encoder reads: the caption inside the family's chat
+    template (Klein without thinking, Z-Image with it, as each pipeline encodes), untruncated."""
+    def count(text: str) -> int:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                               add_generation_prompt=True, enable_thinking=enable_thinking)
+        return len(tokenizer(prompt, truncation=False, verbose=False).input_ids)
+
+    return count

@@ -30,7 +30,7 @@ import torch
 
 from ...family_files import files_name_klein, flux2_file_kind
 from ..base import Conditioning, ModelBundle, ModelLoadError, flow_model_metadata, load_errors_in_one_sentence
-from ..qwen3_text import MAX_SEQUENCE_LENGTH, text_length
+from ..qwen3_text import MAX_SEQUENCE_LENGTH, caption_token_counter, text_length
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 SHIPPED_CONFIGS = {"4b": CONFIGS_DIR / "flux2-klein-4b", "9b": CONFIGS_DIR / "flux2-klein-9b"}
@@ -649,12 +649,7 @@ class Flux2Klein:
         tokenizer = self._tokenizer(path, True)
         use_klein_chat_template(tokenizer)
 
-        def count(text: str) -> int:
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                   add_generation_prompt=True, enable_thinking=False)
-            return len(tokenizer(prompt, truncation=False, verbose=False).input_ids)
-
-        return count, max_sequence_length, f"the Qwen3 tokenizer in {path}"
+        return caption_token_counter(tokenizer, enable_thinking=False), max_sequence_length, f"the Qwen3 tokenizer in {path}"
 
     def load_notes(self, bundle: ModelBundle) -> list[str]:
         """Which Klein this is (variant, base or distilled, where the text encoder came from), then the

@@ -38,7 +38,7 @@ import torch
 from ...family_files import Z_IMAGE_PIPELINE, files_name_z_image
 from ..base import (Conditioning, ModelBundle, ModelLoadError, denormalize_latents, flow_model_metadata,
                    load_errors_in_one_sentence, normalize_latents)
-from ..qwen3_text import MAX_SEQUENCE_LENGTH, text_length
+from ..qwen3_text import MAX_SEQUENCE_LENGTH, caption_token_counter, text_length
 
 PIPELINE_CLASS = Z_IMAGE_PIPELINE
 #: The hidden state ZImagePipeline reads (hidden_states[-2]); its default prompt length is qwen3_text's.
@@ -304,12 +304,7 @@ class ZImage:
                                  "Z-Image diffusers folder.")
         tokenizer = Qwen2TokenizerFast.from_pretrained(str(folder), local_files_only=True)
 
-        def count(text: str) -> int:
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                   add_generation_prompt=True, enable_thinking=True)
-            return len(tokenizer(prompt, truncation=False, verbose=False).input_ids)
-
-        return count, max_sequence_length, f"the Qwen3 tokenizer in {folder}"
+        return caption_token_counter(tokenizer, enable_thinking=True), max_sequence_length, f"the Qwen3 tokenizer in {folder}"
 
     def load_notes(self, bundle: ModelBundle) -> list[str]:
         """Which model this is (Base, Turbo or not known, and why), then the Turbo warning when there is one."""

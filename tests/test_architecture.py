@@ -796,6 +796,23 @@ def test_lower_layers_import_nothing_from_the_higher_ones():
     assert not upward, upward
 
 
+
+FAMILY_FOLDERS = ("sd", "flux2_klein", "z_image")
+
+
+def test_the_shared_layers_ask_the_family_and_import_no_family_folder():
+    """config, runs, data and lora serve every family: what one family does differently (FLUX.2's fused kohya names,
+    its LoKr names) they ask the family object for (ModelFamily.fused_lora_export), never by importing a family's
+    folder, which imports lora's primitives itself (an import both ways is a circle)."""
+    inward = []
+    for layer in ("config", "runs", "data", "lora"):
+        for path in sorted((CORE / layer).rglob("*.py")):
+            for name in imports_of(path, type_only=True):
+                parts = name.split(".")
+                if parts[1:2] == ["models"] and len(parts) > 2 and parts[2] in FAMILY_FOLDERS:
+                    inward.append(f"{path.relative_to(CORE)} -> {name}")
+    assert not inward, inward
+
 def test_leftovers_merged_and_names_say_what_a_thing_is():
     import dataclasses
 

@@ -208,13 +208,10 @@ def kohya_state_dict(
     LoKr adapters the LyCORIS tensors (``hada_*`` / ``lokr_*`` and alpha) under the same module names."""
     from .lycoris import iter_lycoris_modules, lycoris_tensors, network_of
 
-    if unet is not None and network_of(unwrap(unet)) == "lokr" and \
-            family.kohya_unet_naming == "bfl":  # FLUX.2 LoKr: models/flux2_klein/lora.py's naming
-        from ..models.flux2_klein.lora import bake_lokr_alpha, diffusers_lokr_name
-
+    fused = family.fused_lora_export  # FLUX.2: q/k/v fused under one name, the family writes its tensors
+    if unet is not None and network_of(unwrap(unet)) == "lokr" and fused is not None:
         try:
-            tensors = bake_lokr_alpha(lycoris_tensors(((diffusers_lokr_name(path), parts) for path, parts in
-                                                       iter_lycoris_modules(unwrap(unet), adapter_name)), dtype))
+            tensors = fused.lokr_tensors(iter_lycoris_modules(unwrap(unet), adapter_name), dtype)
         except ValueError as exc:
             raise LoraExportError(str(exc)) from None
     elif any(network_of(unwrap(m)) for m in [unet, *(text_encoders or [])] if m is not None):
@@ -223,13 +220,11 @@ def kohya_state_dict(
                 unet, text_encoders, family, lambda m: iter_lycoris_modules(m, adapter_name))), dtype)
         except ValueError as exc:
             raise LoraExportError(str(exc)) from None
-    elif family.kohya_unet_naming == "bfl":  # not one module per name: q/k/v fused (FLUX.2)
-        from ..models.flux2_klein.lora import kohya_lora_tensors
-
+    elif fused is not None:  # not one module per name
         if any(te is not None for te in text_encoders or []):
             raise LoraExportError(f"The {family.name} family trains no text encoder, so none can be exported.")
         try:
-            tensors = kohya_lora_tensors(list(exportable_layers(unwrap(unet), adapter_name)), dtype) \
+            tensors = fused.lora_tensors(list(exportable_layers(unwrap(unet), adapter_name)), dtype) \
                 if unet is not None else {}
         except ValueError as exc:
             raise LoraExportError(str(exc)) from None

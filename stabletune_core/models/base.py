@@ -110,6 +110,14 @@ class Objective(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class FusedLoraExport:
+    """How a family whose kohya names fuse modules writes an adapter: `lora_tensors(layers, dtype)` for the LoRA
+    layer views of its denoiser, `lokr_tensors(modules, dtype)` for its LoKr modules as (diffusers path, parts)."""
+    lora_tensors: Callable[[list[Any], torch.dtype], dict[str, torch.Tensor]]
+    lokr_tensors: Callable[[Iterator[tuple[str, Any]], torch.dtype], dict[str, torch.Tensor]]
+
+
 class ModelFamily(Protocol):
     """The interface of one model family module."""
 
@@ -141,6 +149,11 @@ class ModelFamily(Protocol):
     # A family whose target suffixes also name containers resolves them to the module names LoRA wraps
     # (model, suffixes) -> names; None: the suffixes are peft's target names as they are.
     lora_target_modules: Callable[[torch.nn.Module, list[str]], list[str]] | None
+
+    # A family whose kohya names fuse several modules into one (FLUX.2's q/k/v: kohya_unet_naming "bfl") writes its
+    # adapter tensors itself (lora/export.py asks it, so the generic exporter imports no family folder); None: one
+    # kohya name per module.
+    fused_lora_export: FusedLoraExport | None
 
     def kohya_denoiser_name(self, module_path: str, denoiser: torch.nn.Module) -> str:
         """The name a kohya-format LoRA file gives the adapter on the denoiser's module `module_path` (SD 1.x/2.x:

@@ -317,6 +317,13 @@ class Flux2Klein:
     # lora.py, which lora/export.py picks by this name
     kohya_unet_naming = "bfl"
 
+    @property
+    def fused_lora_export(self):
+        from .lora import FUSED_EXPORT
+
+        return FUSED_EXPORT
+
+
     # ------------------------------------------------------------------ load
     def load(self, source: str | Path, *, local_files_only: bool = True, config_dir: str | Path | None = None,
              torch_dtype: torch.dtype = torch.float32, text_encoder: str | Path | None = None,

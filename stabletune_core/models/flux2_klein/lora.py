@@ -20,11 +20,15 @@ The layer walk is lora/layers.py's; only the names and the fusing live here.
 """
 from __future__ import annotations
 
+from typing import Any, Iterator
+
 import torch
 
 from ...lora.dora import dora_scale
+from ...lora.lycoris import lycoris_tensors
 from ...lora.layers import LoraLayerView
 from ...lora.names import DORA_SCALE, kohya_keys
+from ..base import FusedLoraExport
 from .single_file import bfl_module
 
 KOHYA_PREFIX = "lora_unet_"
@@ -141,3 +145,13 @@ def fuse_qkv(parts: dict[int, LoraLayerView]) -> tuple[torch.Tensor, torch.Tenso
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.detach().to(device="cpu", dtype=dtype).contiguous().clone()
+
+
+def lokr_tensors(modules: Iterator[tuple[str, Any]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A Klein LoKr's tensors from its modules (diffusers path, parts): under transformer.<diffusers path> names, alpha
+    folded in (diffusers and ComfyUI read it so)."""
+    return bake_lokr_alpha(lycoris_tensors(((diffusers_lokr_name(path), parts) for path, parts in modules), dtype))
+
+
+#: What lora/export.py asks the family for (ModelFamily.fused_lora_export).
+FUSED_EXPORT = FusedLoraExport(lora_tensors=kohya_lora_tensors, lokr_tensors=lokr_tensors)

@@ -67,6 +67,7 @@ class SD1:
     text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
     text_encoder_kohya_prefixes = ["lora_te"]
     kohya_unet_naming = "diffusers"  # lora/names.py: kohya names of diffusers' UNet paths
+    fused_lora_export = None  # one kohya name per module
     diffusers_pipeline_class = "StableDiffusionPipeline"
     diffusers_lora_key_names = "diffusers"
     diffusers_lora_layers_argument = "unet_lora_layers"

@@ -136,6 +136,7 @@ class ZImage:
     diffusers_lora_key_names = "peft"  # lora_A / lora_B with alpha folded, as for FLUX.2 Klein (lora/export.py)
     # kohya files: "diffusion_model." + the diffusers module path (lora/export.py kohya_named_layers)
     kohya_unet_naming = "diffusion_model"
+    fused_lora_export = None  # one kohya name per module
 
     # ------------------------------------------------------------------ load
     def load(self, source: str | Path, *, local_files_only: bool = True, config_dir: str | Path | None = None,

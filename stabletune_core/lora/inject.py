@@ -3,17 +3,34 @@ scripts do."""
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
 from peft import LoHaConfig, LoKrConfig, LoraConfig, PeftConfig, inject_adapter_in_model
 
 from ..config import ConfigError, TrainConfig
-from ..models.base import ModelBundle
 from .dora import use_input_axis_dora
 
 
-def add_lora(bundle: ModelBundle, config: TrainConfig) -> None:
+class AdaptableFamily(Protocol):
+    """What injecting adapters asks of a model family (models/base.py ModelFamily has it all)."""
+    lora_target_modules: Callable[[torch.nn.Module, list[str]], list[str]] | None
+    text_encoder_lora_targets: list[str]
+    denoiser_name: str
+    display_name: str
+
+
+class AdaptableModel(Protocol):
+    """What injecting adapters asks of a loaded model (models/base.py ModelBundle has it all). lora/ names it here
+    rather than importing models/: the family folders import lora's primitives for their LoRA names, so an import
+    back would be a circle."""
+    family: AdaptableFamily
+    denoiser: torch.nn.Module
+    vae: torch.nn.Module
+    text_encoders: list[torch.nn.Module]
+
+
+def add_lora(bundle: AdaptableModel, config: TrainConfig) -> None:
     """Freeze the base model and add trainable LoRA adapters (fp32, whatever the base dtype).
 
     A target suffix that names no layer would silently train nothing there, so it is refused first

@@ -62,14 +62,12 @@ def tokenizer_folders(config: Any, family: Any) -> list[Path] | None:
     return [base / part for part in family.tokenizer_parts]
 
 
-def pivotal_problems(config: Any, family_name: str) -> list[str]:
+def pivotal_problems(config: Any, family: Any) -> list[str]:
     """The pivotal-tuning refusals a run must hear before its model loads (empty when pivotal_tokens is), for
-    a config of the SD family `family_name` (config/families.py refuses pivotal_tokens on the others)."""
+    a config of the SD `family` (a models.base.ModelFamily; config/families.py refuses pivotal_tokens on the
+    others)."""
     if not config.pivotal_tokens:
         return []
-    from ..models import get_family
-
-    family = get_family(family_name)
     folders = tokenizer_folders(config, family)
     if folders is None:
         return []

@@ -194,9 +194,10 @@ def check(config: TrainConfig) -> ModelFamily:
     if problems := check_inputs(config) + perceptual_problems(config) + optimizer_problems(config):
         raise ConfigError(problems)
     name = family_name(config)
-    if problems := family_problems(config, name) or pivotal_problems(config, name):
+    family = get_family(name)
+    if problems := family_problems(config, name) or pivotal_problems(config, family):
         raise ConfigError(problems)
-    return get_family(name)
+    return family
 
 
 def measured_memory(config: TrainConfig, family: ModelFamily) -> float | None:

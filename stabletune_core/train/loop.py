@@ -126,13 +126,13 @@ def train(config: TrainConfig, *, session: Session | None = None) -> Path | None
         written = f"the LoRA was written to {path}" if path else "the LoRA was not written"
         raise RunFailed(f"The final checkpoint at step {state.step} could not be written ({written}); "
                         f"{run_files.last_good_sentence(s.run.paths.checkpoints)}")
+    for observation in ended:  # the summaries before the outcome: a run's last event is how it ended
+        record(s, observation)
     summary = next((o.summary for o in ended if o.summary), None)
     run.status(stop_reason, step=state.step, max_steps=s.max_steps, eta_seconds=0, lora=str(path) if path else None,
                summary=summary)
     run.event(stop_reason, f"Run {stop_reason} at step {state.step}.", step=state.step,
               console=stop_reason == states.STOPPED)
-    for observation in ended:
-        record(s, observation)
     return path
 
 

@@ -85,6 +85,40 @@ def test_the_scan_finds_a_planted_comparison():
     assert family_probes({"planted.py": ast.parse('getattr(bundle.family, "lora_presets", None)')})
 
 
+#: The words one family's module names go by (FLUX.2's BFL names, SDXL's SGM names, Z-Image's diffusion_model. keys):
+#: a caller comparing them asks "which family is this?" in other words.
+LAYOUT_WORDS = {"bfl", "sgm", "diffusion_model"}
+
+
+def naming_comparisons(trees: dict[str, ast.AST]) -> list[str]:
+    """Comparisons with a family's naming on one side: a layout word (`naming == "bfl"`), or an attribute that names
+    a naming scheme (`family.kohya_unet_naming == "..."`) against any string literal."""
+    found = []
+    for where, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            strings = {e.value for s in sides for e in (s.elts if isinstance(s, (ast.Tuple, ast.List, ast.Set)) else [s])
+                       if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            naming = any(isinstance(s, ast.Attribute) and s.attr.endswith("naming") for s in sides)
+            if strings & LAYOUT_WORDS or (naming and strings):
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    return sorted(found)
+
+
+def test_no_module_outside_the_family_folders_compares_a_naming_literal():
+    """tools/lora_file.py, extract.py and merge.py asked `kohya_unet_naming == "bfl"` / `"sgm"`: they ask the face now
+    (fused_lora_export, kohya_denoiser_name, denoiser_has_convolutions, single_file_config_dir)."""
+    planted = {"planted.py": ast.parse('if family.kohya_unet_naming == "bfl" or naming in ("sgm",):\n    pass\n'
+                                       'x = bundle.family.kohya_unet_naming != "diffusers"\nok = fmt == "diffusers"\n')}
+    assert naming_comparisons(planted) == ["planted.py:1 family.kohya_unet_naming == 'bfl'",
+                                           "planted.py:1 naming in ('sgm',)",
+                                           "planted.py:3 bundle.family.kohya_unet_naming != 'diffusers'"]
+    found = naming_comparisons(sources(ALLOWED))
+    assert not found, found
+
+
 def test_nobody_probes_a_family_with_getattr_outside_its_folder():
     found = family_probes(sources(ALLOWED))
     assert not found, found

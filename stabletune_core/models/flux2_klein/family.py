@@ -313,15 +313,19 @@ class Flux2Klein:
     diffusers_pipeline_class = "Flux2KleinPipeline"
     diffusers_lora_layers_argument = "transformer_lora_layers"  # the save_lora_weights argument for the denoiser
     diffusers_lora_key_names = "peft"  # lora_A / lora_B, as diffusers' Klein script saves (see lora/export.py)
-    # kohya files in BFL's module names, q/k/v fused (LoRA), or LyCORIS names (DoRA, LoHa, LoKr): this folder's
-    # lora.py, which lora/export.py picks by this name
-    kohya_unet_naming = "bfl"
+    denoiser_has_convolutions = False  # the transformer's layers are all Linear
 
     @property
     def fused_lora_export(self):
+        """kohya files in BFL's module names, q/k/v fused (LoRA), or LyCORIS names (DoRA, LoHa, LoKr): this folder's
+        lora.py, which lora/export.py and tools/lora_file.py ask for."""
         from .lora import FUSED_EXPORT
 
         return FUSED_EXPORT
+
+    def single_file_config_dir(self, path: Path) -> None:
+        """None: a FLUX.2 single file is the transformer alone, and no configs for the rest ship with StableTune."""
+        return None
 
 
     # ------------------------------------------------------------------ load
@@ -684,7 +688,7 @@ class Flux2Klein:
 
     def kohya_denoiser_name(self, module_path: str, denoiser: torch.nn.Module) -> str:
         """The LyCORIS name of a DoRA / LoHa module (lora.py); a LoRA's BFL names, q/k/v fused, come from
-        lora.py's kohya_lora_tensors, which lora/export.py calls for kohya_unet_naming "bfl"."""
+        lora.py's kohya_lora_tensors, which lora/export.py calls through fused_lora_export."""
         from .lora import lycoris_name
 
         return lycoris_name(module_path)

@@ -66,7 +66,7 @@ class SD1:
     unet_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
     text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
     text_encoder_kohya_prefixes = ["lora_te"]
-    kohya_unet_naming = "diffusers"  # lora/names.py: kohya names of diffusers' UNet paths
+    denoiser_has_convolutions = True  # the UNet's ResNets and samplers (LoCon, extract --conv_rank)
     fused_lora_export = None  # one kohya name per module
     diffusers_pipeline_class = "StableDiffusionPipeline"
     diffusers_lora_key_names = "diffusers"

@@ -134,9 +134,9 @@ class ZImage:
     diffusers_pipeline_class = PIPELINE_CLASS
     diffusers_lora_layers_argument = "transformer_lora_layers"
     diffusers_lora_key_names = "peft"  # lora_A / lora_B with alpha folded, as for FLUX.2 Klein (lora/export.py)
-    # kohya files: "diffusion_model." + the diffusers module path (lora/export.py kohya_named_layers)
-    kohya_unet_naming = "diffusion_model"
+    # kohya files: "diffusion_model." + the diffusers module path (kohya_denoiser_name)
     fused_lora_export = None  # one kohya name per module
+    denoiser_has_convolutions = False  # the transformer's layers are all Linear
 
     # ------------------------------------------------------------------ load
     def load(self, source: str | Path, *, local_files_only: bool = True, config_dir: str | Path | None = None,
@@ -323,6 +323,10 @@ class ZImage:
     def kohya_denoiser_name(self, module_path: str, denoiser: torch.nn.Module) -> str:
         """diffusers' module path under ai-toolkit's diffusion_model. prefix (what ComfyUI maps)."""
         return LORA_KEY_PREFIX + module_path
+
+    def single_file_config_dir(self, path: Path) -> None:
+        """None: a Z-Image single file is the transformer alone (ComfyUI's layout), and no configs ship for the rest."""
+        return None
 
     def original_state_dict(self, bundle: ModelBundle, components: set[str]) -> dict[str, torch.Tensor]:
         """Z-Image has no single-file layout here yet (the family loads diffusers folders only)."""

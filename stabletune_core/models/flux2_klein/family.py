@@ -29,8 +29,11 @@ from typing import Any, Callable
 import torch
 
 from ...family_files import files_name_klein, flux2_file_kind
+from ...lora.targets import lora_target_modules
 from ..base import Conditioning, ModelBundle, ModelLoadError, flow_model_metadata, load_errors_in_one_sentence
-from ..qwen3_text import MAX_SEQUENCE_LENGTH, caption_token_counter, text_length
+from ..loading import check_source, safetensors_header as _safetensors_header
+from ..qwen3_text import (MAX_SEQUENCE_LENGTH, QWEN3_CHAT_TEMPLATE, caption_token_counter, check_tokenizer,
+                          text_length)
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 SHIPPED_CONFIGS = {"4b": CONFIGS_DIR / "flux2-klein-4b", "9b": CONFIGS_DIR / "flux2-klein-9b"}
@@ -45,14 +48,8 @@ BASE_MODEL_REPOS = {"4b": "black-forest-labs/FLUX.2-klein-base-4B", "9b": "black
 TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
 #: What Qwen3's chat template renders for one user prompt with add_generation_prompt and enable_thinking=False
 #: (ComfyUI's KleinTokenizer writes the same text). A tokenizer whose own template renders something else (e.g.
-#: ComfyUI's bundled Qwen2.5 tokenizer, which adds a default system turn) is given this template instead.
+#: ComfyUI's bundled Qwen2.5 tokenizer, which adds a default system turn) is given qwen3_text.py's template instead.
 KLEIN_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-KLEIN_CHAT_TEMPLATE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}{%- endif %}")
-CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 #: The guidance value fed to a transformer that has a guidance embedding (FLUX.2 [dev]; Klein has none), as the
 #: diffusers script's --guidance_scale default.
 TRAINING_GUIDANCE = 3.5
@@ -80,25 +77,6 @@ QUANTISED_KEY_SUFFIXES = ("weight_scale", "scale_weight", "comfy_quant", "input_
 def is_quantised(keys) -> bool:
     """True when a checkpoint's keys say its weights are already quantised."""
     return any(str(k).endswith(QUANTISED_KEY_SUFFIXES) for k in keys)
-
-
-def lora_target_modules(model: torch.nn.Module, targets: list[str]) -> list[str]:
-    """The full names of the Linear layers `targets` select, in module order. A target is a name suffix (peft's
-    rule: the name, or '.' + it at the end) or a pattern with '*' for one name part; a suffix that also names a
-    non-Linear module (a double block's ``attn.to_out`` is a ModuleList) selects only the Linear layers, so peft is
-    never asked to adapt a container. Targets that select nothing are left to lora/inject.py's check."""
-    import fnmatch
-
-    chosen = []
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        for t in targets:
-            if ("*" in t and (fnmatch.fnmatchcase(name, t) or fnmatch.fnmatchcase(name, "*." + t))) or \
-                    name == t or name.endswith("." + t):
-                chosen.append(name)
-                break
-    return chosen
 
 
 # --------------------------------------------------------------------------- distilled or base
@@ -200,13 +178,6 @@ def call_transformer(transformer, noisy: torch.Tensor, model_timestep: torch.Ten
 
 
 # --------------------------------------------------------------------------- reading what the user gave
-def _safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, dict(f.metadata() or {})
-
-
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -337,8 +308,6 @@ class Flux2Klein:
         VAE and tokenizer given or found where ComfyUI keeps them; every prompt is then encoded at
         `max_sequence_length` tokens (training, cached embeddings, validation images). Bad input raises
         ModelLoadError, one sentence."""
-        from ..sd.sd1 import check_source
-
         kind, path = check_source(source, local_files_only=local_files_only)
         given = {k: Path(str(v)).expanduser() if v else None
                  for k, v in (("text_encoder", text_encoder), ("tokenizer", tokenizer), ("vae", vae))}
@@ -732,7 +701,7 @@ def use_klein_chat_template(tokenizer) -> bool:
         rendered = None
     if rendered == KLEIN_PROMPT.format(probe):
         return False
-    tokenizer.chat_template = KLEIN_CHAT_TEMPLATE
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     return True
 
 

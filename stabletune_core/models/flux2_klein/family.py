@@ -672,23 +672,8 @@ class Flux2Klein:
         return self.original_state_dict(bundle, {"unet"})
 
 
-
 def config_dir_text_hidden(config_dir: Path) -> int:
     return int(json.loads((Path(config_dir) / "text_encoder" / "config.json").read_text())["hidden_size"])
-
-
-def check_tokenizer(tokenizer, text_encoder) -> None:
-    """One sentence when the tokenizer cannot be Qwen3's for this text encoder: Klein's chat tokens unknown, or ids
-    past the encoder's embedding table."""
-    vocab = tokenizer.get_vocab()
-    missing = [t for t in CHAT_TOKENS if t not in vocab]
-    rows = text_encoder.get_input_embeddings().weight.shape[0]
-    if missing:
-        raise ModelLoadError(f"The tokenizer does not match the Qwen3 text encoder: it has no {missing[0]} token, so "
-                             "it is not Qwen's; use the tokenizer of the Qwen3 model the text encoder came from.")
-    if len(tokenizer) > rows:
-        raise ModelLoadError(f"The tokenizer does not match the Qwen3 text encoder: it has {len(tokenizer)} tokens "
-                             f"but the encoder embeds only {rows}; use the tokenizer of that Qwen3 model.")
 
 
 def use_klein_chat_template(tokenizer) -> bool:

@@ -272,3 +272,25 @@ def test_the_toy_build_is_the_toy_bases_own(monkeypatch):
     assert toy_main.main(["build", "--family", "sd1", "--vae-steps", "5"]) == 0
     assert calls == [("klein", Path("k"), ["log", "transformer_steps"]),
                      ("sd1", build.default_out(), ["log", "vae_polish_steps", "vae_steps"])]
+
+
+def calls_to(tree: ast.AST, name: str) -> list[int]:
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == name]
+
+
+def constants_containing(tree: ast.AST, text: str) -> list[int]:
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and text in n.value]
+
+
+def test_twins_the_families_shared_are_written_once():
+    """`duplicates` twins merged: SD's tiny builders seeded each part by hand (SD 1.x/2.x and SDXL, seven
+    torch.manual_seed calls), now one `_seeded` helper; SD's and FLUX.2's single files each spelled the LDM VAE's
+    key rule (the mid-block attention's renames), now models/ldm_vae.py's `ldm_vae_key`."""
+    tiny = ast.parse((MODELS / "sd" / "tiny.py").read_text(encoding="utf-8"))
+    seeding = [n.name for n in ast.walk(tiny) if isinstance(n, ast.FunctionDef) and calls_to(n, "torch.manual_seed")]
+    assert seeding == ["_seeded"] and len(calls_to(tiny, "torch.manual_seed")) == 1, seeding
+    rule = {p.relative_to(MODELS).as_posix(): constants_containing(ast.parse(p.read_text(encoding="utf-8")),
+                                                                    "mid.attn_1.")
+            for p in MODELS.rglob("*.py")}
+    assert {where for where, lines in rule.items() if lines} == {"ldm_vae.py"}, rule

@@ -31,7 +31,8 @@ import torch
 from ...family_files import files_name_klein, flux2_file_kind
 from ...lora.targets import lora_target_modules
 from ..base import Conditioning, ModelBundle, ModelLoadError, flow_model_metadata, load_errors_in_one_sentence
-from ..loading import check_source, safetensors_header as _safetensors_header
+from ..loading import check_source
+from ..loading import safetensors_header as _safetensors_header  # the name memory.py imports (branch zmem moves it)
 from ..qwen3_text import (MAX_SEQUENCE_LENGTH, QWEN3_CHAT_TEMPLATE, caption_token_counter, check_tokenizer,
                           text_length)
 
@@ -297,7 +298,6 @@ class Flux2Klein:
     def single_file_config_dir(self, path: Path) -> None:
         """None: a FLUX.2 single file is the transformer alone, and no configs for the rest ship with StableTune."""
         return None
-
 
     # ------------------------------------------------------------------ load
     def load(self, source: str | Path, *, local_files_only: bool = True, config_dir: str | Path | None = None,

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 CONFIGS_DIR = Path(__file__).parent / "configs"
 SD15_CONFIG_DIR = CONFIGS_DIR / "sd15"
 
+
 def _pipeline_parts(pipe) -> dict[str, Any]:
     return {"unet": pipe.unet, "vae": pipe.vae, "text_encoder": pipe.text_encoder, "tokenizer": pipe.tokenizer}
 

@@ -27,7 +27,8 @@ Rows, in ABC CBA order over rounds (a load change hits every row alike); medians
         --peer-pythonpath /tmp/peerlib --steps 40 --rounds 2 --threads 2 --out /tmp/klein-peer
 
 Quality per minute on the toy Klein base (what each trainer has learned after the same minutes, scored by the toy
-judge) is bench/toy_quality.py `--family flux2_klein`, which builds the example's command with `peer_command`;
+judge) is bench/toy_quality.py `--family flux2_klein`, which builds the example's command with the same
+`peer_command` (bench/klein_example.py);
 `--model toy` here runs both trainers on that base for speed and memory.
 """
 from __future__ import annotations
@@ -37,7 +38,6 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,37 +45,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from first_step import timed  # noqa: E402
+from klein_example import NO_SNAPSHOTS, Setting, peer_command  # noqa: E402
 from toy_quality import dataset_images, thread_env, write_imagefolder  # noqa: E402
 
 CONCEPT_IMAGES = 12
 BASE_IMAGES = 12
-NO_SNAPSHOTS = 1_000_000  # a save interval no run reaches
 ROW_SAME_WORK = "StableTune, same work as the example"
 ROW_PEER = "diffusers example"
 ROW_DEFAULTS = "StableTune, its defaults otherwise"
 SAME_WORK = ["--cache_latents", "--cache_text_embeddings", "--validation_prompt", "", "--validation_loss_every", "0",
              "--validation_split", "0"]
-#: The layers of Qwen3's hidden states the pipeline stacks into the prompt embedding (Flux2KleinPipeline).
-PIPELINE_TEXT_LAYERS = ("9", "18", "27")
 TOY = "toy"  # --model toy: the toy Klein base trained on the toy world
-
-
-@dataclass(frozen=True)
-class Setting:
-    """What both trainers share."""
-    steps: int = 40
-    rank: int = 8
-    alpha: int | None = None  # None: the rank (scale 1)
-    learning_rate: float = 1e-3
-    batch: int = 4
-    resolution: int = 64
-    seed: int = 7
-    precision: str = "no"  # accelerate's names: no, fp16, bf16
-    gradient_checkpointing: bool = False
-
-    @property
-    def lora_alpha(self) -> int:
-        return self.rank if self.alpha is None else self.alpha
 
 
 def example_targets() -> list[str]:
@@ -96,25 +76,6 @@ def stabletune_command(model: Path, data: Path, run: Path, s: Setting, same_work
     if s.gradient_checkpointing:
         command.append("--gradient_checkpointing")
     return command + (SAME_WORK if same_work else [])
-
-
-def peer_command(script: Path, model: Path, peer_data: Path, run: Path, s: Setting, *,
-                 snapshot_steps: int = NO_SNAPSHOTS, text_length: int | None = None) -> list[str]:
-    """The example's arguments (after the probe): its defaults except what both trainers share. bench/toy_quality.py
-    also asks for a snapshot every `snapshot_steps` and a `text_length` (max_sequence_length: the toy Klein's 32
-    instead of the example's 512)."""
-    command = [str(script), "--pretrained_model_name_or_path", str(model), "--dataset_name", str(peer_data),
-               "--caption_column", "text", "--instance_prompt", "a shape", "--output_dir", str(run),
-               "--cache_dir", str(run / "hf-cache"), "--max_train_steps", str(s.steps), "--rank", str(s.rank),
-               "--lora_alpha", str(s.lora_alpha), "--learning_rate", str(s.learning_rate),
-               "--train_batch_size", str(s.batch), "--resolution", str(s.resolution), "--seed", str(s.seed),
-               "--mixed_precision", s.precision, "--checkpointing_steps", str(snapshot_steps),
-               "--text_encoder_out_layers", *PIPELINE_TEXT_LAYERS, "--report_to", "tensorboard"]
-    if text_length is not None:
-        command += ["--max_sequence_length", str(text_length)]
-    if s.gradient_checkpointing:
-        command.append("--gradient_checkpointing")
-    return command
 
 
 def write_toy_data(out: Path, size: int = 64) -> tuple[Path, Path]:

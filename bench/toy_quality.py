@@ -57,7 +57,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-sys.path.insert(0, str(ROOT / "bench"))  # klein_peer, when a Klein row is built
+sys.path.insert(0, str(ROOT / "bench"))
+
+import klein_example  # noqa: E402  (the Klein example's command; bench/klein_peer.py times the same one)
 
 PRESET = ROOT / "presets" / "demo.toml"
 SCORE_SEEDS_PER_PROMPT = 8  # seeds 1000..1007, as tests/test_toy_learning.py measures the demo's LoRA
@@ -192,15 +194,12 @@ def klein_peer_command(script: Path, model: Path, data: Path, out: Path, snapsho
     """diffusers' Klein example on the toy Klein: `recipe`'s learning rate, steps, rank, alpha and batch; the
     preset's resolution, seed and text length (none set: the example's 512, StableTune's default too); the
     pipeline's text layers; a snapshot every `snapshot_steps`."""
-    # bench/klein_peer.py builds the example's arguments for its timing rows and imports this module's dataset
-    # helpers at its top, so it is imported when a Klein row is built, not at this module's top
-    from klein_peer import Setting, peer_command
-
-    setting = Setting(steps=recipe["steps"], rank=recipe["rank"], alpha=recipe["alpha"],
-                      learning_rate=recipe["learning_rate"], batch=recipe["batch"], resolution=preset["resolution"],
-                      seed=preset["seed"])
-    return [sys.executable] + peer_command(script, model, data, out, setting, snapshot_steps=snapshot_steps,
-                                           text_length=preset.get("max_sequence_length"))
+    setting = klein_example.Setting(steps=recipe["steps"], rank=recipe["rank"], alpha=recipe["alpha"],
+                                    learning_rate=recipe["learning_rate"], batch=recipe["batch"],
+                                    resolution=preset["resolution"], seed=preset["seed"])
+    return [sys.executable] + klein_example.peer_command(script, model, data, out, setting,
+                                                         snapshot_steps=snapshot_steps,
+                                                         text_length=preset.get("max_sequence_length"))
 
 
 def peer_rows(family: str, preset: dict) -> list[tuple[str, dict]]:

@@ -113,3 +113,53 @@ def test_model_toy_is_the_toy_klein_base_or_one_sentence():
         assert "toy Klein base is not in this checkout" in str(exc) and "\n" not in str(exc)
     else:
         assert (folder / "model_index.json").is_file()
+
+
+def bench_imports(sources: dict[str, str]) -> dict[str, set[str]]:
+    """bench module -> the bench modules it imports, at its top or inside a function (a lazy import is an arrow too)."""
+    import ast
+
+    arrows = {}
+    for name, text in sources.items():
+        found = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module.split(".")[0])
+        arrows[name] = found & set(sources) - {name}
+    return arrows
+
+
+def import_circle(arrows: dict[str, set[str]]) -> list[str]:
+    """One circle of imports (its modules in order, the first repeated at the end), or [] when there is none."""
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> list[str]:
+        state[name] = "open"
+        for other in sorted(arrows[name]):
+            if state.get(other) == "open":
+                return path[path.index(other):] + [name, other] if other in path else [name, other]
+            if other not in state:
+                circle = visit(other, path + [name])
+                if circle:
+                    return circle
+        state[name] = "done"
+        return []
+
+    for name in sorted(arrows):
+        if name not in state:
+            circle = visit(name, [])
+            if circle:
+                return circle
+    return []
+
+
+def test_the_benches_import_one_another_without_a_circle():
+    """first_step -> toy_quality -> klein_peer -> first_step was a circle (toy_quality took klein_peer's Setting and
+    peer_command, klein_peer toy_quality's data helpers): the Klein example's command lives in bench/klein_example.py,
+    which both import."""
+    assert import_circle(bench_imports({"a": "import b", "b": "def f():\n    from c import x", "c": "from a import y"}))
+    assert not import_circle(bench_imports({"a": "import b", "b": "import c", "c": "import os"}))
+    sources = {p.stem: p.read_text(encoding="utf-8") for p in (ROOT / "bench").glob("*.py")}
+    assert not import_circle(bench_imports(sources)), import_circle(bench_imports(sources))

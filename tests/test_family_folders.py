@@ -34,7 +34,7 @@ FOLDERS = {
 }
 #: What models/ shares among the families (the face, the objectives, the text path, memory and loading helpers).
 SHARED = {"__init__.py", "base.py", "ddpm.py", "flow_matching.py", "qwen3_text.py", "block_swap.py", "quantize.py",
-          "memory_plan.py", "loading.py", "tokenizer.py"}
+          "memory_plan.py", "loading.py", "tokenizer.py", "ldm_vae.py"}
 
 
 def sources(skip: tuple[str, ...]) -> dict[str, ast.AST]:
@@ -85,6 +85,40 @@ def test_the_scan_finds_a_planted_comparison():
     assert family_probes({"planted.py": ast.parse('getattr(bundle.family, "lora_presets", None)')})
 
 
+#: The words one family's module names go by (FLUX.2's BFL names, SDXL's SGM names, Z-Image's diffusion_model. keys):
+#: a caller comparing them asks "which family is this?" in other words.
+LAYOUT_WORDS = {"bfl", "sgm", "diffusion_model"}
+
+
+def naming_comparisons(trees: dict[str, ast.AST]) -> list[str]:
+    """Comparisons with a family's naming on one side: a layout word (`naming == "bfl"`), or an attribute that names
+    a naming scheme (`family.kohya_unet_naming == "..."`) against any string literal."""
+    found = []
+    for where, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            strings = {e.value for s in sides for e in (s.elts if isinstance(s, (ast.Tuple, ast.List, ast.Set)) else [s])
+                       if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            naming = any(isinstance(s, ast.Attribute) and s.attr.endswith("naming") for s in sides)
+            if strings & LAYOUT_WORDS or (naming and strings):
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    return sorted(found)
+
+
+def test_no_module_outside_the_family_folders_compares_a_naming_literal():
+    """tools/lora_file.py, extract.py and merge.py asked `kohya_unet_naming == "bfl"` / `"sgm"`: they ask the face now
+    (fused_lora_export, kohya_denoiser_name, denoiser_has_convolutions, single_file_config_dir)."""
+    planted = {"planted.py": ast.parse('if family.kohya_unet_naming == "bfl" or naming in ("sgm",):\n    pass\n'
+                                       'x = bundle.family.kohya_unet_naming != "diffusers"\nok = fmt == "diffusers"\n')}
+    assert naming_comparisons(planted) == ["planted.py:1 family.kohya_unet_naming == 'bfl'",
+                                           "planted.py:1 naming in ('sgm',)",
+                                           "planted.py:3 bundle.family.kohya_unet_naming != 'diffusers'"]
+    found = naming_comparisons(sources(ALLOWED))
+    assert not found, found
+
+
 def test_nobody_probes_a_family_with_getattr_outside_its_folder():
     found = family_probes(sources(ALLOWED))
     assert not found, found
@@ -104,6 +138,55 @@ def test_each_family_folder_holds_every_piece_of_its_family():
     assert {p.name for p in MODELS.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(FOLDERS)
     lora = {p.stem for p in (CORE / "lora").glob("*.py")}
     assert not lora & {"flux2", "sdxl", "sd1", "z_image", "klein"}, lora  # a family's LoRA names live in its folder
+
+
+def family_folder_imports(folders: dict[str, Path]) -> list[tuple[str, str]]:
+    """(file, imported module) for every import in a family folder of another family's folder: relative
+    (`from ..flux2_klein.family import x`, `from .. import sd`) or absolute (`stabletune_core.models.sd...`)."""
+    found = []
+    for folder, where in folders.items():
+        for path in sorted(where.rglob("*.py")):
+            package = ["stabletune_core", "models", folder, *path.relative_to(where).parent.parts]
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    modules = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    base = ".".join(package[:len(package) - node.level + 1] if node.level else [])
+                    head = ".".join(p for p in (base, node.module or "") if p)
+                    modules = [head, *(f"{head}.{alias.name}" for alias in node.names)]
+                else:
+                    continue
+                for other in folders:
+                    hit = next((m for m in modules if other != folder and
+                                (m == f"stabletune_core.models.{other}" or
+                                 m.startswith(f"stabletune_core.models.{other}."))), None)
+                    if hit:
+                        found.append((f"stabletune_core/models/{folder}/{path.relative_to(where).as_posix()}", hit))
+    return found
+
+
+#: Imports branch zmem removes (it moves the memory models out of the family folders: SDXL's reads Klein's
+#: constants); the lead deletes this entry when merging zmem. Nothing else may be listed here.
+KNOWN_MEMORY_IMPORTS = {("stabletune_core/models/sd/sdxl_memory.py", "stabletune_core.models.flux2_klein.memory")}
+
+
+def test_no_family_folder_imports_another(tmp_path):
+    """What two families share lives in models/ (the Qwen3 text path and its tiny model in qwen3_text.py, the LDM
+    VAE layout in ldm_vae.py, check_source and safetensors_header in loading.py, LoRA target resolution in
+    lora/targets.py): Z-Image took Klein's tokenizer check, targets, header reader and tiny Qwen3, and Klein and
+    Z-Image took SD's check_source (and Klein SD's VAE tables)."""
+    planted = tmp_path / "z_image"
+    planted.mkdir()
+    (planted / "family.py").write_text("from ..flux2_klein.family import check_tokenizer\nfrom .. import sd\n"
+                                       "import stabletune_core.models.sd.sd1\nfrom ..qwen3_text import x\n"
+                                       "from .tiny import y\n")
+    (tmp_path / "sd").mkdir()
+    (tmp_path / "flux2_klein").mkdir()
+    assert [m for _, m in family_folder_imports({name: tmp_path / name for name in ("sd", "flux2_klein", "z_image")})
+            ] == ["stabletune_core.models.flux2_klein.family", "stabletune_core.models.sd",
+                  "stabletune_core.models.sd.sd1"]
+    found = set(family_folder_imports({name: MODELS / name for name in FOLDERS}))
+    assert found - KNOWN_MEMORY_IMPORTS == set(), sorted(found - KNOWN_MEMORY_IMPORTS)
 
 
 def test_the_family_folders_import_without_loading_a_family_they_do_not_name():
@@ -189,3 +272,25 @@ def test_the_toy_build_is_the_toy_bases_own(monkeypatch):
     assert toy_main.main(["build", "--family", "sd1", "--vae-steps", "5"]) == 0
     assert calls == [("klein", Path("k"), ["log", "transformer_steps"]),
                      ("sd1", build.default_out(), ["log", "vae_polish_steps", "vae_steps"])]
+
+
+def calls_to(tree: ast.AST, name: str) -> list[int]:
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == name]
+
+
+def constants_containing(tree: ast.AST, text: str) -> list[int]:
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and text in n.value]
+
+
+def test_twins_the_families_shared_are_written_once():
+    """`duplicates` twins merged: SD's tiny builders seeded each part by hand (SD 1.x/2.x and SDXL, seven
+    torch.manual_seed calls), now one `_seeded` helper; SD's and FLUX.2's single files each spelled the LDM VAE's
+    key rule (the mid-block attention's renames), now models/ldm_vae.py's `ldm_vae_key`."""
+    tiny = ast.parse((MODELS / "sd" / "tiny.py").read_text(encoding="utf-8"))
+    seeding = [n.name for n in ast.walk(tiny) if isinstance(n, ast.FunctionDef) and calls_to(n, "torch.manual_seed")]
+    assert seeding == ["_seeded"] and len(calls_to(tiny, "torch.manual_seed")) == 1, seeding
+    rule = {p.relative_to(MODELS).as_posix(): constants_containing(ast.parse(p.read_text(encoding="utf-8")),
+                                                                    "mid.attn_1.")
+            for p in MODELS.rglob("*.py")}
+    assert {where for where, lines in rule.items() if lines} == {"ldm_vae.py"}, rule

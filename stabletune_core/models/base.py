@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
@@ -112,10 +113,14 @@ class Objective(Protocol):
 
 @dataclass(frozen=True)
 class FusedLoraExport:
-    """How a family whose kohya names fuse modules writes an adapter: `lora_tensors(layers, dtype)` for the LoRA
-    layer views of its denoiser, `lokr_tensors(modules, dtype)` for its LoKr modules as (diffusers path, parts)."""
+    """How a family whose kohya names fuse modules writes and reads an adapter: `lora_tensors(layers, dtype)` for
+    the LoRA layer views of its denoiser, `lokr_tensors(modules, dtype)` for its LoKr modules as (diffusers path,
+    parts), and `named_modules(denoiser, blocks_only)` for the denoiser's modules under every name its adapter files
+    use, a fused name's modules in row order (blocks_only: the blocks a LoRA trains, under kohya names alone), what
+    tools/lora_file.py merges into and extracts from."""
     lora_tensors: Callable[[list[Any], torch.dtype], dict[str, torch.Tensor]]
     lokr_tensors: Callable[[Iterator[tuple[str, Any]], torch.dtype], dict[str, torch.Tensor]]
+    named_modules: Callable[[torch.nn.Module, bool], dict[str, list[torch.nn.Module]]]
 
 
 class ModelFamily(Protocol):
@@ -128,9 +133,8 @@ class ModelFamily(Protocol):
     text_encoder_lora_targets: list[str]
     text_encoder_kohya_prefixes: list[str]  # one per text encoder: ["lora_te"] or ["lora_te1", "lora_te2"]
     display_name: str  # what a sentence calls the family, e.g. "Stable Diffusion 1.x"
-    # the kohya names of the denoiser's modules: "diffusers" (lora_unet_ + diffusers path), "sgm" (SDXL's
-    # input_blocks...) or "bfl" (FLUX.2's double_blocks..., q/k/v fused); see lora/names.py, models/flux2_klein/lora.py
-    kohya_unet_naming: str
+    # the denoiser has convolutions a LoCon adapts (SD's UNet: conv_rank, extract --conv_rank); a transformer has none
+    denoiser_has_convolutions: bool
     denoiser_name: str  # what a sentence calls the denoiser: "UNet" or "transformer"
     denoiser_folder: str  # the denoiser's folder in a diffusers model folder: "unet" or "transformer"
     # What a LoRA file made for this family says of itself: lowercase words its ss_base_model_version or
@@ -150,15 +154,15 @@ class ModelFamily(Protocol):
     # (model, suffixes) -> names; None: the suffixes are peft's target names as they are.
     lora_target_modules: Callable[[torch.nn.Module, list[str]], list[str]] | None
 
-    # A family whose kohya names fuse several modules into one (FLUX.2's q/k/v: kohya_unet_naming "bfl") writes its
-    # adapter tensors itself (lora/export.py asks it, so the generic exporter imports no family folder); None: one
-    # kohya name per module.
+    # A family whose kohya names fuse several modules into one (FLUX.2's q/k/v under BFL's names) writes and names its
+    # adapter tensors itself (lora/export.py and tools/lora_file.py ask it, so neither imports a family folder);
+    # None: one kohya name per module, `kohya_denoiser_name`.
     fused_lora_export: FusedLoraExport | None
 
     def kohya_denoiser_name(self, module_path: str, denoiser: torch.nn.Module) -> str:
         """The name a kohya-format LoRA file gives the adapter on the denoiser's module `module_path` (SD 1.x/2.x:
-        lora_unet_ + the diffusers path; SDXL: SGM's; FLUX.2 Klein: the LyCORIS name of a DoRA / LoHa, its LoRA
-        being fused by `kohya_unet_naming` "bfl"; Z-Image: diffusion_model. + the path)."""
+        lora_unet_ + the diffusers path; SDXL: SGM's; FLUX.2 Klein: the LyCORIS name of a DoRA / LoHa, its LoRA's
+        names being `fused_lora_export`'s; Z-Image: diffusion_model. + the path)."""
         ...
 
     def swappable_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -235,6 +239,12 @@ class ModelFamily(Protocol):
         """The given components ("unet" = the denoiser, "text_encoder", "text_encoder_2") under the keys of the
         single-file checkpoints users run (CompVis / SGM / OpenCLIP; FLUX.2: BFL's transformer file); a merged
         model is written in it (tools/merge.py)."""
+        ...
+
+    def single_file_config_dir(self, path: Path) -> Path | None:
+        """The shipped diffusers config tree that describes the single-file checkpoint `path` (what a merge from it
+        into a diffusers folder copies); None where the family ships none (FLUX.2's and Z-Image's single files are
+        the transformer alone: a merge from one writes a single file)."""
         ...
 
     def full_original_state_dict(self, bundle: ModelBundle) -> dict[str, torch.Tensor]:

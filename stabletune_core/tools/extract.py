@@ -78,7 +78,7 @@ def extract(base: str, tuned: str, output: Path, *, rank: int | None = None, ene
         raise refuse(f"The base and the tuned checkpoints are of different model families ({names}); extract a "
                      "LoRA from a fine-tune against its own base.")
     family = found[0] if found else None
-    if conv_rank and family and get_family(family).kohya_unet_naming == "bfl":
+    if conv_rank and family and not get_family(family).denoiser_has_convolutions:
         raise refuse(f"{get_family(family).display_name} has no convolutions to extract; leave out --conv_rank.")
     base_bundle = load_base(base, config_dir, family)
     tuned_bundle = load_base(tuned, config_dir, family)

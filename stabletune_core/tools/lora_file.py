@@ -22,7 +22,6 @@ from ..lora.lycoris import LOHA_PARTS, LOKR_PARTS
 from ..lora.names import (ALPHA, DORA_SCALE, DOWN, UP, kohya_te_name, kohya_unet_name,
                           module_and_part)
 from ..lora.resize import is_bundled
-from ..models.sd.single_file import kohya_sgm_unet_name
 from .common import refuse
 
 LORA_PARTS = (DOWN, UP)
@@ -197,52 +196,23 @@ class LayerTarget:
 
 def kohya_layers(bundle) -> dict[str, LayerTarget]:
     """Every module an adapter file may name, under that name: for SD families every Linear and Conv2d of the
-    UNet and text encoders (SDXL's UNet layers also under their diffusers-style name, which some SDXL files use);
-    for FLUX.2 Klein the transformer's modules under BFL's names (q/k/v fused) and diffusers' (LyCORIS files)."""
-    if bundle.family.kohya_unet_naming == "bfl":
-        return bfl_layers(bundle.denoiser, blocks_only=False)
+    UNet and text encoders (under diffusers-style kohya names, and under the family's own where they differ: SDXL's
+    SGM names, which most SDXL files use); for a family whose kohya names fuse modules (FLUX.2 Klein's q/k/v) the
+    names and modules its `fused_lora_export` declares."""
     family = bundle.family
-    sgm = family.kohya_unet_naming == "sgm"
+    if family.fused_lora_export is not None:
+        return {name: LayerTarget(modules)
+                for name, modules in family.fused_lora_export.named_modules(bundle.denoiser, False).items()}
     layers: dict[str, LayerTarget] = {}
     kinds = (torch.nn.Linear, torch.nn.Conv2d)
     for path, module in bundle.denoiser.named_modules():
         if isinstance(module, kinds):
             layers[kohya_unet_name(path)] = LayerTarget([module])
-            if sgm:
-                layers[kohya_sgm_unet_name(path, bundle.denoiser.config)] = LayerTarget([module])
+            layers[family.kohya_denoiser_name(path, bundle.denoiser)] = LayerTarget([module])
     for prefix, encoder in zip(family.text_encoder_kohya_prefixes, bundle.text_encoders):
         for path, module in encoder.named_modules():
             if isinstance(module, kinds):
                 layers[kohya_te_name(path, prefix)] = LayerTarget([module])
-    return layers
-
-
-def bfl_layers(transformer: torch.nn.Module, *, blocks_only: bool) -> dict[str, LayerTarget]:
-    """A FLUX.2 transformer's Linear layers under the names its adapter files use (models/flux2_klein/lora.py): kohya names of
-    BFL's modules (q, k and v one fused module) and, unless `blocks_only`, LyCORIS names of diffusers' paths and
-    diffusers' own `transformer.` paths (our LoKr files).
-    `blocks_only`: just the BFL modules of the double and single blocks (what a LoRA usually trains)."""
-    from ..models.flux2_klein.lora import DIFFUSERS_LOKR_PREFIX, LYCORIS_PREFIX, kohya_name
-    from ..models.flux2_klein.single_file import SWAPPED_HALVES, bfl_module
-
-    layers: dict[str, LayerTarget] = {}
-    fused: dict[str, dict[int, torch.nn.Module]] = {}
-    for path, module in transformer.named_modules():
-        if not isinstance(module, torch.nn.Linear) or path == SWAPPED_HALVES:  # BFL stores its halves swapped
-            continue
-        if not blocks_only:
-            layers[LYCORIS_PREFIX + path.replace(".", "_")] = LayerTarget([module])
-            layers[DIFFUSERS_LOKR_PREFIX + path] = LayerTarget([module])  # our LoKr files (models/flux2_klein/lora.py)
-        name = bfl_module(path)
-        if name is None or (blocks_only and not name.path.startswith(("double_blocks.", "single_blocks."))):
-            continue
-        if name.part is None:
-            layers[kohya_name(name.path)] = LayerTarget([module])
-        else:
-            fused.setdefault(name.path, {})[name.part] = module
-    for path, parts in fused.items():
-        if sorted(parts) == [0, 1, 2]:
-            layers[kohya_name(path)] = LayerTarget([parts[i] for i in range(3)])
     return layers
 
 
@@ -254,15 +224,14 @@ def walk_layers(bundle, *, conv: bool) -> Iterator[tuple[str, str, LayerTarget]]
     """(component, kohya name, target) of the layers LoRA usually trains, named as the exporter writes them.
     SD families: the UNet's transformer blocks (every Linear and 1x1 conv inside `attentions`), with `conv` also
     every layer of its ResNets and samplers (convolutions, `time_emb_proj`, `conv_shortcut`) and its other 3x3
-    convolutions, and the text encoders' attention and MLP layers (SGM names for SDXL). FLUX.2 Klein: every
-    module of the transformer's double and single blocks under BFL's names (q/k/v fused), which has no
-    convolutions."""
+    convolutions, and the text encoders' attention and MLP layers, under the family's kohya names (SGM's for
+    SDXL). A family whose names fuse modules: the blocks its `fused_lora_export` names (FLUX.2 Klein: the
+    transformer's double and single blocks under BFL's names, q/k/v fused), which has no convolutions."""
     family = bundle.family
-    if family.kohya_unet_naming == "bfl":
-        for name, target in bfl_layers(bundle.denoiser, blocks_only=True).items():
-            yield "unet", name, target
+    if family.fused_lora_export is not None:
+        for name, modules in family.fused_lora_export.named_modules(bundle.denoiser, True).items():
+            yield "unet", name, LayerTarget(modules)
         return
-    sgm = family.kohya_unet_naming == "sgm"
     for path, module in bundle.denoiser.named_modules():
         if not isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
             continue
@@ -271,8 +240,7 @@ def walk_layers(bundle, *, conv: bool) -> Iterator[tuple[str, str, LayerTarget]]
         is_conv = isinstance(module, torch.nn.Conv2d) and module.kernel_size != (1, 1)
         beside = not in_transformer and (is_conv or any(block in where for block in CONV_BLOCKS))
         if (in_transformer and not is_conv) or (conv and beside):
-            name = kohya_sgm_unet_name(path, bundle.denoiser.config) if sgm else kohya_unet_name(path)
-            yield "unet", name, LayerTarget([module])
+            yield "unet", family.kohya_denoiser_name(path, bundle.denoiser), LayerTarget([module])
     for i, (prefix, encoder) in enumerate(zip(family.text_encoder_kohya_prefixes, bundle.text_encoders)):
         for path, module in encoder.named_modules():
             if isinstance(module, torch.nn.Linear) and ".layers." in f".{path}":

@@ -29,8 +29,12 @@ from typing import Any, Callable
 import torch
 
 from ...family_files import files_name_klein, flux2_file_kind
+from ...lora.targets import lora_target_modules
 from ..base import Conditioning, ModelBundle, ModelLoadError, flow_model_metadata, load_errors_in_one_sentence
-from ..qwen3_text import MAX_SEQUENCE_LENGTH, caption_token_counter, text_length
+from ..loading import check_source
+from ..loading import safetensors_header as _safetensors_header  # the name memory.py imports (branch zmem moves it)
+from ..qwen3_text import (MAX_SEQUENCE_LENGTH, QWEN3_CHAT_TEMPLATE, caption_token_counter, check_tokenizer,
+                          text_length)
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 SHIPPED_CONFIGS = {"4b": CONFIGS_DIR / "flux2-klein-4b", "9b": CONFIGS_DIR / "flux2-klein-9b"}
@@ -45,14 +49,8 @@ BASE_MODEL_REPOS = {"4b": "black-forest-labs/FLUX.2-klein-base-4B", "9b": "black
 TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
 #: What Qwen3's chat template renders for one user prompt with add_generation_prompt and enable_thinking=False
 #: (ComfyUI's KleinTokenizer writes the same text). A tokenizer whose own template renders something else (e.g.
-#: ComfyUI's bundled Qwen2.5 tokenizer, which adds a default system turn) is given this template instead.
+#: ComfyUI's bundled Qwen2.5 tokenizer, which adds a default system turn) is given qwen3_text.py's template instead.
 KLEIN_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-KLEIN_CHAT_TEMPLATE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}{%- endif %}")
-CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 #: The guidance value fed to a transformer that has a guidance embedding (FLUX.2 [dev]; Klein has none), as the
 #: diffusers script's --guidance_scale default.
 TRAINING_GUIDANCE = 3.5
@@ -80,25 +78,6 @@ QUANTISED_KEY_SUFFIXES = ("weight_scale", "scale_weight", "comfy_quant", "input_
 def is_quantised(keys) -> bool:
     """True when a checkpoint's keys say its weights are already quantised."""
     return any(str(k).endswith(QUANTISED_KEY_SUFFIXES) for k in keys)
-
-
-def lora_target_modules(model: torch.nn.Module, targets: list[str]) -> list[str]:
-    """The full names of the Linear layers `targets` select, in module order. A target is a name suffix (peft's
-    rule: the name, or '.' + it at the end) or a pattern with '*' for one name part; a suffix that also names a
-    non-Linear module (a double block's ``attn.to_out`` is a ModuleList) selects only the Linear layers, so peft is
-    never asked to adapt a container. Targets that select nothing are left to lora/inject.py's check."""
-    import fnmatch
-
-    chosen = []
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        for t in targets:
-            if ("*" in t and (fnmatch.fnmatchcase(name, t) or fnmatch.fnmatchcase(name, "*." + t))) or \
-                    name == t or name.endswith("." + t):
-                chosen.append(name)
-                break
-    return chosen
 
 
 # --------------------------------------------------------------------------- distilled or base
@@ -200,13 +179,6 @@ def call_transformer(transformer, noisy: torch.Tensor, model_timestep: torch.Ten
 
 
 # --------------------------------------------------------------------------- reading what the user gave
-def _safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, dict(f.metadata() or {})
-
-
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -313,16 +285,19 @@ class Flux2Klein:
     diffusers_pipeline_class = "Flux2KleinPipeline"
     diffusers_lora_layers_argument = "transformer_lora_layers"  # the save_lora_weights argument for the denoiser
     diffusers_lora_key_names = "peft"  # lora_A / lora_B, as diffusers' Klein script saves (see lora/export.py)
-    # kohya files in BFL's module names, q/k/v fused (LoRA), or LyCORIS names (DoRA, LoHa, LoKr): this folder's
-    # lora.py, which lora/export.py picks by this name
-    kohya_unet_naming = "bfl"
+    denoiser_has_convolutions = False  # the transformer's layers are all Linear
 
     @property
     def fused_lora_export(self):
+        """kohya files in BFL's module names, q/k/v fused (LoRA), or LyCORIS names (DoRA, LoHa, LoKr): this folder's
+        lora.py, which lora/export.py and tools/lora_file.py ask for."""
         from .lora import FUSED_EXPORT
 
         return FUSED_EXPORT
 
+    def single_file_config_dir(self, path: Path) -> None:
+        """None: a FLUX.2 single file is the transformer alone, and no configs for the rest ship with StableTune."""
+        return None
 
     # ------------------------------------------------------------------ load
     def load(self, source: str | Path, *, local_files_only: bool = True, config_dir: str | Path | None = None,
@@ -333,8 +308,6 @@ class Flux2Klein:
         VAE and tokenizer given or found where ComfyUI keeps them; every prompt is then encoded at
         `max_sequence_length` tokens (training, cached embeddings, validation images). Bad input raises
         ModelLoadError, one sentence."""
-        from ..sd.sd1 import check_source
-
         kind, path = check_source(source, local_files_only=local_files_only)
         given = {k: Path(str(v)).expanduser() if v else None
                  for k, v in (("text_encoder", text_encoder), ("tokenizer", tokenizer), ("vae", vae))}
@@ -684,7 +657,7 @@ class Flux2Klein:
 
     def kohya_denoiser_name(self, module_path: str, denoiser: torch.nn.Module) -> str:
         """The LyCORIS name of a DoRA / LoHa module (lora.py); a LoRA's BFL names, q/k/v fused, come from
-        lora.py's kohya_lora_tensors, which lora/export.py calls for kohya_unet_naming "bfl"."""
+        lora.py's kohya_lora_tensors, which lora/export.py calls through fused_lora_export."""
         from .lora import lycoris_name
 
         return lycoris_name(module_path)
@@ -699,23 +672,8 @@ class Flux2Klein:
         return self.original_state_dict(bundle, {"unet"})
 
 
-
 def config_dir_text_hidden(config_dir: Path) -> int:
     return int(json.loads((Path(config_dir) / "text_encoder" / "config.json").read_text())["hidden_size"])
-
-
-def check_tokenizer(tokenizer, text_encoder) -> None:
-    """One sentence when the tokenizer cannot be Qwen3's for this text encoder: Klein's chat tokens unknown, or ids
-    past the encoder's embedding table."""
-    vocab = tokenizer.get_vocab()
-    missing = [t for t in CHAT_TOKENS if t not in vocab]
-    rows = text_encoder.get_input_embeddings().weight.shape[0]
-    if missing:
-        raise ModelLoadError(f"The tokenizer does not match the Qwen3 text encoder: it has no {missing[0]} token, so "
-                             "it is not Qwen's; use the tokenizer of the Qwen3 model the text encoder came from.")
-    if len(tokenizer) > rows:
-        raise ModelLoadError(f"The tokenizer does not match the Qwen3 text encoder: it has {len(tokenizer)} tokens "
-                             f"but the encoder embeds only {rows}; use the tokenizer of that Qwen3 model.")
 
 
 def use_klein_chat_template(tokenizer) -> bool:
@@ -728,7 +686,7 @@ def use_klein_chat_template(tokenizer) -> bool:
         rendered = None
     if rendered == KLEIN_PROMPT.format(probe):
         return False
-    tokenizer.chat_template = KLEIN_CHAT_TEMPLATE
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     return True
 
 

@@ -29,7 +29,7 @@ from ...lora.lycoris import lycoris_tensors
 from ...lora.layers import LoraLayerView
 from ...lora.names import DORA_SCALE, kohya_keys
 from ..base import FusedLoraExport
-from .single_file import bfl_module
+from .single_file import SWAPPED_HALVES, bfl_module
 
 KOHYA_PREFIX = "lora_unet_"
 LYCORIS_PREFIX = "lycoris_"
@@ -153,5 +153,31 @@ def lokr_tensors(modules: Iterator[tuple[str, Any]], dtype: torch.dtype) -> dict
     return bake_lokr_alpha(lycoris_tensors(((diffusers_lokr_name(path), parts) for path, parts in modules), dtype))
 
 
-#: What lora/export.py asks the family for (ModelFamily.fused_lora_export).
-FUSED_EXPORT = FusedLoraExport(lora_tensors=kohya_lora_tensors, lokr_tensors=lokr_tensors)
+def named_modules(transformer: torch.nn.Module, blocks_only: bool) -> dict[str, list[torch.nn.Module]]:
+    """A FLUX.2 transformer's Linear layers under the names its adapter files use: kohya names of BFL's modules (q, k
+    and v one fused module, their layers in that row order) and, unless `blocks_only`, LyCORIS names of diffusers'
+    paths and diffusers' own `transformer.` paths (our LoKr files).
+    `blocks_only`: just the BFL modules of the double and single blocks (what a LoRA usually trains)."""
+    named: dict[str, list[torch.nn.Module]] = {}
+    fused: dict[str, dict[int, torch.nn.Module]] = {}
+    for path, module in transformer.named_modules():
+        if not isinstance(module, torch.nn.Linear) or path == SWAPPED_HALVES:  # BFL stores its halves swapped
+            continue
+        if not blocks_only:
+            named[LYCORIS_PREFIX + path.replace(".", "_")] = [module]
+            named[DIFFUSERS_LOKR_PREFIX + path] = [module]  # our LoKr files
+        name = bfl_module(path)
+        if name is None or (blocks_only and not name.path.startswith(("double_blocks.", "single_blocks."))):
+            continue
+        if name.part is None:
+            named[kohya_name(name.path)] = [module]
+        else:
+            fused.setdefault(name.path, {})[name.part] = module
+    for path, parts in fused.items():
+        if sorted(parts) == [0, 1, 2]:
+            named[kohya_name(path)] = [parts[i] for i in range(3)]
+    return named
+
+
+#: What lora/export.py and tools/lora_file.py ask the family for (ModelFamily.fused_lora_export).
+FUSED_EXPORT = FusedLoraExport(lora_tensors=kohya_lora_tensors, lokr_tensors=lokr_tensors, named_modules=named_modules)

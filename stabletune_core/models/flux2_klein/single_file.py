@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..sd.single_file import _VAE_ATTN, _rename, _vae_prefix_table
+from ..ldm_vae import ldm_vae_key
 
 DIFFUSION_MODEL_PREFIX = "model.diffusion_model."  # a full (all-in-one) checkpoint's transformer keys
 
@@ -153,13 +153,7 @@ def vae_key_to_ldm(key: str, config) -> tuple[str, bool]:
     for ours, theirs in _VAE_BFL_RENAMES:
         if key.startswith(ours):
             return theirs + key[len(ours):], False
-    new = _rename(key, _vae_prefix_table(config)).replace("conv_shortcut", "nin_shortcut")
-    if "mid.attn_1." in new:
-        head, tail = new.split("mid.attn_1.", 1)
-        for orig, diff in _VAE_ATTN:
-            if tail.startswith(diff):
-                return f"{head}mid.attn_1.{orig}{tail[len(diff):]}", not tail.startswith("group_norm.")
-    return new, False
+    return ldm_vae_key(key, config)
 
 
 def vae_to_ldm(vae) -> dict[str, torch.Tensor]:

@@ -2,10 +2,9 @@
 
 Every part is the real class in Klein's arrangement, only narrow: a Flux2Transformer2DModel with two double and two
 single blocks, an AutoencoderKLFlux2 with four levels and the latent batch norm (given non-trivial statistics so
-the normalisation is exercised), a Qwen3ForCausalLM with 28 layers (so the pipeline's hidden layers 9, 18, 27 are
-intermediate ones, as in the real 36-layer encoder), a byte-level BPE tokenizer trained here with the
-``tokenizers`` package on a fixed corpus (Qwen's pre-tokenizer, its special tokens, a chat template that renders
-what Qwen3's does for Klein's prompts) and the shipped scheduler config. 64 px images are 8 x 8 VAE latents,
+the normalisation is exercised), the tiny Qwen3 text encoder and byte-level tokenizer of models/qwen3_text.py
+(28 layers, so the pipeline's hidden layers 9, 18, 27 are intermediate ones, as in the real 36-layer encoder) and
+the shipped scheduler config. 64 px images are 8 x 8 VAE latents,
 4 x 4 = 16 image tokens after the 2 x 2 patchify.
 
 It is written as a diffusers folder (``build_tiny_klein``) and as the files a ComfyUI user keeps
@@ -20,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .family import KLEIN_CHAT_TEMPLATE, SHIPPED_CONFIGS
+from ..qwen3_text import build_tiny_tokenizer, text_encoder_config
+from .family import SHIPPED_CONFIGS
 
 TINY_IMAGE_SIZE = 64
 
@@ -53,90 +53,6 @@ VAE_CONFIG = dict(
     use_post_quant_conv=True,
     patch_size=(2, 2),
 )
-TEXT_HIDDEN = 16
-TEXT_LAYERS = 28
-
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-THINK_TOKENS = ("<think>", "</think>")  # added, not special, as in Qwen3's tokenizer
-_CORPUS_WORDS = ("a an the of on in with and photo picture drawing image shape circle square triangle star heart "
-                 "red yellow green cyan blue purple white black background small large big user assistant think "
-                 "system hello world cat dog sign holding").split()
-
-
-def tiny_corpus() -> list[str]:
-    words = _CORPUS_WORDS
-    return [f"{a} {b} {c}" for a in words for b in words[::3] for c in words[::5]]
-
-
-def build_tiny_tokenizer(out_dir: Path | None = None, *, comfy_layout: bool = False):
-    """A Qwen2Tokenizer trained here (deterministic) and, if out_dir is given, saved there: tokenizer.json +
-    tokenizer_config.json (diffusers layout) or vocab.json + merges.txt + tokenizer_config.json (ComfyUI's)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(tiny_corpus(), trainer=trainer)
-    data = json.loads(bpe.to_str())["model"]
-    pairs = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in data["merges"]]
-    merges = [" ".join(p) for p in pairs]
-    tok = Qwen2Tokenizer(vocab=data["vocab"], merges=pairs, unk_token=None, bos_token=None,
-                         additional_special_tokens=list(SPECIAL_TOKENS))
-    tok.eos_token, tok.pad_token = "<|im_end|>", "<|endoftext|>"
-    tok.add_tokens(list(THINK_TOKENS))
-    tok.chat_template = KLEIN_CHAT_TEMPLATE
-    tok.model_max_length = 131072
-    if out_dir is not None:
-        out_dir = Path(out_dir)
-        tok.save_pretrained(str(out_dir))
-        if comfy_layout:
-            _as_comfy_ships_it(out_dir, tok, data["vocab"], merges)
-    return tok
-
-
-#: ComfyUI's bundled tokenizer carries Qwen2.5's chat template, which opens with a default system turn; Klein's
-#: prompt has none (the family replaces such a template when it loads the tokenizer).
-QWEN25_STYLE_TEMPLATE = (
-    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-
-
-def _as_comfy_ships_it(out_dir: Path, tok, vocab: dict, merges: list[str]) -> None:
-    """vocab.json + merges.txt + a tokenizer_config.json listing the added tokens, no tokenizer.json (the layout of
-    ComfyUI's comfy/text_encoders/qwen25_tokenizer)."""
-    for name in ("tokenizer.json", "chat_template.jinja"):
-        (out_dir / name).unlink(missing_ok=True)
-    (out_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    (out_dir / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    added = {str(tok.convert_tokens_to_ids(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                                 "single_word": False, "special": t in SPECIAL_TOKENS}
-             for t in SPECIAL_TOKENS + THINK_TOKENS}
-    config = {"add_prefix_space": False, "added_tokens_decoder": added, "additional_special_tokens":
-              list(SPECIAL_TOKENS[1:]), "bos_token": None, "chat_template": QWEN25_STYLE_TEMPLATE,
-              "eos_token": "<|im_end|>", "errors": "replace", "model_max_length": 131072,
-              "pad_token": "<|endoftext|>", "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-
-
-def _vocab_rows(tokenizer) -> int:
-    return ((len(tokenizer) + 63) // 64) * 64  # rows padded as Qwen pads 151669 tokens to 151936
-
-
-def text_encoder_config(tokenizer) -> dict:
-    return dict(vocab_size=_vocab_rows(tokenizer), hidden_size=TEXT_HIDDEN, intermediate_size=32,
-                num_hidden_layers=TEXT_LAYERS, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-                bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-                eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
 
 
 def build_tiny_klein_components(seed: int = 0) -> dict:

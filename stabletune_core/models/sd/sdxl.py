@@ -40,7 +40,6 @@ class SDXL(SD1):
     is_v2 = False
     plans_memory = True  # models/memory_plan.py (its memory model: sd/sdxl_memory.py)
     text_encoder_kohya_prefixes = ["lora_te1", "lora_te2"]
-    kohya_unet_naming = "sgm"
     diffusers_pipeline_class = "StableDiffusionXLPipeline"
     default_config_dir = SDXL_BASE_CONFIG_DIR
     text_encoder_parts = ("text_encoder", "text_encoder_2")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ldm_vae import ldm_vae_key, rename_prefix
+
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
 TEXT_ENCODER_PREFIX = "cond_stage_model.transformer."
@@ -63,16 +65,9 @@ def _unet_prefix_table(config) -> list[tuple[str, str]]:
     return table
 
 
-def _rename(key: str, table: list[tuple[str, str]]) -> str:
-    for orig, diff in table:
-        if key.startswith(diff):
-            return orig + key[len(diff) :]
-    return key
-
-
 def _original_unet_key(key: str, table: list[tuple[str, str]]) -> str:
     """One diffusers UNet key (a weight or a module path) in the original layout, ResNet insides included."""
-    new = _rename(key, table)
+    new = rename_prefix(key, table)
     if "resnets" in key:
         for orig, diff in _UNET_RESNET:
             new = new.replace(diff, orig)
@@ -84,48 +79,12 @@ def convert_unet_state_dict(unet) -> dict[str, torch.Tensor]:
     return {UNET_PREFIX + _original_unet_key(key, table): value for key, value in unet.state_dict().items()}
 
 
-def _vae_prefix_table(config) -> list[tuple[str, str]]:
-    levels = len(config["block_out_channels"])
-    lpb = config["layers_per_block"]
-    table = [("encoder.norm_out.", "encoder.conv_norm_out."), ("decoder.norm_out.", "decoder.conv_norm_out.")]
-    for part in ("encoder", "decoder"):
-        table.append((f"{part}.mid.attn_1.", f"{part}.mid_block.attentions.0."))
-        for j in range(2):
-            table.append((f"{part}.mid.block_{j + 1}.", f"{part}.mid_block.resnets.{j}."))
-    for i in range(levels):
-        for j in range(lpb):
-            table.append((f"encoder.down.{i}.block.{j}.", f"encoder.down_blocks.{i}.resnets.{j}."))
-        for j in range(lpb + 1):
-            table.append((f"decoder.up.{levels - 1 - i}.block.{j}.", f"decoder.up_blocks.{i}.resnets.{j}."))
-        if i < levels - 1:
-            table.append((f"encoder.down.{i}.downsample.", f"encoder.down_blocks.{i}.downsamplers.0."))
-            table.append((f"decoder.up.{levels - 1 - i}.upsample.", f"decoder.up_blocks.{i}.upsamplers.0."))
-    return table
-
-
-_VAE_ATTN = [
-    ("norm.", "group_norm."),
-    ("q.", "to_q."),
-    ("k.", "to_k."),
-    ("v.", "to_v."),
-    ("proj_out.", "to_out.0."),
-]
-
-
 def convert_vae_state_dict(vae) -> dict[str, torch.Tensor]:
-    table = _vae_prefix_table(vae.config)
     out = {}
     for key, value in vae.state_dict().items():
-        new = _rename(key, table).replace("conv_shortcut", "nin_shortcut")
-        if "mid.attn_1." in new:
-            head, tail = new.split("mid.attn_1.", 1)
-            for orig, diff in _VAE_ATTN:
-                if tail.startswith(diff):
-                    tail = orig + tail[len(diff) :]
-                    break
-            new = head + "mid.attn_1." + tail
-            if value.ndim == 2:  # the original model uses 1x1 convolutions for q, k, v, proj_out
-                value = value[:, :, None, None]
+        new, conv = ldm_vae_key(key, vae.config)
+        if conv and value.ndim == 2:  # the original model uses 1x1 convolutions for q, k, v, proj_out
+            value = value[:, :, None, None]
         out[VAE_PREFIX + new] = value
     return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -55,6 +56,12 @@ TEXT_ENCODER_CONFIG = dict(
     eos_token_id=2,  # SD1.5's config keeps CLIP's legacy value; pooling then uses argmax(ids)
     pad_token_id=1,
 )
+#: model_index.json of a tiny SD 1.x or 2.x folder (the pipeline class is the same; the configs differ).
+SD_MODEL_INDEX = {"_class_name": "StableDiffusionPipeline", "feature_extractor": [None, None],
+                  "image_encoder": [None, None], "requires_safety_checker": False, "safety_checker": [None, None],
+                  "scheduler": ["diffusers", "DDPMScheduler"], "text_encoder": ["transformers", "CLIPTextModel"],
+                  "tokenizer": ["transformers", "CLIPTokenizer"], "unet": ["diffusers", "UNet2DConditionModel"],
+                  "vae": ["diffusers", "AutoencoderKL"]}
 SCHEDULER_CONFIG = dict(
     num_train_timesteps=1000,
     beta_start=0.00085,
@@ -66,20 +73,25 @@ SCHEDULER_CONFIG = dict(
 )
 
 
+def _seeded(seed: int, makers: dict[str, Callable[[], torch.nn.Module]]) -> dict[str, torch.nn.Module]:
+    """Each part made right after torch.manual_seed(seed + its place in `makers`), in eval mode: a part's weights
+    follow from the seed and its own config, never from how many numbers the parts before it drew."""
+    parts = {}
+    for offset, (name, make) in enumerate(makers.items()):
+        torch.manual_seed(seed + offset)
+        parts[name] = make().eval()
+    return parts
+
+
 def _tiny_components(seed: int, unet_config: dict, text_config: dict, scheduler_config: dict) -> dict:
     """unet, vae, text_encoder, scheduler of a one-encoder tiny SD model, deterministic from seed."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(**unet_config)
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(**VAE_CONFIG)
-    torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModel(CLIPTextConfig(**text_config))
-    for m in (unet, vae, text_encoder):
-        m.eval()
-    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "scheduler": DDPMScheduler(**scheduler_config)}
+    parts = _seeded(seed, {"unet": lambda: UNet2DConditionModel(**unet_config),
+                           "vae": lambda: AutoencoderKL(**VAE_CONFIG),
+                           "text_encoder": lambda: CLIPTextModel(CLIPTextConfig(**text_config))})
+    return {**parts, "scheduler": DDPMScheduler(**scheduler_config)}
 
 
 def build_tiny_components(seed: int = 0) -> dict:
@@ -89,45 +101,15 @@ def build_tiny_components(seed: int = 0) -> dict:
 
 def build_tiny_sd1(out_dir: Path, seed: int = 0) -> Path:
     """Write a complete tiny SD1 diffusers pipeline folder (random weights) and return its path."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    parts = build_tiny_components(seed)
-    parts["unet"].save_pretrained(out_dir / "unet")
-    parts["vae"].save_pretrained(out_dir / "vae")
-    parts["text_encoder"].save_pretrained(out_dir / "text_encoder")
-    parts["scheduler"].save_pretrained(out_dir / "scheduler")
-    write_clip_tokenizer_files(out_dir / "tokenizer")
-    import diffusers
-
-    model_index = {
-        "_class_name": "StableDiffusionPipeline",
-        "_diffusers_version": diffusers.__version__,
-        "feature_extractor": [None, None],
-        "image_encoder": [None, None],
-        "requires_safety_checker": False,
-        "safety_checker": [None, None],
-        "scheduler": ["diffusers", "DDPMScheduler"],
-        "text_encoder": ["transformers", "CLIPTextModel"],
-        "tokenizer": ["transformers", "CLIPTokenizer"],
-        "unet": ["diffusers", "UNet2DConditionModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
-    }
-    (out_dir / "model_index.json").write_text(json.dumps(model_index, indent=2))
-    return out_dir
+    return _save_pipeline(out_dir, build_tiny_components(seed), SD_MODEL_INDEX, {"tokenizer": ""})
 
 
 def build_tiny_sd1_single_file(out_path: Path, seed: int = 0) -> Path:
     """Write the same tiny model as one A1111-style ``.safetensors`` checkpoint (original SD keys)."""
-    from safetensors.torch import save_file
-
     from .single_file import diffusers_to_original_sd
 
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     parts = build_tiny_components(seed)
-    state = diffusers_to_original_sd(parts["unet"], parts["vae"], parts["text_encoder"])
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out_path), metadata={"format": "pt"})
-    return out_path
+    return _save_single_file(out_path, diffusers_to_original_sd(parts["unet"], parts["vae"], parts["text_encoder"]))
 
 
 # --------------------------------------------------------------------------- SD 2.x
@@ -191,12 +173,7 @@ def build_tiny_sd2(out_dir: Path, seed: int = 0) -> Path:
     """Write a complete tiny SD 2.x (v-prediction) diffusers folder and return its path."""
     from ..tokenizer import OPEN_CLIP_PAD
 
-    index = {"_class_name": "StableDiffusionPipeline", "feature_extractor": [None, None], "image_encoder": [None, None],
-             "requires_safety_checker": False, "safety_checker": [None, None],
-             "scheduler": ["diffusers", "DDPMScheduler"], "text_encoder": ["transformers", "CLIPTextModel"],
-             "tokenizer": ["transformers", "CLIPTokenizer"], "unet": ["diffusers", "UNet2DConditionModel"],
-             "vae": ["diffusers", "AutoencoderKL"]}
-    return _save_pipeline(out_dir, build_tiny_sd2_components(seed), index, {"tokenizer": OPEN_CLIP_PAD})
+    return _save_pipeline(out_dir, build_tiny_sd2_components(seed), SD_MODEL_INDEX, {"tokenizer": OPEN_CLIP_PAD})
 
 
 def build_tiny_sd2_single_file(out_path: Path, seed: int = 0) -> Path:
@@ -212,20 +189,14 @@ def build_tiny_sdxl_components(seed: int = 0) -> dict:
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(**SDXL_UNET_CONFIG)
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(**SDXL_VAE_CONFIG)
-    torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModel(CLIPTextConfig(**TEXT_ENCODER_CONFIG))
-    torch.manual_seed(seed + 3)
-    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**SDXL_TEXT_ENCODER_2_CONFIG))
+    parts = _seeded(seed, {
+        "unet": lambda: UNet2DConditionModel(**SDXL_UNET_CONFIG),
+        "vae": lambda: AutoencoderKL(**SDXL_VAE_CONFIG),
+        "text_encoder": lambda: CLIPTextModel(CLIPTextConfig(**TEXT_ENCODER_CONFIG)),
+        "text_encoder_2": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**SDXL_TEXT_ENCODER_2_CONFIG))})
     scheduler = EulerDiscreteScheduler(**{k: v for k, v in SCHEDULER_CONFIG.items() if k != "clip_sample"},
                                        timestep_spacing="leading")
-    for m in (unet, vae, text_encoder, text_encoder_2):
-        m.eval()
-    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "text_encoder_2": text_encoder_2,
-            "scheduler": scheduler}
+    return {**parts, "scheduler": scheduler}
 
 
 def build_tiny_sdxl(out_dir: Path, seed: int = 0) -> Path:

@@ -38,7 +38,9 @@ import torch
 from ...family_files import Z_IMAGE_PIPELINE, files_name_z_image
 from ..base import (Conditioning, ModelBundle, ModelLoadError, denormalize_latents, flow_model_metadata,
                    load_errors_in_one_sentence, normalize_latents)
-from ..qwen3_text import MAX_SEQUENCE_LENGTH, caption_token_counter, text_length
+from ...lora.targets import lora_target_modules
+from ..loading import check_source
+from ..qwen3_text import MAX_SEQUENCE_LENGTH, caption_token_counter, check_tokenizer, text_length
 
 PIPELINE_CLASS = Z_IMAGE_PIPELINE
 #: The hidden state ZImagePipeline reads (hidden_states[-2]); its default prompt length is qwen3_text's.
@@ -134,9 +136,9 @@ class ZImage:
     diffusers_pipeline_class = PIPELINE_CLASS
     diffusers_lora_layers_argument = "transformer_lora_layers"
     diffusers_lora_key_names = "peft"  # lora_A / lora_B with alpha folded, as for FLUX.2 Klein (lora/export.py)
-    # kohya files: "diffusion_model." + the diffusers module path (lora/export.py kohya_named_layers)
-    kohya_unet_naming = "diffusion_model"
+    # kohya files: "diffusion_model." + the diffusers module path (kohya_denoiser_name)
     fused_lora_export = None  # one kohya name per module
+    denoiser_has_convolutions = False  # the transformer's layers are all Linear
 
     # ------------------------------------------------------------------ load
     def load(self, source: str | Path, *, local_files_only: bool = True, config_dir: str | Path | None = None,
@@ -145,8 +147,6 @@ class ZImage:
         """A Z-Image diffusers folder (Base or Turbo), or its transformer as one file (ComfyUI's
         z_image_turbo_bf16.safetensors, original or diffusers names) with the rest read from `config_dir`, a Z-Image
         diffusers folder (models/z_image/single_file.py). Bad input raises ModelLoadError, one sentence."""
-        from ..sd.sd1 import check_source
-
         if any(files.values()):
             raise ModelLoadError("Z-Image reads its text encoder, VAE and tokenizer from a diffusers folder "
                                  "(text_encoder_path, vae_path and tokenizer_path are for FLUX.2 Klein); leave them "
@@ -164,8 +164,6 @@ class ZImage:
                 parts = self._load_single_file(path, config_dir, torch_dtype)
             else:
                 parts = self._load_diffusers(where, local_files_only, torch_dtype)
-        from ..flux2_klein.family import check_tokenizer
-
         check_tokenizer(parts["tokenizer"], parts["text_encoder"])
         width = parts["text_encoder"].config.hidden_size
         wanted = parts["transformer"].config["cap_feat_dim"]
@@ -270,8 +268,6 @@ class ZImage:
         return FlowMatching.for_run(bundle.noise_scheduler.config, options, call_transformer)
 
     def lora_target_modules(self, model: torch.nn.Module, targets: list[str]) -> list[str]:
-        from ..flux2_klein.family import lora_target_modules
-
         return lora_target_modules(model, targets)
 
     def swappable_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -323,6 +319,10 @@ class ZImage:
     def kohya_denoiser_name(self, module_path: str, denoiser: torch.nn.Module) -> str:
         """diffusers' module path under ai-toolkit's diffusion_model. prefix (what ComfyUI maps)."""
         return LORA_KEY_PREFIX + module_path
+
+    def single_file_config_dir(self, path: Path) -> None:
+        """None: a Z-Image single file is the transformer alone (ComfyUI's layout), and no configs ship for the rest."""
+        return None
 
     def original_state_dict(self, bundle: ModelBundle, components: set[str]) -> dict[str, torch.Tensor]:
         """Z-Image has no single-file layout here yet (the family loads diffusers folders only)."""

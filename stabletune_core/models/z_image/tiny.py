@@ -3,8 +3,8 @@
 Every part is the class ``ZImagePipeline`` loads, only narrow: a ZImageTransformer2DModel with two main layers and
 the two noise and two context refiner layers of the released model (ComfyUI's key map assumes two of each), an
 AutoencoderKL in FLUX.1's arrangement (Z-Image's VAE: no quant convs, scaling and shift factors; not the FLUX.2 VAE
-with its latent batch norm), the tiny Qwen3 text encoder and byte-level tokenizer of models/flux2_klein/tiny.py (Z-Image
-and FLUX.2 Klein 4B read the same Qwen3-4B), and a FlowMatchEulerDiscreteScheduler with a static shift of 3.
+with its latent batch norm), the tiny Qwen3 text encoder and byte-level tokenizer of models/qwen3_text.py (Z-Image and
+FLUX.2 Klein 4B read the same Qwen3-4B), and a FlowMatchEulerDiscreteScheduler with a static shift of 3.
 64 px images are 8 x 8 VAE latents, 4 x 4 = 16 image tokens after the transformer's own 2 x 2 patchify.
 
 Turbo and Base share every config (the weights differ), so a tiny Turbo is the same model in a folder named as
@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..flux2_klein.tiny import TEXT_HIDDEN, TINY_IMAGE_SIZE, build_tiny_tokenizer, text_encoder_config
+from ..qwen3_text import TEXT_HIDDEN, build_tiny_tokenizer, text_encoder_config
+
+TINY_IMAGE_SIZE = 64
 
 TRANSFORMER_CONFIG = dict(
     all_patch_size=(2,),

@@ -78,28 +78,64 @@ class Setting:
         return self.rank if self.alpha is None else self.alpha
 
 
-def example_targets() -> list[str]:
-    """The example's default LoRA targets, as StableTune's preset of the same name spells them."""
-    from stabletune_core.models.flux2_klein.family import LORA_PRESETS
+@dataclass(frozen=True)
+class PeerFamily:
+    """What differs between the transformer families the bench compares: StableTune's family name, the example's
+    script, the StableTune LoRA preset that spells the example's default targets, the example's extra arguments,
+    and the tiny real-layout model both trainers run on by default."""
+    name: str
+    example_script: str
+    targets_preset: str
+    example_arguments: tuple[str, ...]
+    tiny_builder: str  # "module:function" building a diffusers folder (out_dir, seed)
 
-    return list(LORA_PRESETS["diffusers_default"])
+    def targets(self) -> list[str]:
+        from stabletune_core.models import get_family
+
+        return list(get_family(self.name).lora_presets[self.targets_preset])
+
+    def build_tiny(self, out: Path) -> Path:
+        import importlib
+
+        module, function = self.tiny_builder.split(":")
+        return getattr(importlib.import_module(module), function)(out, seed=0)
 
 
-def stabletune_command(model: Path, data: Path, run: Path, s: Setting, same_work: bool) -> list[str]:
+FAMILIES = {
+    # The example's --text_encoder_out_layers default (10 20 30) is not what Flux2KleinPipeline reads (9 18 27).
+    "flux2_klein": PeerFamily("flux2_klein", "train_dreambooth_lora_flux2_klein.py", "diffusers_default",
+                              ("--text_encoder_out_layers", *PIPELINE_TEXT_LAYERS),
+                              "stabletune_core.models.flux2_klein.tiny:build_tiny_klein"),
+    # The Z-Image example's default targets (to_k, to_q, to_v, to_out.0) are every attention's: StableTune's
+    # "attention" preset; its text path reads the hidden states ZImagePipeline reads, so nothing is added.
+    "z_image": PeerFamily("z_image", "train_dreambooth_lora_z_image.py", "attention", (),
+                          "stabletune_core.models.z_image.tiny:build_tiny_z_image"),
+}
+KLEIN = FAMILIES["flux2_klein"]
+
+
+def example_targets(family: PeerFamily = KLEIN) -> list[str]:
+    """The example's default LoRA targets, as StableTune's preset spells them."""
+    return family.targets()
+
+
+def stabletune_command(model: Path, data: Path, run: Path, s: Setting, same_work: bool,
+                       family: PeerFamily = KLEIN) -> list[str]:
     """`python -m stabletune_core train` arguments (after the probe) for one row."""
     command = ["-m", "stabletune_core", "train", "--pretrained_model_name_or_path", str(model),
-               "--train_data_dir", str(data), "--output_dir", str(run), "--model_family", "flux2_klein",
+               "--train_data_dir", str(data), "--output_dir", str(run), "--model_family", family.name,
                "--max_train_steps", str(s.steps), "--lora_rank", str(s.rank), "--lora_alpha", str(s.lora_alpha),
                "--learning_rate", str(s.learning_rate), "--train_batch_size", str(s.batch),
                "--resolution", str(s.resolution), "--seed", str(s.seed), "--mixed_precision", s.precision,
-               "--save_steps", str(NO_SNAPSHOTS), "--unet_lora_targets", *example_targets()]
+               "--save_steps", str(NO_SNAPSHOTS), "--unet_lora_targets", *family.targets()]
     if s.gradient_checkpointing:
         command.append("--gradient_checkpointing")
     return command + (SAME_WORK if same_work else [])
 
 
 def peer_command(script: Path, model: Path, peer_data: Path, run: Path, s: Setting, *,
-                 snapshot_steps: int = NO_SNAPSHOTS, text_length: int | None = None) -> list[str]:
+                 snapshot_steps: int = NO_SNAPSHOTS, text_length: int | None = None,
+                 family: PeerFamily = KLEIN) -> list[str]:
     """The example's arguments (after the probe): its defaults except what both trainers share. bench/toy_quality.py
     also asks for a snapshot every `snapshot_steps` and a `text_length` (max_sequence_length: the toy Klein's 32
     instead of the example's 512)."""
@@ -109,7 +145,7 @@ def peer_command(script: Path, model: Path, peer_data: Path, run: Path, s: Setti
                "--lora_alpha", str(s.lora_alpha), "--learning_rate", str(s.learning_rate),
                "--train_batch_size", str(s.batch), "--resolution", str(s.resolution), "--seed", str(s.seed),
                "--mixed_precision", s.precision, "--checkpointing_steps", str(snapshot_steps),
-               "--text_encoder_out_layers", *PIPELINE_TEXT_LAYERS, "--report_to", "tensorboard"]
+               *family.example_arguments, "--report_to", "tensorboard"]
     if text_length is not None:
         command += ["--max_sequence_length", str(text_length)]
     if s.gradient_checkpointing:
@@ -166,7 +202,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--steps must be above 10 (seconds per step are measured from step 10 on).")
     if args.peer_script is not None and not args.peer_script.is_file():
         raise SystemExit(f"--peer-script {args.peer_script} is not a file; give the path of diffusers' "
-                         "examples/dreambooth/train_dreambooth_lora_flux2_klein.py.")
+                         f"examples/dreambooth/{FAMILIES[args.family].example_script}.")
+    if args.family != KLEIN.name and str(args.model) == TOY:
+        raise SystemExit(f"--model {TOY} is the toy Klein base; for --family {args.family} give a diffusers folder "
+                         "or leave --model out (the tiny model).")
     if args.model is not None and str(args.model) != TOY and not (args.model / "model_index.json").is_file():
         raise SystemExit(f"--model {args.model} is not a diffusers folder (it has no model_index.json).")
     if args.out.exists() and any(args.out.iterdir()):
@@ -187,13 +226,15 @@ def toy_klein_base() -> Path:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default=KLEIN.name,
+                        help="the transformer family both trainers train (default flux2_klein)")
     parser.add_argument("--peer-script", type=Path, default=None,
-                        help="diffusers' train_dreambooth_lora_flux2_klein.py (never committed); without it only "
+                        help="diffusers' train_dreambooth_lora_<family>.py (never committed); without it only "
                              "the StableTune rows run")
     parser.add_argument("--peer-pythonpath", default=None, help="extra site folder for the example (datasets)")
     parser.add_argument("--model", type=Path, default=None,
-                        help="a Klein diffusers folder, or 'toy' for the toy Klein base (default: the tiny "
-                             "real-layout Klein with random weights, built into --out)")
+                        help="a diffusers folder of the family, or 'toy' for the toy Klein base (default: the "
+                             "family's tiny real-layout model with random weights, built into --out)")
     parser.add_argument("--steps", type=int, default=Setting.steps)
     parser.add_argument("--rank", type=int, default=Setting.rank)
     parser.add_argument("--learning-rate", type=float, default=Setting.learning_rate)
@@ -222,10 +263,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def rows_for(args: argparse.Namespace, model: Path, data: Path, peer_data: Path) -> dict:
     """{row name: (command for a run folder, is it the example)} for the chosen rows, in the order asked."""
-    s = args.setting
-    every = {"same": (ROW_SAME_WORK, (lambda run: stabletune_command(model, data, run, s, True)), False),
-             "peer": (ROW_PEER, (lambda run: peer_command(args.peer_script, model, peer_data, run, s)), True),
-             "defaults": (ROW_DEFAULTS, (lambda run: stabletune_command(model, data, run, s, False)), False)}
+    s, family = args.setting, FAMILIES[args.family]
+    every = {"same": (ROW_SAME_WORK, (lambda run: stabletune_command(model, data, run, s, True, family)), False),
+             "peer": (ROW_PEER, (lambda run: peer_command(args.peer_script, model, peer_data, run, s,
+                                                            family=family)), True),
+             "defaults": (ROW_DEFAULTS, (lambda run: stabletune_command(model, data, run, s, False, family)), False)}
     return {every[key][0]: every[key][1:] for key in args.rows}
 
 
@@ -236,9 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     data, peer_data = write_toy_data(args.out, args.setting.resolution)
     if model is None:
-        from stabletune_core.models.flux2_klein.tiny import build_tiny_klein
-
-        model = build_tiny_klein(args.out / "tiny-klein", seed=0)
+        model = FAMILIES[args.family].build_tiny(args.out / f"tiny-{args.family}")
     rows = rows_for(args, model, data, peer_data)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in rows}
     for r, order in enumerate(round_orders(list(rows), args.rounds)):
@@ -253,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "results.json").write_text(json.dumps({"setting": vars(args.setting), "model": str(model),
                                                        "results": results}, indent=1))
     s = args.setting
-    print(f"\n{model.name}: {args.threads} threads, {s.steps} steps, rank {s.rank}, lr {s.learning_rate:g}, batch "
+    print(f"\n{model.name} ({args.family}): {args.threads} threads, {s.steps} steps, rank {s.rank}, lr {s.learning_rate:g}, batch "
           f"{s.batch}, {s.resolution} px, precision {s.precision}, gradient checkpointing "
           f"{'on' if s.gradient_checkpointing else 'off'}, {args.rounds} rounds (medians), load average "
           f"{os.getloadavg()[0]:.2f} at the end")

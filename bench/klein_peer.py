@@ -28,7 +28,7 @@ Rows, in ABC CBA order over rounds (a load change hits every row alike); medians
 
 Quality per minute on the toy Klein base (what each trainer has learned after the same minutes, scored by the toy
 judge) is bench/toy_quality.py `--family flux2_klein`, which builds the example's command with the same
-`peer_command` (bench/klein_example.py);
+`peer_command` (bench/transformer_example.py);
 `--model toy` here runs both trainers on that base for speed and memory.
 """
 from __future__ import annotations
@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from first_step import timed  # noqa: E402
-from klein_example import NO_SNAPSHOTS, Setting, peer_command  # noqa: E402
 from toy_quality import dataset_images, thread_env, write_imagefolder  # noqa: E402
+from transformer_example import FAMILIES, KLEIN, NO_SNAPSHOTS, PeerFamily, Setting, peer_command  # noqa: E402
 
 CONCEPT_IMAGES = 12
 BASE_IMAGES = 12
@@ -58,21 +58,20 @@ SAME_WORK = ["--cache_latents", "--cache_text_embeddings", "--validation_prompt"
 TOY = "toy"  # --model toy: the toy Klein base trained on the toy world
 
 
-def example_targets() -> list[str]:
-    """The example's default LoRA targets, as StableTune's preset of the same name spells them."""
-    from stabletune_core.models.flux2_klein.family import LORA_PRESETS
-
-    return list(LORA_PRESETS["diffusers_default"])
+def example_targets(family: PeerFamily = KLEIN) -> list[str]:
+    """The example's default LoRA targets, as StableTune's preset spells them."""
+    return family.targets()
 
 
-def stabletune_command(model: Path, data: Path, run: Path, s: Setting, same_work: bool) -> list[str]:
+def stabletune_command(model: Path, data: Path, run: Path, s: Setting, same_work: bool,
+                       family: PeerFamily = KLEIN) -> list[str]:
     """`python -m stabletune_core train` arguments (after the probe) for one row."""
     command = ["-m", "stabletune_core", "train", "--pretrained_model_name_or_path", str(model),
-               "--train_data_dir", str(data), "--output_dir", str(run), "--model_family", "flux2_klein",
+               "--train_data_dir", str(data), "--output_dir", str(run), "--model_family", family.name,
                "--max_train_steps", str(s.steps), "--lora_rank", str(s.rank), "--lora_alpha", str(s.lora_alpha),
                "--learning_rate", str(s.learning_rate), "--train_batch_size", str(s.batch),
                "--resolution", str(s.resolution), "--seed", str(s.seed), "--mixed_precision", s.precision,
-               "--save_steps", str(NO_SNAPSHOTS), "--unet_lora_targets", *example_targets()]
+               "--save_steps", str(NO_SNAPSHOTS), "--unet_lora_targets", *family.targets()]
     if s.gradient_checkpointing:
         command.append("--gradient_checkpointing")
     return command + (SAME_WORK if same_work else [])
@@ -127,7 +126,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--steps must be above 10 (seconds per step are measured from step 10 on).")
     if args.peer_script is not None and not args.peer_script.is_file():
         raise SystemExit(f"--peer-script {args.peer_script} is not a file; give the path of diffusers' "
-                         "examples/dreambooth/train_dreambooth_lora_flux2_klein.py.")
+                         f"examples/dreambooth/{FAMILIES[args.family].example_script}.")
+    if args.family != KLEIN.name and str(args.model) == TOY:
+        raise SystemExit(f"--model {TOY} is the toy Klein base; for --family {args.family} give a diffusers folder "
+                         "or leave --model out (the tiny model).")
     if args.model is not None and str(args.model) != TOY and not (args.model / "model_index.json").is_file():
         raise SystemExit(f"--model {args.model} is not a diffusers folder (it has no model_index.json).")
     if args.out.exists() and any(args.out.iterdir()):
@@ -148,13 +150,15 @@ def toy_klein_base() -> Path:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default=KLEIN.name,
+                        help="the transformer family both trainers train (default flux2_klein)")
     parser.add_argument("--peer-script", type=Path, default=None,
-                        help="diffusers' train_dreambooth_lora_flux2_klein.py (never committed); without it only "
+                        help="diffusers' train_dreambooth_lora_<family>.py (never committed); without it only "
                              "the StableTune rows run")
     parser.add_argument("--peer-pythonpath", default=None, help="extra site folder for the example (datasets)")
     parser.add_argument("--model", type=Path, default=None,
-                        help="a Klein diffusers folder, or 'toy' for the toy Klein base (default: the tiny "
-                             "real-layout Klein with random weights, built into --out)")
+                        help="a diffusers folder of the family, or 'toy' for the toy Klein base (default: the "
+                             "family's tiny real-layout model with random weights, built into --out)")
     parser.add_argument("--steps", type=int, default=Setting.steps)
     parser.add_argument("--rank", type=int, default=Setting.rank)
     parser.add_argument("--learning-rate", type=float, default=Setting.learning_rate)
@@ -183,10 +187,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def rows_for(args: argparse.Namespace, model: Path, data: Path, peer_data: Path) -> dict:
     """{row name: (command for a run folder, is it the example)} for the chosen rows, in the order asked."""
-    s = args.setting
-    every = {"same": (ROW_SAME_WORK, (lambda run: stabletune_command(model, data, run, s, True)), False),
-             "peer": (ROW_PEER, (lambda run: peer_command(args.peer_script, model, peer_data, run, s)), True),
-             "defaults": (ROW_DEFAULTS, (lambda run: stabletune_command(model, data, run, s, False)), False)}
+    s, family = args.setting, FAMILIES[args.family]
+    every = {"same": (ROW_SAME_WORK, (lambda run: stabletune_command(model, data, run, s, True, family)), False),
+             "peer": (ROW_PEER, (lambda run: peer_command(args.peer_script, model, peer_data, run, s,
+                                                            family=family)), True),
+             "defaults": (ROW_DEFAULTS, (lambda run: stabletune_command(model, data, run, s, False, family)), False)}
     return {every[key][0]: every[key][1:] for key in args.rows}
 
 
@@ -197,9 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     data, peer_data = write_toy_data(args.out, args.setting.resolution)
     if model is None:
-        from stabletune_core.models.flux2_klein.tiny import build_tiny_klein
-
-        model = build_tiny_klein(args.out / "tiny-klein", seed=0)
+        model = FAMILIES[args.family].build_tiny(args.out / f"tiny-{args.family}")
     rows = rows_for(args, model, data, peer_data)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in rows}
     for r, order in enumerate(round_orders(list(rows), args.rounds)):
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "results.json").write_text(json.dumps({"setting": vars(args.setting), "model": str(model),
                                                        "results": results}, indent=1))
     s = args.setting
-    print(f"\n{model.name}: {args.threads} threads, {s.steps} steps, rank {s.rank}, lr {s.learning_rate:g}, batch "
+    print(f"\n{model.name} ({args.family}): {args.threads} threads, {s.steps} steps, rank {s.rank}, lr {s.learning_rate:g}, batch "
           f"{s.batch}, {s.resolution} px, precision {s.precision}, gradient checkpointing "
           f"{'on' if s.gradient_checkpointing else 'off'}, {args.rounds} rounds (medians), load average "
           f"{os.getloadavg()[0]:.2f} at the end")

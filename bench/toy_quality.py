@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(ROOT / "bench"))
 
-import klein_example  # noqa: E402  (the Klein example's command; bench/klein_peer.py times the same one)
+import transformer_example  # noqa: E402  (the examples' commands; bench/klein_peer.py times the same ones)
 
 PRESET = ROOT / "presets" / "demo.toml"
 SCORE_SEEDS_PER_PROMPT = 8  # seeds 1000..1007, as tests/test_toy_learning.py measures the demo's LoRA
@@ -194,10 +194,10 @@ def klein_peer_command(script: Path, model: Path, data: Path, out: Path, snapsho
     """diffusers' Klein example on the toy Klein: `recipe`'s learning rate, steps, rank, alpha and batch; the
     preset's resolution, seed and text length (none set: the example's 512, StableTune's default too); the
     pipeline's text layers; a snapshot every `snapshot_steps`."""
-    setting = klein_example.Setting(steps=recipe["steps"], rank=recipe["rank"], alpha=recipe["alpha"],
+    setting = transformer_example.Setting(steps=recipe["steps"], rank=recipe["rank"], alpha=recipe["alpha"],
                                     learning_rate=recipe["learning_rate"], batch=recipe["batch"],
                                     resolution=preset["resolution"], seed=preset["seed"])
-    return [sys.executable] + klein_example.peer_command(script, model, data, out, setting,
+    return [sys.executable] + transformer_example.peer_command(script, model, data, out, setting,
                                                          snapshot_steps=snapshot_steps,
                                                          text_length=preset.get("max_sequence_length"))
 

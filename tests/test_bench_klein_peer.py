@@ -157,9 +157,41 @@ def import_circle(arrows: dict[str, set[str]]) -> list[str]:
 
 def test_the_benches_import_one_another_without_a_circle():
     """first_step -> toy_quality -> klein_peer -> first_step was a circle (toy_quality took klein_peer's Setting and
-    peer_command, klein_peer toy_quality's data helpers): the Klein example's command lives in bench/klein_example.py,
-    which both import."""
+    peer_command, klein_peer toy_quality's data helpers): the examples' commands live in
+    bench/transformer_example.py, which both import."""
     assert import_circle(bench_imports({"a": "import b", "b": "def f():\n    from c import x", "c": "from a import y"}))
     assert not import_circle(bench_imports({"a": "import b", "b": "import c", "c": "import os"}))
     sources = {p.stem: p.read_text(encoding="utf-8") for p in (ROOT / "bench").glob("*.py")}
     assert not import_circle(bench_imports(sources)), import_circle(bench_imports(sources))
+
+
+def test_z_image_rows_run_its_family_and_the_examples_default_targets(tmp_path):
+    """`--family z_image` (issue 39 item 6): StableTune's rows train Z-Image on the example's default targets (every
+    attention's to_q/to_k/to_v/to_out.0: StableTune's "attention" preset), the example gets no Klein-only flag."""
+    z_image = bench.FAMILIES["z_image"]
+    config = parsed_by_stabletune(bench.stabletune_command(tmp_path / "model", tmp_path / "data", tmp_path / "run",
+                                                           SETTING, True, z_image))
+    assert config.model_family == "z_image" and config.max_train_steps == 23
+    assert config.unet_lora_targets == z_image.targets()
+    assert sorted(t.rsplit(".", 1)[-1] if not t.endswith("out.0") else "to_out.0" for t in z_image.targets()) == \
+        ["to_k", "to_out.0", "to_q", "to_v"]  # the example's default list
+    command = bench.peer_command(tmp_path / "train.py", tmp_path / "model", tmp_path / "peer-data", tmp_path / "run",
+                                 SETTING, family=z_image)
+    assert "--text_encoder_out_layers" not in command and command[command.index("--rank") + 1] == "6"
+    with pytest.raises(SystemExit, match="train_dreambooth_lora_z_image.py"):
+        bench.check_args(bench.parse_args(["--family", "z_image", "--out", str(tmp_path / "new"),
+                                           "--peer-script", str(tmp_path / "nope.py")]))
+    with pytest.raises(SystemExit, match="toy Klein base"):
+        bench.check_args(bench.parse_args(["--family", "z_image", "--out", str(tmp_path / "new"), "--model", "toy"]))
+
+
+def test_a_z_image_bench_run_builds_its_tiny_model_and_ends_in_a_table(tmp_path):
+    """The bench end to end on the tiny real-layout Z-Image, the peer left out."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "klein_peer.py"), "--family", "z_image", "--steps",
+                           "11", "--rounds", "1", "--threads", "1", "--rows", "same", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "out" / "tiny-z_image" / "model_index.json").is_file()
+    line = next(l for l in done.stdout.splitlines() if l.startswith(f"| {bench.ROW_SAME_WORK}"))
+    first, per, rss = (float(x) for x in line.split(" | ")[1:4])
+    assert first > 0 and per > 0 and rss > 100

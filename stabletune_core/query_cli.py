@@ -86,7 +86,8 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     nothing = {"memory": None, "gib": None, "plan": None, "costs": None}
     if family not in FAMILY_MEMORY_MODELS:
         return nothing
-    from .models.flux2_klein.memory import GIB, UnknownSize, config_memory_sentence
+    from .models.flux2_klein.memory import UnknownSize, config_memory_sentence
+    from .models.memory import GIB
 
     if is_flux2_klein(family):
         try:  # no number for a Klein of unknown size (the run plans it as a 4B and says so)

@@ -31,6 +31,7 @@ import torch
 from ...family_files import files_name_klein, flux2_file_kind
 from ..base import Conditioning, ModelBundle, ModelLoadError, flow_model_metadata, load_errors_in_one_sentence
 from ..qwen3_text import MAX_SEQUENCE_LENGTH, caption_token_counter, text_length
+from ..sources import safetensors_header
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 SHIPPED_CONFIGS = {"4b": CONFIGS_DIR / "flux2-klein-4b", "9b": CONFIGS_DIR / "flux2-klein-9b"}
@@ -200,13 +201,6 @@ def call_transformer(transformer, noisy: torch.Tensor, model_timestep: torch.Ten
 
 
 # --------------------------------------------------------------------------- reading what the user gave
-def _safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, dict(f.metadata() or {})
-
-
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -250,7 +244,7 @@ def _find_beside(transformer: Path, folder: str, fits: Callable[[Shapes], bool])
         return None
     for candidate in sorted(where.glob("*.safetensors")):
         try:
-            shapes, _ = _safetensors_header(candidate)
+            shapes, _ = safetensors_header(candidate)
         except (OSError, ValueError):
             continue
         if fits(shapes):
@@ -333,7 +327,7 @@ class Flux2Klein:
         VAE and tokenizer given or found where ComfyUI keeps them; every prompt is then encoded at
         `max_sequence_length` tokens (training, cached embeddings, validation images). Bad input raises
         ModelLoadError, one sentence."""
-        from ..sd.sd1 import check_source
+        from ..sources import check_source
 
         kind, path = check_source(source, local_files_only=local_files_only)
         given = {k: Path(str(v)).expanduser() if v else None
@@ -410,7 +404,7 @@ class Flux2Klein:
 
         from .single_file import bfl_shape_facts, transformer_config_facts, transformer_from_bfl
 
-        shapes, metadata = _safetensors_header(path)
+        shapes, metadata = safetensors_header(path)
         kind = checkpoint_kind(shapes)
         if kind == "sd":
             raise ModelLoadError(f"'{path.name}' is a Stable Diffusion checkpoint, not FLUX.2 Klein; choose the "
@@ -508,7 +502,7 @@ class Flux2Klein:
         if path.suffix.lower() != ".safetensors":
             raise ModelLoadError(f"Refusing to open '{path.name}': only .safetensors text encoders are read (other "
                                  "formats can run code when loaded).")
-        shapes, _ = _safetensors_header(path)
+        shapes, _ = safetensors_header(path)
         if "model.layers.0.self_attn.q_norm.weight" not in shapes:
             raise ModelLoadError(f"'{path.name}' is not a Qwen3 text encoder (no model.layers.0.self_attn.q_norm); "
                                  "FLUX.2 Klein 4B reads qwen_3_4b.safetensors and 9B reads qwen_3_8b.safetensors.")

@@ -130,7 +130,8 @@ def estimate_training_memory(variant: str | Path = "4b", *, precision: str = "bf
 def variant_of(source: str | Path) -> str | None:
     """"4b" or "9b" for a released Klein's diffusers folder or BFL transformer file, read from its config or header
     (no weights); None when it cannot be told (not there yet, another width)."""
-    from .family import RELEASED_WIDTHS, _safetensors_header
+    from ..sources import safetensors_header
+    from .family import RELEASED_WIDTHS
     from .single_file import bfl_shape_facts
 
     path = Path(str(source)).expanduser()
@@ -139,7 +140,7 @@ def variant_of(source: str | Path) -> str | None:
             config = json.loads((path / "transformer" / "config.json").read_text())
             width = config["num_attention_heads"] * config["attention_head_dim"]
         elif path.is_file():
-            width = bfl_shape_facts(_safetensors_header(path)[0])["hidden_size"]
+            width = bfl_shape_facts(safetensors_header(path)[0])["hidden_size"]
         else:
             return None
     except (OSError, ValueError, KeyError):

@@ -8,6 +8,7 @@ import torch
 
 from ..base import (Conditioning, ModelBundle, ModelLoadError, denormalize_latents, load_errors_in_one_sentence,
                    normalize_latents)
+from ..sources import check_source
 
 if TYPE_CHECKING:
     from ..ddpm import DDPMObjective
@@ -15,41 +16,9 @@ if TYPE_CHECKING:
 CONFIGS_DIR = Path(__file__).parent / "configs"
 SD15_CONFIG_DIR = CONFIGS_DIR / "sd15"
 
-SINGLE_FILE_SUFFIXES = {".safetensors"}
-PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin"}
-
 
 def _pipeline_parts(pipe) -> dict[str, Any]:
     return {"unet": pipe.unet, "vae": pipe.vae, "text_encoder": pipe.text_encoder, "tokenizer": pipe.tokenizer}
-
-
-def check_source(source: str | Path, *, local_files_only: bool) -> tuple[str, Path | None]:
-    """Classify what the user pointed at: ("folder"|"file"|"hub", path). Raises ModelLoadError with one sentence."""
-    text = str(source).strip()
-    if not text:
-        raise ModelLoadError("No base model was given; point at a diffusers folder or a .safetensors checkpoint.")
-    path = Path(text).expanduser()
-    suffix = path.suffix.lower()
-    if suffix in PICKLE_SUFFIXES:
-        raise ModelLoadError(
-            f"Refusing to open '{path.name}': {suffix} files are Python pickles that can run arbitrary code when "
-            "loaded, so convert it to .safetensors with a tool you trust and point StableTune at that file."
-        )
-    if path.is_dir():
-        if not (path / "model_index.json").is_file() and not (path / "unet").is_dir():
-            raise ModelLoadError(
-                f"The folder '{path}' is not a diffusers model (it has no model_index.json and no unet/ subfolder)."
-            )
-        return "folder", path
-    if path.is_file():
-        if suffix not in SINGLE_FILE_SUFFIXES:
-            raise ModelLoadError(f"'{path.name}' is not a model StableTune can read; use a .safetensors file or a diffusers folder.")
-        return "file", path
-    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~")) and suffix == ""
-    if looks_like_hub_id and not local_files_only:
-        return "hub", None
-    hint = " (downloading from the Hugging Face hub is off)" if looks_like_hub_id else ""
-    raise ModelLoadError(f"The base model '{text}' was not found: there is no such file or folder{hint}.")
 
 
 class SD1:

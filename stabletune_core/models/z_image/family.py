@@ -145,7 +145,7 @@ class ZImage:
         """A Z-Image diffusers folder (Base or Turbo), or its transformer as one file (ComfyUI's
         z_image_turbo_bf16.safetensors, original or diffusers names) with the rest read from `config_dir`, a Z-Image
         diffusers folder (models/z_image/single_file.py). Bad input raises ModelLoadError, one sentence."""
-        from ..sd.sd1 import check_source
+        from ..sources import check_source
 
         if any(files.values()):
             raise ModelLoadError("Z-Image reads its text encoder, VAE and tokenizer from a diffusers folder "

@@ -109,9 +109,9 @@ def config_facts(config) -> dict[str, int]:
 def check_transformer_file(path: Path) -> dict[str, tuple[int, ...]]:
     """The file's keys and shapes (its header only), or ModelLoadError in one sentence when it is no Z-Image
     transformer."""
-    from ..flux2_klein.family import _safetensors_header
+    from ..sources import safetensors_header
 
-    shapes, _ = _safetensors_header(path)
+    shapes, _ = safetensors_header(path)
     if file_layout(shapes) == "other":
         raise ModelLoadError(f"'{path.name}' is not a Z-Image transformer (it lacks cap_embedder.1.weight and "
                              "layers.0.adaLN_modulation.0.weight); point at z_image_turbo_bf16.safetensors, the Base "

@@ -124,7 +124,7 @@ class ZImage:
     modelspec_implementation = "https://github.com/Tongyi-MAI/Z-Image"
     default_resolution = (1024, 1024)
     is_v2 = False
-    plans_memory = False  # models/memory_plan.py: no memory model of this family yet
+    plans_memory = True  # models/memory_plan.py (its memory model: z_image/memory.py)
     lora_presets = LORA_PRESETS
     unet_lora_targets = LORA_PRESETS["attention"]
     text_encoder_lora_targets: list[str] = []  # Qwen3 stays frozen: Z-Image LoRAs adapt the transformer only

@@ -79,6 +79,37 @@ def store_base(transformer, base_storage: str, device) -> None:
             torch.cuda.empty_cache()  # the full-size weights the codes replaced
 
 
+def store_base_bitsandbytes(transformer, device) -> int:
+    """diffusers' Klein example at its 4-bit setting (train_dreambooth_lora_flux2_klein.py with a bitsandbytes
+    BitsAndBytesConfig load_in_4bit, nf4, bf16 compute): every Linear layer of the transformer becomes bitsandbytes'
+    Linear4bit, quantised as it reaches the GPU, the LoRA on top through peft's bitsandbytes layers. The number of
+    layers replaced. Refused in one sentence where bitsandbytes is missing or there is no CUDA device (it quantises
+    on the GPU)."""
+    import torch
+
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise SystemExit("--bnb-nf4 needs bitsandbytes, which is not installed for this Python; pip install "
+                         "bitsandbytes, or leave --bnb-nf4 out.")
+    if device.type != "cuda":
+        raise SystemExit("--bnb-nf4 quantises on the GPU (bitsandbytes' Params4bit); run it with --device cuda.")
+    replaced = 0
+    for parent in list(transformer.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            layer = bnb.nn.Linear4bit(child.in_features, child.out_features, child.bias is not None,
+                                      compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+            layer.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4").to(device)
+            if child.bias is not None:
+                layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, layer.requires_grad_(False))
+            replaced += 1
+    torch.cuda.empty_cache()  # the bf16 weights the codes replaced
+    return replaced
+
+
 def swap_blocks(transformer, count: int, device):
     """The last `count` blocks kept in CPU memory (models/block_swap.py), after the adapters (they stay on the
     device); None when `count` is 0."""
@@ -110,28 +141,48 @@ def with_lora(transformer, checkpointing: bool):
     return transformer, params, torch.optim.AdamW(params, lr=1e-4), objective
 
 
-def make_step(transformer, params, optimizer, objective, device, dtype):
-    """One training step at (batch, resolution) on random latents and text embeddings of the real shapes."""
+def klein_inputs(transformer, device, dtype):
+    """(batch, resolution, generator) -> (latents, conditioning): random tensors of the real shapes, as a Klein run
+    with cached latents and text embeddings hands the step."""
     import torch
     from diffusers import Flux2KleinPipeline
 
     from stabletune_core.models.base import Conditioning
     from stabletune_core.models.flux2_klein.family import MAX_SEQUENCE_LENGTH
-    from stabletune_core.train.forward import predict_and_loss
 
     config = transformer.config
     latent_channels = config.in_channels  # the family's latents are already patchified (2 x 2 into channels)
-    generator = torch.Generator().manual_seed(SEED)
-    autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # noqa: E731
 
-    def step(batch: int, resolution: int) -> float:
+    def inputs(batch: int, resolution: int, generator):
         side = resolution // 16  # the VAE's 8 x the 2 x 2 patchify (models/flux2_klein/family.py latent_downscale)
         latents = torch.randn(batch, latent_channels, side, side, generator=generator).to(device, dtype)
         embeds = torch.randn(batch, MAX_SEQUENCE_LENGTH, config.joint_attention_dim, generator=generator
                              ).to(device, dtype)
-        cond = Conditioning(encoder_hidden_states=embeds,
-                            added_cond_kwargs={"txt_ids": Flux2KleinPipeline._prepare_text_ids(embeds).to(device)})
-        noisy, noise, timesteps = objective.add_noise(latents, generator)
+        return latents, Conditioning(encoder_hidden_states=embeds, added_cond_kwargs={
+            "txt_ids": Flux2KleinPipeline._prepare_text_ids(embeds).to(device)})
+
+    return inputs
+
+
+def make_step(transformer, params, optimizer, objective, device, dtype, inputs=None):
+    """One training step at (batch, resolution) on random latents and text embeddings of the real shapes; `inputs`
+    makes them ((batch, resolution, generator) -> (latents, conditioning)), Klein's by default (bench/plan_gpu.py
+    hands Z-Image's and SDXL's)."""
+    import torch
+
+    from stabletune_core.train.forward import predict_and_loss
+
+    inputs = inputs or klein_inputs(transformer, device, dtype)
+    generator = torch.Generator().manual_seed(SEED)
+    autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # noqa: E731
+
+    def step(batch: int, resolution: int) -> float:
+        latents, cond = inputs(batch, resolution, generator)
+        # noise first, then timesteps, as FlowMatching.add_noise draws them; the Objective protocol's two calls, so a
+        # DDPM objective steps the same way
+        noise = torch.randn(latents.shape, generator=generator).to(latents.device, latents.dtype)
+        timesteps = objective.draw_timesteps(latents.shape[0], generator).to(latents.device)
+        noisy = objective.noisy_input(latents, noise, timesteps)
         try:
             _, loss = predict_and_loss(objective, transformer, noisy, objective.target(latents, noise, timesteps),
                                        timesteps, cond, dtype=dtype, autocast=autocast, weighted=True)
@@ -261,7 +312,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base-storage", choices=("full", "int8", "nf4", "fp8"), default="full",
                         help="the frozen weights' storage (the engine's base_storage)")
     parser.add_argument("--blocks-to-swap", type=int, default=0, help="blocks kept in CPU memory (blocks_to_swap)")
+    parser.add_argument("--bnb-nf4", action="store_true",
+                        help="the base in bitsandbytes' nf4 instead, diffusers' Klein example's 4-bit setting")
     args = parser.parse_args(argv)
+    if args.bnb_nf4 and args.base_storage != "full":
+        raise SystemExit("--bnb-nf4 stores the base with bitsandbytes; leave --base-storage at full with it.")
     resolutions = parse_resolutions(args.resolutions)
 
     import torch
@@ -277,6 +332,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"model written to {write_model(transformer, args.variant, args.tiny, args.write_model)}")
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the text encoder and VAE written beside it are gone
+    if args.bnb_nf4:
+        print(f"bitsandbytes nf4: {store_base_bitsandbytes(transformer, device)} Linear layers (the peer's setting)")
     store_base(transformer, args.base_storage, device)
     transformer, params, optimizer, objective = with_lora(transformer, not args.no_checkpointing)
     swap = swap_blocks(transformer, args.blocks_to_swap, device)
@@ -286,14 +343,17 @@ def main(argv: list[str] | None = None) -> None:
         row = measure(step, device, resolution, args.batch, args.steps, args.max_batch, args.budget_s)
         row["estimate_gib"] = estimate_gib(args.variant, args.tiny, args.batch, resolution, args.base_storage,
                                            args.blocks_to_swap)
-        row.update(base_storage=args.base_storage, blocks_to_swap=args.blocks_to_swap)
+        row.update(base_storage="bitsandbytes nf4" if args.bnb_nf4 else args.base_storage,
+                   blocks_to_swap=args.blocks_to_swap)
+        if args.bnb_nf4:  # our nf4's estimate: the same codes and absmax, a different kernel
+            row["estimate_gib"] = estimate_gib(args.variant, args.tiny, args.batch, resolution, "nf4")
         if swap is not None:
             row["blocks_brought_in"] = sum(swap.brought_in.values())
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     name = "tiny Klein" if args.tiny else f"FLUX.2 Klein {args.variant.upper()} (random weights, shipped config)"
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    memory = f", base {args.base_storage}, {args.blocks_to_swap} blocks swapped"
+    memory = f", base {rows[0]['base_storage']}, {args.blocks_to_swap} blocks swapped"
     print(markdown(rows, f"{name}, bf16, gradient checkpointing {'off' if args.no_checkpointing else 'on'}, LoRA "
                          f"rank {RANK} '{PRESET}', AdamW{memory}, {where}, torch {torch.__version__}"))
     if args.json:

@@ -44,11 +44,6 @@ def _meta_transformer(folder: Path = Z_IMAGE_CONFIGS):
 
 
 @lru_cache(maxsize=None)
-def transformer_parameters(folder: Path = Z_IMAGE_CONFIGS) -> int:
-    return parameter_count(_meta_transformer(folder))
-
-
-@lru_cache(maxsize=None)
 def vae_parameters(folder: Path = Z_IMAGE_CONFIGS) -> int:
     import torch
     from diffusers import AutoencoderKL

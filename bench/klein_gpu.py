@@ -121,24 +121,31 @@ def swap_blocks(transformer, count: int, device):
 
 def with_lora(transformer, checkpointing: bool):
     """(the transformer with LoRA, its trainable parameters, AdamW, the family's objective)."""
-    import torch
     from diffusers import FlowMatchEulerDiscreteScheduler
-    from peft import LoraConfig
 
     from stabletune_core.models.flow_matching import FlowMatching
     from stabletune_core.models.flux2_klein.family import LORA_PRESETS, SHIPPED_CONFIGS, call_transformer, lora_target_modules
 
-    targets = lora_target_modules(transformer, LORA_PRESETS[PRESET])
-    transformer.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian", target_modules=targets))
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()  # adapters train in fp32, as lora/inject.py keeps them
-    if checkpointing:
-        transformer.enable_gradient_checkpointing()
-    transformer.train()
+    params, optimizer = add_lora(transformer, lora_target_modules(transformer, LORA_PRESETS[PRESET]), checkpointing)
     scheduler = FlowMatchEulerDiscreteScheduler.load_config(str(SHIPPED_CONFIGS["4b"]), subfolder="scheduler")
     objective = FlowMatching.from_scheduler(scheduler, call_denoiser=call_transformer)
-    return transformer, params, torch.optim.AdamW(params, lr=1e-4), objective
+    return transformer, params, optimizer, objective
+
+
+def add_lora(model, targets: list[str], checkpointing: bool):
+    """(the trainable parameters, AdamW): LoRA rank 16 on `targets`, in fp32 as lora/inject.py keeps adapters beside
+    a bf16 base, the model in training mode with gradient checkpointing when asked."""
+    import torch
+    from peft import LoraConfig
+
+    model.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian", target_modules=targets))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    model.train()
+    return params, torch.optim.AdamW(params, lr=1e-4)
 
 
 def klein_inputs(transformer, device, dtype):
@@ -296,6 +303,28 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
+def device_for(name: str, tiny: bool):
+    """The torch device a measurement runs on; one sentence where it cannot (no CUDA, the real size on the CPU)."""
+    import torch
+
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible here; run with --device cpu --tiny for a dry run.")
+    if device.type == "cpu" and not tiny:
+        raise SystemExit("The real size on the CPU would take hours per step; add --tiny for a dry run.")
+    return device
+
+
+def report(rows: list[dict], title: str, device, json_path: Path | None) -> None:
+    """The rows as a Markdown table under `title` (the device and torch named), and as JSON at `json_path`."""
+    import torch
+
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(markdown(rows, f"{title}, {where}, torch {torch.__version__}"))
+    if json_path:
+        json_path.write_text(json.dumps(rows, indent=1))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run, with --tiny)")
@@ -321,11 +350,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is visible here; run with --device cpu --tiny for a dry run.")
-    if device.type == "cpu" and not args.tiny:
-        raise SystemExit("The real-size Klein on the CPU would take hours per step; add --tiny for a dry run.")
+    device = device_for(args.device, args.tiny)
     dtype = torch.bfloat16
     transformer = build_transformer(args.variant, args.tiny, device, dtype)
     if args.write_model:  # before the adapters go in: the folder holds the base model
@@ -352,12 +377,9 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     name = "tiny Klein" if args.tiny else f"FLUX.2 Klein {args.variant.upper()} (random weights, shipped config)"
-    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     memory = f", base {rows[0]['base_storage']}, {args.blocks_to_swap} blocks swapped"
-    print(markdown(rows, f"{name}, bf16, gradient checkpointing {'off' if args.no_checkpointing else 'on'}, LoRA "
-                         f"rank {RANK} '{PRESET}', AdamW{memory}, {where}, torch {torch.__version__}"))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    report(rows, f"{name}, bf16, gradient checkpointing {'off' if args.no_checkpointing else 'on'}, LoRA rank {RANK} "
+                 f"'{PRESET}', AdamW{memory}", device, args.json)
 
 
 if __name__ == "__main__":

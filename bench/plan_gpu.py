@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from klein_gpu import RANK, SEED, make_step, markdown, measure, parse_resolutions, store_base  # noqa: E402
+from klein_gpu import (RANK, SEED, add_lora, device_for, make_step, measure, parse_resolutions,  # noqa: E402
+                       report, store_base)
 
 FAMILIES = ("z_image", "sdxl")
 
@@ -69,9 +70,6 @@ def build_denoiser(family: str, tiny: bool, device, dtype):
 
 def with_lora(family: str, model, checkpointing: bool):
     """(the denoiser with LoRA on the family's attention targets, its trainable parameters, AdamW, the objective)."""
-    import torch
-    from peft import LoraConfig
-
     if family == "z_image":
         from stabletune_core.models.flow_matching import FlowMatching
         from stabletune_core.models.z_image.family import call_transformer
@@ -87,14 +85,8 @@ def with_lora(family: str, model, checkpointing: bool):
 
         objective = DDPMObjective(DDPMScheduler.from_pretrained(str(SDXL_CONFIGS), subfolder="scheduler",
                                                                 local_files_only=True))
-    model.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian", target_modules=list(targets)))
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()  # adapters train in fp32, as lora/inject.py keeps them
-    if checkpointing:
-        model.enable_gradient_checkpointing()
-    model.train()
-    return model, params, torch.optim.AdamW(params, lr=1e-4), objective
+    params, optimizer = add_lora(model, list(targets), checkpointing)
+    return model, params, optimizer, objective
 
 
 def family_inputs(family: str, model, device, dtype):
@@ -162,11 +154,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is visible here; run with --device cpu --tiny for a dry run.")
-    if device.type == "cpu" and not args.tiny:
-        raise SystemExit("The real size on the CPU would take hours per step; add --tiny for a dry run.")
+    device = device_for(args.device, args.tiny)
     if sentence:
         print(sentence)
     dtype = torch.bfloat16
@@ -185,11 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     name = {"z_image": "Z-Image", "sdxl": "SDXL"}[args.family]
     name = f"tiny {name}" if args.tiny else f"{name} (random weights, shipped config)"
     plan = f", the {args.plan_gb:g} GB plan" if args.plan_gb else ""
-    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(markdown(rows, f"{name}, bf16, gradient checkpointing, LoRA rank {RANK} attention, AdamW, base {storage}"
-                         f"{plan}, {where}, torch {torch.__version__}"))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    report(rows, f"{name}, bf16, gradient checkpointing, LoRA rank {RANK} attention, AdamW, base {storage}{plan}",
+           device, args.json)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from flux2_tools import one_sentence
 from stabletune_core.config import ConfigError, build_config, read_toml
 from stabletune_core.models.memory import GIB, QWEN3_4B_CONFIG
 from stabletune_core.models.memory_plan import plan_memory
-from stabletune_core.models.quantize import NF4_BLOCK, quantise_linear_layers, storage_bytes, stored_bytes
+from stabletune_core.models.quantize import NF4_BLOCK
 from stabletune_core.models.z_image.memory import (Z_IMAGE_CONFIGS, estimate_z_image_training_memory,
                                                    stored_text_encoder, stored_transformer, vae_parameters)
 from test_z_image import folders  # noqa: F401 (the module-scoped tiny model)
@@ -79,22 +79,6 @@ def test_weight_bytes_per_storage_are_exact_on_the_meta_device(storage, expected
 
     assert stored_text_encoder(storage) == klein_text_encoder("4b", storage)
     assert not (Z_IMAGE_CONFIGS / "text_encoder").exists() and QWEN3_4B_CONFIG.parent.name == "flux2-klein-4b"
-
-
-@pytest.mark.parametrize("storage", ["full", "int8", "nf4"])
-def test_the_bytes_from_shapes_are_what_quantising_a_z_image_stores(storage):
-    """The same count on a real (tiny) Z-Image transformer: quantise_linear_layers + a bf16 cast store exactly it."""
-    from diffusers import ZImageTransformer2DModel
-
-    from stabletune_core.models.z_image.tiny import TRANSFORMER_CONFIG
-
-    torch.manual_seed(0)
-    model = ZImageTransformer2DModel(**TRANSFORMER_CONFIG)
-    expected = storage_bytes(model, storage, 2)
-    if storage != "full":
-        quantise_linear_layers(model, storage)
-    torch.nn.Module.to(model, torch.bfloat16)
-    assert stored_bytes(model) == expected
 
 
 def test_activations_follow_the_tokens_each_block_runs_on():
@@ -184,3 +168,15 @@ def test_the_model_tab_shows_the_plan_for_z_image(folders):  # noqa: F811
     assert "base_storage full " in answer["costs"] and "blocks_to_swap" not in answer["costs"]
     assert answer["gib"] == round(answer["gib"], 2) and answer["gib"] > 12  # the settings as they stand: bf16
     assert names_planned_family({"pretrained_model_name_or_path": str(folders["base"])})  # auto: detected
+
+
+def test_the_bench_tables_are_the_memory_models_numbers():
+    """bench/z_image_memory.py prints bench/RESULTS.md's Z-Image tables from the model itself."""
+    from bench_scripts import load_bench
+
+    bench = load_bench("z_image_memory")
+    assert "| Z-Image transformer | 12,309,817,472 (11.46 GiB) | 6,163,368,320 (5.74 GiB) |" in bench.bytes_table()[2]
+    table = "\n".join(bench.plan_table())
+    assert "| 1024 | int8 | on | yes | 5.90 | 2.12 | 9.5 | 5.3 | no / yes / yes / yes |" in table
+    results = (ROOT / "bench" / "RESULTS.md").read_text()
+    assert bench.bytes_table()[2] in results and all(row in results for row in bench.plan_table()[2:])

@@ -127,7 +127,7 @@ def estimate(config, family: str, model: Path):
 def tensors_only(guess) -> int:
     """The estimate less what has no CPU counterpart (the CUDA context, the allowance for fragmentation): the
     larger of the step's weights + LoRA + activations and the caching's bytes."""
-    from stabletune_core.models.flux2_klein.memory import CONTEXT_BYTES, FRAGMENTATION
+    from stabletune_core.models.memory import CONTEXT_BYTES, FRAGMENTATION
 
     caching = round((guess.setup - CONTEXT_BYTES) / (1 + FRAGMENTATION)) if guess.setup else 0
     return max(guess.weights + guess.lora + guess.activations, caching)

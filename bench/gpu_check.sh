@@ -1,32 +1,82 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one go (under 15 minutes on one GPU, 19 with the Klein peer), with a results
-# table written to bench/RESULTS.md (between the gpu_check markers; the rest of the file is left alone).
+# The checks that need a CUDA GPU, in sections, with a results table written to bench/RESULTS.md (between the
+# gpu_check markers; the rest of the file is left alone). A lent GPU comes with 14 minutes of device time in all, so
+# the default sections' limits add up to 12.5 minutes; the others run on a second lease, named with --sections.
 #
-#   bash bench/gpu_check.sh
+#   bash bench/gpu_check.sh                                   # the default sections (<= 750 s)
+#   bash bench/gpu_check.sh --sections z_image_12gb,sdxl_6gb  # only these
+#   bash bench/gpu_check.sh --sections rest                   # the sections the default leaves out (<= 400 s)
+#   bash bench/gpu_check.sh --list                            # every section, its limit, whether default
 #
-# What runs, each under its own time limit (the limits add up to 14 minutes; 18 with the Klein peer):
-#   1. the tests that skip without CUDA: sampling leaves no VRAM behind, the real fp16 overflow -> bf16/fp32
-#      fallback, preflight's largest micro-batch, cached-away modules off the GPU (pytest)   <= 170 s
-#   2. bench/compare_peer.py --gpu: it/s, peak VRAM and largest batch at 512 px, fp32 vs mixed + GC  <= 170 s
-#   3. bench/cache_memory.py: peak VRAM and time to step 1 with caches, before/after item 7          <= 110 s
-#   4. bench/klein_gpu.py: the real FLUX.2 Klein 4B transformer (random weights from the shipped config), bf16 +
-#      gradient checkpointing, LoRA rank 16, at 512 and 1024 px: it/s, peak VRAM, largest batch (doubling up
-#      to 16), beside the memory model's estimate                        <= 120 s (180 s with step 5)
-#   4b. bench/klein_gpu.py on the real 9B with the memory plans of issue 36 (int8 + 10 blocks swapped at 512 and
-#      1024 px, nf4 + 16 swapped at 1024 px): it/s and peak VRAM beside the estimate               <= 270 s
-#   5. only when KLEIN_PEER_SCRIPT names diffusers' train_dreambooth_lora_flux2_klein.py (and
-#      KLEIN_PEER_PYTHONPATH, if given, a folder with its `datasets`): step 4 also writes the random 4B as a
-#      diffusers folder, and bench/klein_peer.py runs StableTune and the example on it at 512 px, batch 1,
-#      bf16 + GC, rank 16: first step, s/step, peak CUDA memory, ratios                          <= 240 s
+# The sections, each under its own time limit (seconds):
+#   tests                 150  default  the tests that skip without CUDA: sampling leaves no VRAM behind, the real
+#                                       fp16 overflow -> bf16/fp32 fallback, preflight's largest micro-batch,
+#                                       cached-away modules off the GPU (pytest)
+#   klein_4b              100  default  bench/klein_gpu.py: the real FLUX.2 Klein 4B transformer (random weights from
+#                                       the shipped config), bf16 + GC, LoRA rank 16, at 512 and 1024 px: it/s, peak
+#                                       VRAM, largest batch, beside the memory model's estimate (the 12 GB preset)
+#   klein_4b_int8          60  default  the 4B's 8 GB plan (int8; issue 36.5) at 512 and 1024 px beside its estimate
+#   klein_9b_int8_swap10  130  default  the 9B's 12 GB plan (int8 + 10 blocks swapped) at 512 and 1024 px
+#   klein_4b_bnb_nf4       60  default  the 4B with diffusers' example's 4-bit base (bitsandbytes nf4): it/s and
+#                                       peak beside our nf4 (klein_4b_nf4); skipped in one line without bitsandbytes
+#   sdxl_6gb               70  default  bench/plan_gpu.py: the real SDXL UNet in its 6 GB plan (issue 36.5)
+#   z_image_12gb           90  default  bench/plan_gpu.py: the real Z-Image transformer (6.15 B) in its 12 GB plan
+#                                       (int8) at 512 and 1024 px beside the estimate (issue 39.6)
+#   z_image_16gb           80  default  the same in its 16 GB plan (bf16)
+#   klein_4b_nf4           50  rest     the 4B with our nf4 base, the row beside bitsandbytes' (same settings)
+#   klein_9b_nf4_swap16   120  rest     the 9B's 8 GB plan (nf4 + 16 blocks swapped) at 1024 px
+#   compare_peer          130  rest     bench/compare_peer.py --gpu: it/s, peak VRAM, largest batch at 512 px (SD 1.5)
+#   cache_memory          100  rest     bench/cache_memory.py: peak VRAM and time to step 1 with caches
+#   klein_peer            240  only when KLEIN_PEER_SCRIPT names diffusers' train_dreambooth_lora_flux2_klein.py
+#                                       (and KLEIN_PEER_PYTHONPATH, if given, a folder with its `datasets`) and the
+#                                       section is named: klein_4b also writes the random 4B as a diffusers folder,
+#                                       and bench/klein_peer.py runs StableTune and the example on it at 512 px,
+#                                       batch 1, bf16 + GC, rank 16: first step, s/step, peak CUDA memory, ratios
 #
 # Which Python: $PYTHON if set, else .venv/bin/python when it exists, else python3. It needs the packages of
 # requirements.txt (a CUDA build of torch) and pytest; nothing is installed by this script. To use a fresh
 # environment instead: python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -r requirements.txt pytest,
 # then PYTHON=.venv-gpu/bin/python bash bench/gpu_check.sh.
 #
-# On a machine without CUDA it prints one line and exits 0. Exit status: 0 when every check passed.
+# On a machine without CUDA it prints one line and exits 0 (after checking the section names). Exit status: 0 when
+# every check that ran passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+# name limit group (default / rest / peer)
+SECTIONS="tests 150 default
+klein_4b 100 default
+klein_4b_int8 60 default
+klein_9b_int8_swap10 130 default
+klein_4b_bnb_nf4 60 default
+sdxl_6gb 70 default
+z_image_12gb 90 default
+z_image_16gb 80 default
+klein_4b_nf4 50 rest
+klein_9b_nf4_swap16 120 rest
+compare_peer 130 rest
+cache_memory 100 rest
+klein_peer 240 peer"
+
+WANTED=$(awk '$3 == "default" {print $1}' <<< "$SECTIONS")
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --list) echo "$SECTIONS" | column -t; exit 0 ;;
+    --sections) WANTED=$(tr ',' '\n' <<< "${2:-}"); shift 2 ;;
+    --sections=*) WANTED=$(tr ',' '\n' <<< "${1#--sections=}"); shift ;;
+    *) echo "gpu_check: unknown argument '$1'; use --sections a,b (see --list)." >&2; exit 2 ;;
+  esac
+done
+if [[ "$WANTED" == "rest" ]]; then WANTED=$(awk '$3 == "rest" {print $1}' <<< "$SECTIONS"); fi
+if [[ "$WANTED" == "all" ]]; then WANTED=$(awk '$3 != "peer" {print $1}' <<< "$SECTIONS"); fi
+for name in $WANTED; do
+  if ! awk -v n="$name" '$1 == n {found=1} END {exit !found}' <<< "$SECTIONS"; then
+    echo "gpu_check: there is no section '$name'; the sections are: $(awk '{print $1}' <<< "$SECTIONS" | paste -sd, -)." >&2
+    exit 2
+  fi
+done
+wanted() { grep -qx "$1" <<< "$WANTED"; }
+limit() { awk -v n="$1" '$1 == n {print $2}' <<< "$SECTIONS"; }
 
 if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
 elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
@@ -65,22 +115,45 @@ check() {  # check NAME SECONDS COMMAND...: run it under a time limit, keep its 
   tail -n 15 "$OUT/$name.log"
 }
 
-check tests 170 "$PY" -m pytest -q -rA -p no:cacheprovider --junitxml="$OUT/tests.xml" "${GPU_TESTS[@]}"
-check compare_peer 170 "$PY" bench/compare_peer.py --gpu --max_batch 128
-check cache_memory 110 "$PY" bench/cache_memory.py
-KLEIN_MODEL=() KLEIN_LIMIT=120
-if [[ -n "${KLEIN_PEER_SCRIPT:-}" ]]; then  # writing the random 4B (about 16 GB) takes a minute more
-  KLEIN_MODEL=(--write-model "$OUT/klein-4b") KLEIN_LIMIT=180
+wanted tests && check tests "$(limit tests)" "$PY" -m pytest -q -rA -p no:cacheprovider \
+  --junitxml="$OUT/tests.xml" "${GPU_TESTS[@]}"
+KLEIN_MODEL=() KLEIN_LIMIT=$(limit klein_4b)
+if [[ -n "${KLEIN_PEER_SCRIPT:-}" ]] && wanted klein_peer; then  # writing the random 4B (16 GB): a minute more
+  KLEIN_MODEL=(--write-model "$OUT/klein-4b") KLEIN_LIMIT=$((KLEIN_LIMIT + 60))
 fi
-check klein_4b "$KLEIN_LIMIT" "$PY" bench/klein_gpu.py --device cuda --resolutions 512,1024 --steps 5 --max-batch 16 \
-  --budget-s 30 ${KLEIN_MODEL[@]+"${KLEIN_MODEL[@]}"}
-# issue 36: the memory plans of the 12 GB and 8 GB targets on the real 9B, measured beside their estimate
-check klein_9b_int8_swap10 150 "$PY" bench/klein_gpu.py --device cuda --variant 9b --base-storage int8 \
-  --blocks-to-swap 10 --resolutions 512,1024 --steps 3 --max-batch 1 --budget-s 10
-check klein_9b_nf4_swap16 120 "$PY" bench/klein_gpu.py --device cuda --variant 9b --base-storage nf4 \
-  --blocks-to-swap 16 --resolutions 1024 --steps 3 --max-batch 1 --budget-s 10
-if [[ -n "${KLEIN_PEER_SCRIPT:-}" ]]; then
-  check klein_peer 240 "$PY" bench/klein_peer.py --peer-script "$KLEIN_PEER_SCRIPT" \
+wanted klein_4b && check klein_4b "$KLEIN_LIMIT" "$PY" bench/klein_gpu.py --device cuda --resolutions 512,1024 \
+  --steps 5 --max-batch 16 --budget-s 20 ${KLEIN_MODEL[@]+"${KLEIN_MODEL[@]}"}
+# issue 36: the memory plans of the 8 GB (4B), 12 GB and 8 GB (9B) targets, measured beside their estimate
+wanted klein_4b_int8 && check klein_4b_int8 "$(limit klein_4b_int8)" "$PY" bench/klein_gpu.py --device cuda \
+  --variant 4b --base-storage int8 --resolutions 512,1024 --steps 3 --max-batch 1 --budget-s 5
+wanted klein_9b_int8_swap10 && check klein_9b_int8_swap10 "$(limit klein_9b_int8_swap10)" "$PY" \
+  bench/klein_gpu.py --device cuda --variant 9b --base-storage int8 --blocks-to-swap 10 --resolutions 512,1024 \
+  --steps 3 --max-batch 1 --budget-s 5
+# diffusers' example at its 4-bit setting (bitsandbytes nf4), beside our nf4 on the same 4B, 1024 px
+if wanted klein_4b_bnb_nf4; then
+  if "$PY" -c 'import bitsandbytes' >/dev/null 2>&1; then
+    check klein_4b_bnb_nf4 "$(limit klein_4b_bnb_nf4)" "$PY" bench/klein_gpu.py --device cuda --variant 4b \
+      --bnb-nf4 --resolutions 1024 --steps 5 --max-batch 1 --budget-s 5
+  else
+    echo "gpu_check: klein_4b_bnb_nf4 skipped: bitsandbytes is not installed for $PY (pip install bitsandbytes)."
+  fi
+fi
+wanted klein_4b_nf4 && check klein_4b_nf4 "$(limit klein_4b_nf4)" "$PY" bench/klein_gpu.py --device cuda \
+  --variant 4b --base-storage nf4 --resolutions 1024 --steps 5 --max-batch 1 --budget-s 5
+wanted klein_9b_nf4_swap16 && check klein_9b_nf4_swap16 "$(limit klein_9b_nf4_swap16)" "$PY" bench/klein_gpu.py \
+  --device cuda --variant 9b --base-storage nf4 --blocks-to-swap 16 --resolutions 1024 --steps 3 --max-batch 1 \
+  --budget-s 5
+# issue 36.5 and 39.6: SDXL's 6 GB plan and Z-Image's 12 and 16 GB plans on the real sizes, beside their estimate
+wanted sdxl_6gb && check sdxl_6gb "$(limit sdxl_6gb)" "$PY" bench/plan_gpu.py --family sdxl --plan-gb 6 \
+  --resolutions 512,1024 --steps 3
+wanted z_image_12gb && check z_image_12gb "$(limit z_image_12gb)" "$PY" bench/plan_gpu.py --family z_image \
+  --plan-gb 12 --resolutions 512,1024 --steps 3
+wanted z_image_16gb && check z_image_16gb "$(limit z_image_16gb)" "$PY" bench/plan_gpu.py --family z_image \
+  --plan-gb 16 --resolutions 512,1024 --steps 3
+wanted compare_peer && check compare_peer "$(limit compare_peer)" "$PY" bench/compare_peer.py --gpu --max_batch 128
+wanted cache_memory && check cache_memory "$(limit cache_memory)" "$PY" bench/cache_memory.py
+if [[ -n "${KLEIN_PEER_SCRIPT:-}" ]] && wanted klein_peer; then
+  check klein_peer "$(limit klein_peer)" "$PY" bench/klein_peer.py --peer-script "$KLEIN_PEER_SCRIPT" \
     ${KLEIN_PEER_PYTHONPATH:+--peer-pythonpath "$KLEIN_PEER_PYTHONPATH"} --model "$OUT/klein-4b" --rows same,peer \
     --resolution 512 --batch 1 --rank 16 --precision bf16 --gradient-checkpointing --steps 15 --rounds 1 \
     --threads 8 --out "$OUT/klein-peer"
@@ -124,8 +197,12 @@ section = "\n".join([
     "### compare_peer.py --gpu", "```", table_of("compare_peer"), "```", "",
     "### cache_memory.py", "```", table_of("cache_memory"), "```", "",
     "### klein_gpu.py (FLUX.2 Klein 4B)", "```", table_of("klein_4b"), "```", "",
-    "### klein_gpu.py, the memory plans (FLUX.2 Klein 9B: int8 + 10 blocks swapped, nf4 + 16; issue 36)", "```",
-    table_of("klein_9b_int8_swap10"), table_of("klein_9b_nf4_swap16"), "```",
+    "### klein_gpu.py, the memory plans (FLUX.2 Klein 4B int8; 9B int8 + 10 blocks swapped, nf4 + 16; issue 36)",
+    "```", table_of("klein_4b_int8"), table_of("klein_9b_int8_swap10"), table_of("klein_9b_nf4_swap16"), "```", "",
+    "### klein_gpu.py, the 4B's 4-bit base: bitsandbytes nf4 (diffusers' example) beside ours", "```",
+    table_of("klein_4b_bnb_nf4"), table_of("klein_4b_nf4"), "```", "",
+    "### plan_gpu.py, the memory plans (SDXL 6 GB; Z-Image 12 and 16 GB; issues 36.5, 39.6)", "```",
+    table_of("sdxl_6gb"), table_of("z_image_12gb"), table_of("z_image_16gb"), "```",
     *(["", "### klein_peer.py (StableTune vs diffusers' Klein example on the random 4B)", "```",
        table_of("klein_peer"), "```"] if (out / "klein_peer.log").exists() else []),
     "<!-- gpu_check:end -->", ""])

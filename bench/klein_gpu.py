@@ -79,6 +79,37 @@ def store_base(transformer, base_storage: str, device) -> None:
             torch.cuda.empty_cache()  # the full-size weights the codes replaced
 
 
+def store_base_bitsandbytes(transformer, device) -> int:
+    """diffusers' Klein example at its 4-bit setting (train_dreambooth_lora_flux2_klein.py with a bitsandbytes
+    BitsAndBytesConfig load_in_4bit, nf4, bf16 compute): every Linear layer of the transformer becomes bitsandbytes'
+    Linear4bit, quantised as it reaches the GPU, the LoRA on top through peft's bitsandbytes layers. The number of
+    layers replaced. Refused in one sentence where bitsandbytes is missing or there is no CUDA device (it quantises
+    on the GPU)."""
+    import torch
+
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise SystemExit("--bnb-nf4 needs bitsandbytes, which is not installed for this Python; pip install "
+                         "bitsandbytes, or leave --bnb-nf4 out.")
+    if device.type != "cuda":
+        raise SystemExit("--bnb-nf4 quantises on the GPU (bitsandbytes' Params4bit); run it with --device cuda.")
+    replaced = 0
+    for parent in list(transformer.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            layer = bnb.nn.Linear4bit(child.in_features, child.out_features, child.bias is not None,
+                                      compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+            layer.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4").to(device)
+            if child.bias is not None:
+                layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, layer.requires_grad_(False))
+            replaced += 1
+    torch.cuda.empty_cache()  # the bf16 weights the codes replaced
+    return replaced
+
+
 def swap_blocks(transformer, count: int, device):
     """The last `count` blocks kept in CPU memory (models/block_swap.py), after the adapters (they stay on the
     device); None when `count` is 0."""
@@ -90,48 +121,75 @@ def swap_blocks(transformer, count: int, device):
 
 def with_lora(transformer, checkpointing: bool):
     """(the transformer with LoRA, its trainable parameters, AdamW, the family's objective)."""
-    import torch
     from diffusers import FlowMatchEulerDiscreteScheduler
-    from peft import LoraConfig
 
     from stabletune_core.models.flow_matching import FlowMatching
     from stabletune_core.models.flux2_klein.family import LORA_PRESETS, SHIPPED_CONFIGS, call_transformer, lora_target_modules
 
-    targets = lora_target_modules(transformer, LORA_PRESETS[PRESET])
-    transformer.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian", target_modules=targets))
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()  # adapters train in fp32, as lora/inject.py keeps them
-    if checkpointing:
-        transformer.enable_gradient_checkpointing()
-    transformer.train()
+    params, optimizer = add_lora(transformer, lora_target_modules(transformer, LORA_PRESETS[PRESET]), checkpointing)
     scheduler = FlowMatchEulerDiscreteScheduler.load_config(str(SHIPPED_CONFIGS["4b"]), subfolder="scheduler")
     objective = FlowMatching.from_scheduler(scheduler, call_denoiser=call_transformer)
-    return transformer, params, torch.optim.AdamW(params, lr=1e-4), objective
+    return transformer, params, optimizer, objective
 
 
-def make_step(transformer, params, optimizer, objective, device, dtype):
-    """One training step at (batch, resolution) on random latents and text embeddings of the real shapes."""
+def add_lora(model, targets: list[str], checkpointing: bool):
+    """(the trainable parameters, AdamW): LoRA rank 16 on `targets`, in fp32 as lora/inject.py keeps adapters beside
+    a bf16 base, the model in training mode with gradient checkpointing when asked."""
+    import torch
+    from peft import LoraConfig
+
+    model.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian", target_modules=targets))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    model.train()
+    return params, torch.optim.AdamW(params, lr=1e-4)
+
+
+def klein_inputs(transformer, device, dtype):
+    """(batch, resolution, generator) -> (latents, conditioning): random tensors of the real shapes, as a Klein run
+    with cached latents and text embeddings hands the step."""
     import torch
     from diffusers import Flux2KleinPipeline
 
     from stabletune_core.models.base import Conditioning
     from stabletune_core.models.flux2_klein.family import MAX_SEQUENCE_LENGTH
-    from stabletune_core.train.forward import predict_and_loss
 
     config = transformer.config
     latent_channels = config.in_channels  # the family's latents are already patchified (2 x 2 into channels)
-    generator = torch.Generator().manual_seed(SEED)
-    autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # noqa: E731
 
-    def step(batch: int, resolution: int) -> float:
+    def inputs(batch: int, resolution: int, generator):
         side = resolution // 16  # the VAE's 8 x the 2 x 2 patchify (models/flux2_klein/family.py latent_downscale)
         latents = torch.randn(batch, latent_channels, side, side, generator=generator).to(device, dtype)
         embeds = torch.randn(batch, MAX_SEQUENCE_LENGTH, config.joint_attention_dim, generator=generator
                              ).to(device, dtype)
-        cond = Conditioning(encoder_hidden_states=embeds,
-                            added_cond_kwargs={"txt_ids": Flux2KleinPipeline._prepare_text_ids(embeds).to(device)})
-        noisy, noise, timesteps = objective.add_noise(latents, generator)
+        return latents, Conditioning(encoder_hidden_states=embeds, added_cond_kwargs={
+            "txt_ids": Flux2KleinPipeline._prepare_text_ids(embeds).to(device)})
+
+    return inputs
+
+
+def make_step(transformer, params, optimizer, objective, device, dtype, inputs=None):
+    """One training step at (batch, resolution) on random latents and text embeddings of the real shapes; `inputs`
+    makes them ((batch, resolution, generator) -> (latents, conditioning)), Klein's by default (bench/plan_gpu.py
+    hands Z-Image's and SDXL's)."""
+    import torch
+
+    from stabletune_core.train.forward import predict_and_loss
+
+    inputs = inputs or klein_inputs(transformer, device, dtype)
+    generator = torch.Generator().manual_seed(SEED)
+    autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # noqa: E731
+
+    def step(batch: int, resolution: int) -> float:
+        latents, cond = inputs(batch, resolution, generator)
+        # noise first, then timesteps, as FlowMatching.add_noise draws them; the Objective protocol's two calls, so a
+        # DDPM objective steps the same way
+        noise = torch.randn(latents.shape, generator=generator).to(latents.device, latents.dtype)
+        timesteps = objective.draw_timesteps(latents.shape[0], generator).to(latents.device)
+        noisy = objective.noisy_input(latents, noise, timesteps)
         try:
             _, loss = predict_and_loss(objective, transformer, noisy, objective.target(latents, noise, timesteps),
                                        timesteps, cond, dtype=dtype, autocast=autocast, weighted=True)
@@ -245,6 +303,28 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
+def device_for(name: str, tiny: bool):
+    """The torch device a measurement runs on; one sentence where it cannot (no CUDA, the real size on the CPU)."""
+    import torch
+
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible here; run with --device cpu --tiny for a dry run.")
+    if device.type == "cpu" and not tiny:
+        raise SystemExit("The real size on the CPU would take hours per step; add --tiny for a dry run.")
+    return device
+
+
+def report(rows: list[dict], title: str, device, json_path: Path | None) -> None:
+    """The rows as a Markdown table under `title` (the device and torch named), and as JSON at `json_path`."""
+    import torch
+
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(markdown(rows, f"{title}, {where}, torch {torch.__version__}"))
+    if json_path:
+        json_path.write_text(json.dumps(rows, indent=1))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run, with --tiny)")
@@ -261,22 +341,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base-storage", choices=("full", "int8", "nf4", "fp8"), default="full",
                         help="the frozen weights' storage (the engine's base_storage)")
     parser.add_argument("--blocks-to-swap", type=int, default=0, help="blocks kept in CPU memory (blocks_to_swap)")
+    parser.add_argument("--bnb-nf4", action="store_true",
+                        help="the base in bitsandbytes' nf4 instead, diffusers' Klein example's 4-bit setting")
     args = parser.parse_args(argv)
+    if args.bnb_nf4 and args.base_storage != "full":
+        raise SystemExit("--bnb-nf4 stores the base with bitsandbytes; leave --base-storage at full with it.")
     resolutions = parse_resolutions(args.resolutions)
 
     import torch
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is visible here; run with --device cpu --tiny for a dry run.")
-    if device.type == "cpu" and not args.tiny:
-        raise SystemExit("The real-size Klein on the CPU would take hours per step; add --tiny for a dry run.")
+    device = device_for(args.device, args.tiny)
     dtype = torch.bfloat16
     transformer = build_transformer(args.variant, args.tiny, device, dtype)
     if args.write_model:  # before the adapters go in: the folder holds the base model
         print(f"model written to {write_model(transformer, args.variant, args.tiny, args.write_model)}")
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the text encoder and VAE written beside it are gone
+    if args.bnb_nf4:
+        print(f"bitsandbytes nf4: {store_base_bitsandbytes(transformer, device)} Linear layers (the peer's setting)")
     store_base(transformer, args.base_storage, device)
     transformer, params, optimizer, objective = with_lora(transformer, not args.no_checkpointing)
     swap = swap_blocks(transformer, args.blocks_to_swap, device)
@@ -286,18 +368,18 @@ def main(argv: list[str] | None = None) -> None:
         row = measure(step, device, resolution, args.batch, args.steps, args.max_batch, args.budget_s)
         row["estimate_gib"] = estimate_gib(args.variant, args.tiny, args.batch, resolution, args.base_storage,
                                            args.blocks_to_swap)
-        row.update(base_storage=args.base_storage, blocks_to_swap=args.blocks_to_swap)
+        row.update(base_storage="bitsandbytes nf4" if args.bnb_nf4 else args.base_storage,
+                   blocks_to_swap=args.blocks_to_swap)
+        if args.bnb_nf4:  # our nf4's estimate: the same codes and absmax, a different kernel
+            row["estimate_gib"] = estimate_gib(args.variant, args.tiny, args.batch, resolution, "nf4")
         if swap is not None:
             row["blocks_brought_in"] = sum(swap.brought_in.values())
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     name = "tiny Klein" if args.tiny else f"FLUX.2 Klein {args.variant.upper()} (random weights, shipped config)"
-    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    memory = f", base {args.base_storage}, {args.blocks_to_swap} blocks swapped"
-    print(markdown(rows, f"{name}, bf16, gradient checkpointing {'off' if args.no_checkpointing else 'on'}, LoRA "
-                         f"rank {RANK} '{PRESET}', AdamW{memory}, {where}, torch {torch.__version__}"))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    memory = f", base {rows[0]['base_storage']}, {args.blocks_to_swap} blocks swapped"
+    report(rows, f"{name}, bf16, gradient checkpointing {'off' if args.no_checkpointing else 'on'}, LoRA rank {RANK} "
+                 f"'{PRESET}', AdamW{memory}", device, args.json)
 
 
 if __name__ == "__main__":

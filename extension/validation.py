@@ -124,11 +124,12 @@ def transformer_family(values: dict[str, Any]) -> str | None:
 
 def names_planned_family(values: dict[str, Any]) -> bool:
     """The form trains a family the memory plan covers (family_files.PLANNED_FAMILIES): the family says so, or (auto)
-    the model is a Klein or an SDXL by the engine's file rules (standard library only)."""
+    the model is a Klein, a Z-Image or an SDXL by the engine's file rules (standard library only)."""
     family = values.get("model_family") or "auto"
     if family != "auto":
         return family in PLANNED_FAMILIES
-    return names_klein(values) or files_name_sdxl(str(values.get("pretrained_model_name_or_path") or ""))
+    return (transformer_family(values) in PLANNED_FAMILIES
+            or files_name_sdxl(str(values.get("pretrained_model_name_or_path") or "")))
 
 
 def memory_answer(values: dict[str, Any], engine_python: str) -> dict[str, Any]:

@@ -33,7 +33,7 @@ SDXL = "sdxl"
 SDXL_PIPELINE_PREFIX = "StableDiffusionXL"
 SDXL_SECOND_TEXT_ENCODER_PREFIX = "conditioner.embedders.1."
 #: The families the engine's memory plan covers (models/memory_plan.py FAMILY_MEMORY_MODELS; a test keeps them equal).
-PLANNED_FAMILIES = (KLEIN, SDXL)
+PLANNED_FAMILIES = (KLEIN, SDXL, Z_IMAGE)
 #: What a Z-Image diffusers folder's model_index.json `_class_name` is.
 Z_IMAGE_PIPELINE = "ZImagePipeline"
 #: Keys only a Z-Image transformer has: Lumina2's caption embedder with Z-Image's modulation (ComfyUI's

@@ -70,7 +70,7 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     """Values (JSON on stdin, the UI's form: every knob) -> the memory plan the run would make, in the sentence it
     prints ({"plan"}: for vram_gb, or without it for this machine's GPU as measured now; None on a CPU), the estimate
     of the settings as they stand ({"memory", "gib"}) and what each memory choice needs ({"costs"}); all None for a
-    family without a memory model (SD 1.x / 2.x, Z-Image) or a Klein whose size cannot be read."""
+    family without a memory model (SD 1.x / 2.x) or a Klein whose size cannot be read."""
     from .config import build_config
     from .family_files import is_flux2_klein
     from .models.loading import family_name
@@ -86,7 +86,8 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     nothing = {"memory": None, "gib": None, "plan": None, "costs": None}
     if family not in FAMILY_MEMORY_MODELS:
         return nothing
-    from .models.flux2_klein.memory import GIB, UnknownSize, config_memory_sentence
+    from .models.flux2_klein.memory import UnknownSize, config_memory_sentence
+    from .models.memory import GIB
 
     if is_flux2_klein(family):
         try:  # no number for a Klein of unknown size (the run plans it as a 4B and says so)

@@ -963,4 +963,5 @@ def test_resolve_folds_in_the_family_defaults_and_touches_nothing(tmp_path, monk
     sd = resolve_run(config, get_family("sd1"), measured=None, random_seed=7)
     assert list(sd.config.unet_lora_targets) == list(SD_LORA_TARGETS) and sd.config.seed == 7
     assert list(tmp_path.iterdir()) == []
-    assert get_family("flux2_klein").plans_memory and not get_family("z_image").plans_memory
+    assert get_family("flux2_klein").plans_memory and get_family("z_image").plans_memory
+    assert not get_family("sd1").plans_memory

@@ -7,6 +7,8 @@
   (`== "flux2_klein"`, `in ("sd1", ...)`): callers ask the family's declared face (models/base.py ModelFamily) or,
   without torch, stabletune_core/family_files.py. Nobody probes a family with getattr(..., default).
 - ModelBundle's denoiser has one name: `.unet` is gone.
+- No family folder imports another family's folder: what two families share lives in models/ (the memory model's
+  parts in models/memory.py, what a user pointed at in models/sources.py, the Qwen3 text path in qwen3_text.py).
 """
 from __future__ import annotations
 
@@ -30,11 +32,11 @@ NOT_YET: list[str] = []
 FOLDERS = {
     "sd": {"sd1.py", "sd2.py", "sdxl.py", "single_file.py", "sdxl_memory.py", "tiny.py", "configs"},
     "flux2_klein": {"family.py", "single_file.py", "lora.py", "memory.py", "tiny.py", "configs"},
-    "z_image": {"family.py", "single_file.py", "adapter.py", "tiny.py"},
+    "z_image": {"family.py", "single_file.py", "adapter.py", "memory.py", "tiny.py", "configs"},
 }
 #: What models/ shares among the families (the face, the objectives, the text path, memory and loading helpers).
 SHARED = {"__init__.py", "base.py", "ddpm.py", "flow_matching.py", "qwen3_text.py", "block_swap.py", "quantize.py",
-          "memory_plan.py", "loading.py", "tokenizer.py", "ldm_vae.py"}
+          "memory.py", "memory_plan.py", "loading.py", "sources.py", "tokenizer.py", "ldm_vae.py"}
 
 
 def sources(skip: tuple[str, ...]) -> dict[str, ast.AST]:
@@ -124,6 +126,9 @@ def test_nobody_probes_a_family_with_getattr_outside_its_folder():
     assert not found, found
 
 
+FAMILY_HOMES = {"sd1": "sd", "sd2": "sd", "sdxl": "sd", "flux2_klein": "flux2_klein", "z_image": "z_image"}
+
+
 def test_each_family_folder_holds_every_piece_of_its_family():
     from stabletune_core.models import FAMILIES, get_family
 
@@ -132,7 +137,7 @@ def test_each_family_folder_holds_every_piece_of_its_family():
         assert pieces | {"__init__.py"} <= held, (folder, sorted(pieces - held))
     homes = {name: Path(inspect.getsourcefile(type(get_family(name)))).parent.relative_to(MODELS).as_posix()
              for name in FAMILIES}
-    assert homes == {"sd1": "sd", "sd2": "sd", "sdxl": "sd", "flux2_klein": "flux2_klein", "z_image": "z_image"}
+    assert homes == FAMILY_HOMES
     flat = {p.name for p in MODELS.iterdir() if p.is_file()}
     assert flat == SHARED, sorted(flat ^ SHARED)  # nothing of one family left beside the shared pieces
     assert {p.name for p in MODELS.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(FOLDERS)
@@ -165,14 +170,10 @@ def family_folder_imports(folders: dict[str, Path]) -> list[tuple[str, str]]:
     return found
 
 
-#: Imports branch zmem removes (it moves the memory models out of the family folders: SDXL's reads Klein's
-#: constants); the lead deletes this entry when merging zmem. Nothing else may be listed here.
-KNOWN_MEMORY_IMPORTS = {("stabletune_core/models/sd/sdxl_memory.py", "stabletune_core.models.flux2_klein.memory")}
-
-
 def test_no_family_folder_imports_another(tmp_path):
     """What two families share lives in models/ (the Qwen3 text path and its tiny model in qwen3_text.py, the LDM
-    VAE layout in ldm_vae.py, check_source and safetensors_header in loading.py, LoRA target resolution in
+    VAE layout in ldm_vae.py, check_source and safetensors_header in sources.py, the memory model's generic
+    pieces in memory.py, LoRA target resolution in
     lora/targets.py): Z-Image took Klein's tokenizer check, targets, header reader and tiny Qwen3, and Klein and
     Z-Image took SD's check_source (and Klein SD's VAE tables)."""
     planted = tmp_path / "z_image"
@@ -186,7 +187,7 @@ def test_no_family_folder_imports_another(tmp_path):
             ] == ["stabletune_core.models.flux2_klein.family", "stabletune_core.models.sd",
                   "stabletune_core.models.sd.sd1"]
     found = set(family_folder_imports({name: MODELS / name for name in FOLDERS}))
-    assert found - KNOWN_MEMORY_IMPORTS == set(), sorted(found - KNOWN_MEMORY_IMPORTS)
+    assert not found, sorted(found)
 
 
 def test_the_family_folders_import_without_loading_a_family_they_do_not_name():
@@ -294,3 +295,10 @@ def test_twins_the_families_shared_are_written_once():
                                                                     "mid.attn_1.")
             for p in MODELS.rglob("*.py")}
     assert {where for where, lines in rule.items() if lines} == {"ldm_vae.py"}, rule
+
+
+def test_the_plan_asks_each_familys_own_memory_model():
+    from stabletune_core.models.memory_plan import FAMILY_MEMORY_MODELS
+
+    for name, memory_model in FAMILY_MEMORY_MODELS.items():
+        assert memory_model().swappable_blocks.__module__.split(".")[2] == FAMILY_HOMES[name], name

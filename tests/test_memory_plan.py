@@ -40,12 +40,14 @@ def klein_config(model: Path, **values) -> TrainConfig:
 @pytest.mark.parametrize("storage", ["full", "int8", "nf4", "fp8"])
 def test_bytes_from_shapes_are_what_quantising_stores(storage):
     """storage_bytes (meta device, shapes only) is exactly what quantise_linear_layers + a bf16 cast store."""
-    from diffusers import Flux2Transformer2DModel, UNet2DConditionModel
+    from diffusers import Flux2Transformer2DModel, UNet2DConditionModel, ZImageTransformer2DModel
 
     from stabletune_core.models.flux2_klein.tiny import TRANSFORMER_CONFIG
+    from stabletune_core.models.z_image import tiny as tiny_z_image
 
     torch.manual_seed(0)
     for model in (Flux2Transformer2DModel(**TRANSFORMER_CONFIG),
+                  ZImageTransformer2DModel(**tiny_z_image.TRANSFORMER_CONFIG),  # Z-Image's memory model (issue 39.6)
                   UNet2DConditionModel(block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
                                        norm_num_groups=8, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
                                        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), sample_size=8)):

@@ -30,13 +30,14 @@ def single_file(folders, tmp_path_factory) -> Path:
 
 
 def test_z_image_presets_are_valid_and_train_z_image():
-    assert [p.stem for p in Z_IMAGE_PRESETS] == ["z_image-base", "z_image-turbo-adapter"]
+    assert [p.stem for p in Z_IMAGE_PRESETS] == ["z_image-12gb", "z_image-16gb", "z_image-24gb", "z_image-base",
+                                                "z_image-turbo-adapter"]
     for preset in Z_IMAGE_PRESETS:
         values = read_toml(preset)
         config = build_config(values)
         assert config.model_family == "z_image" and "pretrained_model_name_or_path" not in values
         assert "preview_model" in preset.read_text()  # each says how to preview on Turbo
-    assert "training_adapter" in Z_IMAGE_PRESETS[1].read_text()
+    assert "training_adapter" in Z_IMAGE_PRESETS[-1].read_text()
 
 
 def test_the_family_is_detected_without_torch(folders, single_file, tmp_path):

@@ -49,7 +49,8 @@ _FLOW_GUIDANCE = {"flux2_klein": KLEIN_VALIDATION_GUIDANCE, "z_image": Z_IMAGE_V
 #: The families a training adapter (a LoRA merged into the base while training, models/z_image/adapter.py) is read
 #: for: Z-Image, whose Turbo is step-distilled.
 TRAINING_ADAPTER_FAMILIES = frozenset({"z_image"})
-#: Knobs of FLUX.2 Klein that Z-Image does not read yet (its separate files, its memory plan and block swap).
+#: Knobs of FLUX.2 Klein that Z-Image does not read yet (its separate files, block swap; vram_gb it reads: it has a
+#: memory plan, as every family of MEMORY_PLAN_FAMILIES).
 _KLEIN_ONLY = ("text_encoder_path", "vae_path", "tokenizer_path", "blocks_to_swap", "vram_gb")
 
 #: Knobs of the SD families' DDPM UNet that mean nothing on a flow-matching transformer: (knob, what it does there).
@@ -131,13 +132,17 @@ def _knob_problems(config: Any, family: str) -> list[str]:
         if not is_flux2_klein(family):
             problems += [f"{name} is set to {getattr(config, name)!r}, but it belongs to FLUX.2 Klein "
                          f"({_what_it_is(name)}), which {flow_name} does not have yet; {_leave(config, name)}."
-                         for name in _KLEIN_ONLY if _changed(config, name)]
+                         for name in _KLEIN_ONLY if _changed(config, name) and not _planned(name, family)]
         return problems
     return [f"{name} is set to {getattr(config, name)!r}, but it belongs to FLUX.2 Klein ("
             f"{_what_it_is(name)}) and "
             f"{FAMILY_NAMES.get(family, family)} has no such thing; {_leave(config, name)}."
-            for name in _FLOW_ONLY if _changed(config, name) and not (name == "vram_gb" and family in
-                                                                       MEMORY_PLAN_FAMILIES)]
+            for name in _FLOW_ONLY if _changed(config, name) and not _planned(name, family)]
+
+
+def _planned(knob: str, family: str) -> bool:
+    """vram_gb on a family with a memory plan: it plans that family's run (models/memory_plan.py)."""
+    return knob == "vram_gb" and family in MEMORY_PLAN_FAMILIES
 
 
 def family_defaults(config: Any, family: str) -> dict[str, Any]:

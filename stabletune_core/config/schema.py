@@ -248,8 +248,8 @@ class TrainConfigSchema(BaseModel):
         "The LoRA trains in its own precision and its file is the same kind of file; its metadata records this "
         "setting.", "precision")
     vram_gb: Optional[float] = knob(
-        None, "FLUX.2 Klein and SDXL: plan the run for a GPU with this many GiB (e.g. 6, 8, 12, 16): before any model "
-        "loads, the cheapest settings that fit by the memory model are chosen, in this order: text embeddings cached, "
+        None, "FLUX.2 Klein, SDXL and Z-Image: plan the run for a GPU with this many GiB (e.g. 6, 8, 12, 16): before "
+        "any model loads, the cheapest settings that fit by the memory model are chosen, in this order: text embeddings cached, "
         "bf16, gradient checkpointing, base_storage int8, blocks swapped (Klein only), base_storage nf4, then a "
         "smaller micro-batch with more accumulation. Knobs you set yourself are kept. The plan and its estimate are one "
         "console line and go into the run's config.toml. Empty = on a GPU, plan for its free memory as measured at "

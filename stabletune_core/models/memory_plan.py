@@ -1,6 +1,7 @@
 """The memory plan (``vram_gb``, or without it on a CUDA card the free memory measured): the cheapest settings with
-which a FLUX.2 Klein or SDXL run fits a card of that size, by the family's memory model (flux2_memory.py,
-sdxl_memory.py), chosen before any model loads. A CPU run has no plan; SD 1.x and 2.x have no memory model.
+which a run fits a card of that size, by its family's memory model (flux2_klein/memory.py, sd/sdxl_memory.py,
+z_image/memory.py, each built of models/memory.py's shared parts), chosen before any model loads. A CPU run has no
+plan; SD 1.x and 2.x have no memory model.
 
 Cheapest means least cost to speed and quality first. The ladder, each rung keeping the ones before it:
 
@@ -10,7 +11,7 @@ Cheapest means least cost to speed and quality first. The ladder, each rung keep
 3. gradient checkpointing (about 20-30 % slower, the same numbers);
 4. base_storage int8 (the frozen weights in 8 bits, close to bf16 in quality);
 5. int8 with 1, 2, ... blocks swapped (copies overlap the compute; the more blocks, the more PCIe traffic; Klein
-   only: SDXL's UNet has no block swap, see sdxl_memory.py);
+   only: SDXL's UNet has no block swap, see sdxl_memory.py, and Z-Image's is not proven yet, see z_image/memory.py);
 6. base_storage nf4 with 0, 1, ... blocks swapped (4 bits: the larger quality cost);
 7. then the micro-batch is halved (gradient accumulation doubled, so the effective batch stays) and the ladder
    climbed again.
@@ -25,34 +26,37 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ConfigError
-from .flux2_klein.memory import GIB, MemoryEstimate, config_memory_sentence, klein_sizes, variant_of
+from .memory import GIB, FamilyMemoryModel, MemoryEstimate
 
 
-def _klein_sentence(config: Any) -> tuple[str, MemoryEstimate]:
-    return config_memory_sentence(config, unknown_as="4b")  # a plan must choose: an unreadable size is planned as 4B
+def _klein() -> FamilyMemoryModel:
+    from .flux2_klein.memory import MEMORY_MODEL
+
+    return MEMORY_MODEL
 
 
-def _sdxl_sentence(config: Any) -> tuple[str, MemoryEstimate]:
-    from .sd.sdxl_memory import sdxl_memory_sentence
+def _sdxl() -> FamilyMemoryModel:
+    from .sd.sdxl_memory import MEMORY_MODEL
 
-    return sdxl_memory_sentence(config)
-
-
-def _klein_blocks(config: Any) -> int:
-    return klein_sizes(variant_of(config.pretrained_model_name_or_path) or "4b").blocks
+    return MEMORY_MODEL
 
 
-#: family -> (its estimate sentence of a TrainConfig, how many blocks the plan may swap). The families a plan covers
-#: (config/families.py MEMORY_PLAN_FAMILIES names the same ones for the knob checks, which cannot import models/).
-FAMILY_MEMORY_MODELS: dict[str, tuple[Callable[[Any], tuple[str, MemoryEstimate]], Callable[[Any], int]]] = {
-    "flux2_klein": (_klein_sentence, _klein_blocks),
-    "sdxl": (_sdxl_sentence, lambda config: 0),  # no UNet block swap (sdxl_memory.py says why)
-}
+def _z_image() -> FamilyMemoryModel:
+    from .z_image.memory import MEMORY_MODEL
+
+    return MEMORY_MODEL
+
+
+#: family -> its folder's memory model, imported when first asked (as models/__init__.py's FAMILIES). The families a
+#: plan covers: family_files.PLANNED_FAMILIES names the same ones for the UI and the knob checks, which cannot import
+#: models/ (a test keeps them equal, and each family's own `plans_memory`).
+FAMILY_MEMORY_MODELS: dict[str, Callable[[], FamilyMemoryModel]] = {
+    "flux2_klein": _klein, "sdxl": _sdxl, "z_image": _z_image}
 
 
 def memory_sentence(config: Any, family: str) -> tuple[str, MemoryEstimate]:
     """The estimate sentence and estimate of a TrainConfig's run of `family` (one in FAMILY_MEMORY_MODELS)."""
-    return FAMILY_MEMORY_MODELS[family][0](config)
+    return FAMILY_MEMORY_MODELS[family]().sentence(config)
 
 
 @dataclass(frozen=True)
@@ -116,12 +120,12 @@ def free_device_bytes() -> int | None:
 
 def plan_memory(config: Any, measured_gib: float | None = None, family: str = "flux2_klein") -> MemoryPlan:
     """The plan for `config.vram_gb` GiB, or without it for `measured_gib` (the card's free memory less the margin:
-    measured_budget), of a TrainConfig of a run of `family` (FLUX.2 Klein or SDXL); one sentence when no plan fits
+    measured_budget), of a TrainConfig of a run of `family` (one in FAMILY_MEMORY_MODELS); one sentence when no plan fits
     (ConfigError)."""
     budget = float(config.vram_gb or measured_gib)
     measured = not config.vram_gb
-    estimate_sentence, blocks_of = FAMILY_MEMORY_MODELS[family]
-    blocks = blocks_of(config)
+    model = FAMILY_MEMORY_MODELS[family]()
+    estimate_sentence, blocks = model.sentence, model.swappable_blocks(config)
     smallest: tuple[MemoryEstimate, dict[str, Any], str] | None = None
     batch, accumulation = config.train_batch_size, config.gradient_accumulation_steps
     while True:
@@ -189,8 +193,8 @@ def choice_costs(config: Any, family: str) -> str:
     """One line of what each memory choice needs at the peak, the other settings as `config` has them (the planned
     config, for the UI: what the run would use): each base_storage, each few blocks swapped (Klein), gradient
     checkpointing and the text cache on and off; the current value of each marked."""
-    estimate_sentence, blocks_of = FAMILY_MEMORY_MODELS[family]
-    blocks = blocks_of(config)
+    model = FAMILY_MEMORY_MODELS[family]()
+    estimate_sentence, blocks = model.sentence, model.swappable_blocks(config)
     choices = [*PRICED_CHOICES, *((("blocks_to_swap", tuple(range(0, blocks + 1, max(blocks // 4, 1)))),)
                                   if blocks else ())]
     parts = []

@@ -31,10 +31,9 @@ import torch
 from ...family_files import files_name_klein, flux2_file_kind
 from ...lora.targets import lora_target_modules
 from ..base import Conditioning, ModelBundle, ModelLoadError, flow_model_metadata, load_errors_in_one_sentence
-from ..loading import check_source
-from ..loading import safetensors_header as _safetensors_header  # the name memory.py imports (branch zmem moves it)
 from ..qwen3_text import (MAX_SEQUENCE_LENGTH, QWEN3_CHAT_TEMPLATE, caption_token_counter, check_tokenizer,
                           text_length)
+from ..sources import check_source, safetensors_header
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 SHIPPED_CONFIGS = {"4b": CONFIGS_DIR / "flux2-klein-4b", "9b": CONFIGS_DIR / "flux2-klein-9b"}
@@ -222,7 +221,7 @@ def _find_beside(transformer: Path, folder: str, fits: Callable[[Shapes], bool])
         return None
     for candidate in sorted(where.glob("*.safetensors")):
         try:
-            shapes, _ = _safetensors_header(candidate)
+            shapes, _ = safetensors_header(candidate)
         except (OSError, ValueError):
             continue
         if fits(shapes):
@@ -383,7 +382,7 @@ class Flux2Klein:
 
         from .single_file import bfl_shape_facts, transformer_config_facts, transformer_from_bfl
 
-        shapes, metadata = _safetensors_header(path)
+        shapes, metadata = safetensors_header(path)
         kind = checkpoint_kind(shapes)
         if kind == "sd":
             raise ModelLoadError(f"'{path.name}' is a Stable Diffusion checkpoint, not FLUX.2 Klein; choose the "
@@ -481,7 +480,7 @@ class Flux2Klein:
         if path.suffix.lower() != ".safetensors":
             raise ModelLoadError(f"Refusing to open '{path.name}': only .safetensors text encoders are read (other "
                                  "formats can run code when loaded).")
-        shapes, _ = _safetensors_header(path)
+        shapes, _ = safetensors_header(path)
         if "model.layers.0.self_attn.q_norm.weight" not in shapes:
             raise ModelLoadError(f"'{path.name}' is not a Qwen3 text encoder (no model.layers.0.self_attn.q_norm); "
                                  "FLUX.2 Klein 4B reads qwen_3_4b.safetensors and 9B reads qwen_3_8b.safetensors.")

@@ -1,19 +1,12 @@
 """How much accelerator memory a FLUX.2 Klein LoRA run needs, estimated before any model loads (for the UI's
 number before Start and the presets' "4B at 12 GB, 9B at 24 GB").
 
-A model, not a measurement: parameter counts are exact (the shipped configs instantiated on the meta device);
-activations are counted per token and per block from the transformer's layout, and the rest is a fixed allowance.
-What it counts, at the training step's peak:
-
-* the frozen transformer in its storage precision (2 bytes bf16/fp16, 4 fp32) and the VAE (kept for encoding and
-  validation images); the Qwen3 text encoder only when text embeddings are not cached (cached, it runs once before
-  training and is released);
-* the LoRA parameters in fp32 with their gradients and AdamW's two moments: 16 bytes each;
-* activations kept for the backward pass: about 24 hidden-size vectors per token per block (norms, modulation, q, k,
-  v, attention output, the SwiGLU MLP's 3x-wide intermediates), over image tokens (side / 16 squared) plus the text
-  tokens (max_sequence_length, 512 by default); with gradient checkpointing only each block's input is kept, plus one block recomputed at a time;
-  attention through PyTorch SDPA (flash or memory-efficient kernels: no token x token matrix);
-* 0.8 GiB for the CUDA context and workspaces, and 5 % for allocator fragmentation.
+A model, not a measurement, counted as every family's (models/memory.py says what is counted and how): parameter
+counts are exact (the shipped configs instantiated on the meta device); activations are counted per token and per
+block from the transformer's layout, over image tokens (side / 16 squared) plus the text tokens (max_sequence_length,
+512 by default), every block over all of them. The frozen transformer is counted in its storage precision and the
+VAE (kept for encoding and validation images); the Qwen3 text encoder only when text embeddings are not cached
+(cached, it runs once before training and is released).
 
 The set-up's peak is counted beside it (`MemoryEstimate.setup`; `fits` wants both within the card): text embeddings
 are cached with Qwen3 (in the base's storage) and the VAE on the device, before the transformer is placed there.
@@ -26,15 +19,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from ..memory import (GIB, LORA_BYTES_PER_PARAMETER, FamilyMemoryModel, MemoryEstimate,  # noqa: F401 (GIB: callers)
+                      StoredTransformer, assemble_estimate, dequantised_bytes, estimate_words, parameter_count,
+                      precision_bytes, run_precision, stored_qwen3, stored_transformer_of, transformer_activations)
 from .family import LORA_PRESETS, MAX_SEQUENCE_LENGTH, SHIPPED_CONFIGS, lora_target_modules
-
-GIB = 1024 ** 3
-PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-ACTIVATION_VECTORS_PER_BLOCK = 24  # hidden-size vectors per token a block keeps for its backward pass
-RECOMPUTE_AND_GRADIENT_VECTORS = 28  # one recomputed block plus the gradients flowing through it
-LORA_BYTES_PER_PARAMETER = 4 + 4 + 8  # fp32 weight, gradient, AdamW's two moments
-CONTEXT_BYTES = int(0.8 * GIB)
-FRAGMENTATION = 0.05
 
 
 @dataclass(frozen=True)
@@ -66,9 +54,9 @@ def klein_sizes(variant: str | Path) -> KleinSizes:
                                                                                                subfolder="transformer"))
         vae = AutoencoderKLFlux2.from_config(AutoencoderKLFlux2.load_config(str(folder), subfolder="vae"))
         text = Qwen3ForCausalLM(Qwen3Config.from_pretrained(str(folder / "text_encoder")))
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731 (tied embeddings counted once)
     config = transformer.config
-    return KleinSizes(transformer=count(transformer), text_encoder=count(text), vae=count(vae),
+    return KleinSizes(transformer=parameter_count(transformer), text_encoder=parameter_count(text),
+                      vae=parameter_count(vae),
                       hidden=config.num_attention_heads * config.attention_head_dim,
                       blocks=config.num_layers + config.num_single_layers)
 
@@ -82,50 +70,20 @@ def _meta_transformer(variant: str | Path):
             str(config_folder(variant)), subfolder="transformer"))
 
 
-@dataclass(frozen=True)
-class StoredTransformer:
-    """A shipped transformer's bytes in one storage (exact, from its config on the meta device)."""
-
-    total: int  # every parameter and buffer as stored
-    blocks: tuple[int, ...]  # each block's, in the order they run (what block swap moves)
-    largest_linear: int  # weights of the largest Linear layer (what one dequantised layer holds)
-
-    def resident(self, swapped: int) -> int:
-        """Bytes on the device with the last `swapped` blocks kept in CPU memory: the rest, plus the two largest
-        swapped blocks (the one computing and the one being copied in)."""
-        if not swapped:
-            return self.total
-        moved = self.blocks[len(self.blocks) - swapped:]
-        return self.total - sum(moved) + sum(sorted(moved)[-2:])
-
-
 @lru_cache(maxsize=None)
 def stored_transformer(variant: str | Path, storage: str = "full", dtype_bytes: int = 2) -> StoredTransformer:
     """The transformer of a shipped variant ("4b" / "9b") or a Klein folder in `storage` (base_storage: full, int8, nf4, fp8), the
     unquantised tensors `dtype_bytes` wide."""
-    import torch
-
-    from ..quantize import storage_bytes
-
     model = _meta_transformer(variant)
-    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
-    largest = max(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    return StoredTransformer(total=storage_bytes(model, storage, dtype_bytes),
-                             blocks=tuple(storage_bytes(b, storage, dtype_bytes) for b in blocks),
-                             largest_linear=largest)
+    return stored_transformer_of(model, [*model.transformer_blocks, *model.single_transformer_blocks], storage,
+                                 dtype_bytes)
 
 
 @lru_cache(maxsize=None)
 def stored_text_encoder(variant: str | Path, storage: str = "full", dtype_bytes: int = 2) -> int:
-    """Bytes of a shipped variant's (or a Klein folder's) Qwen3 text encoder in `storage` (quantised when it is not cached: setup.py)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from ..quantize import storage_bytes
-
-    with torch.device("meta"):
-        text = Qwen3ForCausalLM(Qwen3Config.from_pretrained(str(config_folder(variant) / "text_encoder")))
-    return storage_bytes(text, storage, dtype_bytes)
+    """Bytes of a shipped variant's (or a Klein folder's) Qwen3 text encoder in `storage` (quantised when it is not
+    cached: setup.py)."""
+    return stored_qwen3(config_folder(variant) / "text_encoder", storage, dtype_bytes)
 
 
 @lru_cache(maxsize=None)
@@ -144,31 +102,6 @@ def lora_parameters(variant: str | Path, rank: int, preset: str | tuple[str, ...
     return total
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    weights: int  # frozen transformer + VAE (+ text encoder when not cached)
-    lora: int  # LoRA weights, gradients and optimizer state
-    activations: int
-    overhead: int  # CUDA context and fragmentation
-    setup: int = 0  # the set-up's peak: caching with the VAE and Qwen3 on the device, the transformer not yet there
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.lora + self.activations + self.overhead
-
-    @property
-    def total_gib(self) -> float:
-        return self.total / GIB
-
-    @property
-    def peak(self) -> int:
-        """The larger of the training step's peak and the set-up's (what the card must hold)."""
-        return max(self.total, self.setup)
-
-    def fits(self, gib: float) -> bool:
-        return self.peak <= gib * GIB
-
-
 def estimate_training_memory(variant: str | Path = "4b", *, precision: str = "bf16", gradient_checkpointing: bool = True,
                              batch_size: int = 1, resolution: int | tuple[int, int] = 1024, lora_rank: int = 16,
                              cache_text_embeddings: bool = True,
@@ -177,35 +110,28 @@ def estimate_training_memory(variant: str | Path = "4b", *, precision: str = "bf
                              blocks_to_swap: int = 0) -> MemoryEstimate:
     """The peak memory of one training step of a Klein LoRA (see the module docstring for what is counted); `variant`
     a shipped size ("4b" / "9b") or a Klein diffusers folder, priced from its own configs."""
-    if precision not in PRECISION_BYTES:
-        raise ValueError(f"precision must be one of {', '.join(PRECISION_BYTES)}, not '{precision}'.")
+    width = precision_bytes(precision)
     sizes = klein_sizes(variant)
-    width = PRECISION_BYTES[precision]
     stored = stored_transformer(variant, base_storage, width)
     h, w = (resolution, resolution) if isinstance(resolution, int) else resolution
-    tokens = (h // 16) * (w // 16) + text_tokens
-    vector = batch_size * tokens * sizes.hidden * width  # one hidden-size vector per token of the batch
-    if gradient_checkpointing:
-        activations = (sizes.blocks + RECOMPUTE_AND_GRADIENT_VECTORS) * vector
-    else:
-        activations = (sizes.blocks * ACTIVATION_VECTORS_PER_BLOCK + RECOMPUTE_AND_GRADIENT_VECTORS) * vector
+    tokens = (h // 16) * (w // 16) + text_tokens  # every block, double and single, runs over image and text tokens
+    activations = transformer_activations([tokens] * sizes.blocks, hidden=sizes.hidden, width=width,
+                                          batch_size=batch_size, checkpointing=gradient_checkpointing)
+    activations += dequantised_bytes(base_storage, stored.largest_linear, width)
     encoder = stored_text_encoder(variant, base_storage, width)  # quantised with the base, cached or not (setup.py)
     text = 0 if cache_text_embeddings else encoder
     weights = stored.resident(blocks_to_swap) + sizes.vae * width + text
-    if base_storage != "full":  # the layer computing holds its weight dequantised (and its backward another copy)
-        activations += 2 * stored.largest_linear * width
     lora = lora_parameters(variant, lora_rank, preset) * LORA_BYTES_PER_PARAMETER
-    overhead = CONTEXT_BYTES + int(FRAGMENTATION * (weights + lora + activations))
     # caching runs before the transformer is placed (setup.py): Qwen3 and the VAE, a batch's activations are small
     caching = encoder + sizes.vae * width if cache_text_embeddings else 0
-    setup = caching + CONTEXT_BYTES + int(FRAGMENTATION * caching) if caching else 0
-    return MemoryEstimate(weights=weights, lora=lora, activations=activations, overhead=overhead, setup=setup)
+    return assemble_estimate(weights=weights, lora=lora, activations=activations, caching=caching)
 
 
 def variant_of(source: str | Path) -> str | None:
     """"4b" or "9b" for a released Klein's diffusers folder or BFL transformer file, read from its config or header
     (no weights); None when it cannot be told (not there yet, another width)."""
-    from .family import RELEASED_WIDTHS, _safetensors_header
+    from ..sources import safetensors_header
+    from .family import RELEASED_WIDTHS
     from .single_file import bfl_shape_facts
 
     path = Path(str(source)).expanduser()
@@ -214,7 +140,7 @@ def variant_of(source: str | Path) -> str | None:
             config = json.loads((path / "transformer" / "config.json").read_text())
             width = config["num_attention_heads"] * config["attention_head_dim"]
         elif path.is_file():
-            width = bfl_shape_facts(_safetensors_header(path)[0])["hidden_size"]
+            width = bfl_shape_facts(safetensors_header(path)[0])["hidden_size"]
         else:
             return None
     except (OSError, ValueError, KeyError):
@@ -254,7 +180,7 @@ def config_memory_sentence(config: Any, *, unknown_as: str | None = None,
 
 def _config_estimate(config: Any, variant: str | Path) -> tuple[str, MemoryEstimate]:
     """(the precision, the estimate) of a TrainConfig's run of `variant` (a shipped size or a Klein folder)."""
-    precision = {"no": "fp32"}.get(config.mixed_precision, config.mixed_precision)
+    precision = run_precision(config)
     return precision, estimate_training_memory(
         variant, precision=precision, gradient_checkpointing=config.gradient_checkpointing,
         batch_size=config.train_batch_size, resolution=config.resolution, lora_rank=config.lora_rank,
@@ -263,15 +189,11 @@ def _config_estimate(config: Any, variant: str | Path) -> tuple[str, MemoryEstim
         blocks_to_swap=config.blocks_to_swap)
 
 
-def estimate_words(model: str, config: Any, estimate: MemoryEstimate, precision: str, text_kept: str) -> str:
-    """The estimate's sentence, the same for every family's memory model: the peak and the settings it is for
-    (`text_kept`: what stays on the device when text embeddings are not cached)."""
-    checkpointing = "gradient checkpointing" if config.gradient_checkpointing else "no gradient checkpointing"
-    cached = "text embeddings cached" if config.cache_text_embeddings else text_kept
-    memory = "".join([f", base {config.base_storage}" if config.base_storage != "full" else "",
-                      f", {config.blocks_to_swap} blocks swapped" if config.blocks_to_swap else ""])
-    return (f"Estimated GPU memory for {model}: about {estimate.total_gib:.1f} GiB "
-            f"at the training step's peak ({config.resolution} px, batch {config.train_batch_size}, {precision}, "
-            f"{checkpointing}, {cached}, rank {config.lora_rank}{memory})"
-            + (f"; caching the text embeddings before it needs about {estimate.setup / GIB:.1f} GiB."
-               if estimate.setup > estimate.total else "."))
+def _blocks(config: Any) -> int:
+    return klein_sizes(variant_of(config.pretrained_model_name_or_path) or "4b").blocks
+
+
+#: What the memory plan asks of Klein: a plan must choose, so a size that cannot be read is planned as a 4B (and its
+#: sentence says so); every double and single block may be swapped.
+MEMORY_MODEL = FamilyMemoryModel(sentence=lambda config: config_memory_sentence(config, unknown_as="4b"),
+                                 swappable_blocks=_blocks)

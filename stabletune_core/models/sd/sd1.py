@@ -8,7 +8,7 @@ import torch
 
 from ..base import (Conditioning, ModelBundle, ModelLoadError, denormalize_latents, load_errors_in_one_sentence,
                    normalize_latents)
-from ..loading import check_source
+from ..sources import check_source
 
 if TYPE_CHECKING:
     from ..ddpm import DDPMObjective

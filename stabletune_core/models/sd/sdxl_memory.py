@@ -1,11 +1,12 @@
 """How much accelerator memory an SDXL LoRA run needs at the training step's peak (issue 36: SDXL within 6 GB).
 
 Weights are exact (the shipped sdxl_base configs on the meta device, in each base_storage). Activations are not a
-per-token rule of thumb as for FLUX.2 Klein (flux2_memory.py): a UNet's tensors change shape at every level, so they
+per-token rule of thumb as for the transformers (models/memory.py): a UNet's tensors change shape at every level, so they
 are counted by running the real UNet's forward on fake tensors (torch's FakeTensorMode: shapes, no memory, no
 arithmetic) and adding up every tensor autograd saves for the backward pass, with and without gradient checkpointing;
 with it, the largest checkpointed unit's own saved tensors are added once more (a resnet or transformer of a block,
-recomputed during the backward). Same allowance as Klein's for the CUDA context and fragmentation.
+recomputed during the backward). The rest is counted as every family's (models/memory.py: LoRA and optimizer
+state, a quantised layer's working copy, the CUDA context and fragmentation).
 
 No block swap for the UNet, so the memory plan (memory_plan.py) never swaps SDXL blocks: Klein's swap
 (block_swap.py) moves blocks of one size that run one after the other, each once per forward, with one hidden state
@@ -22,8 +23,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..flux2_klein.memory import (CONTEXT_BYTES, FRAGMENTATION, LORA_BYTES_PER_PARAMETER, PRECISION_BYTES,
-                                  MemoryEstimate, estimate_words)
+from ..memory import (LORA_BYTES_PER_PARAMETER, FamilyMemoryModel, MemoryEstimate, assemble_estimate,
+                      dequantised_bytes, estimate_words, largest_linear, lora_parameter_count, parameter_count,
+                      precision_bytes, run_precision)
 
 SDXL_CONFIGS = Path(__file__).resolve().parent / "configs" / "sdxl_base"
 SD_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
@@ -61,23 +63,17 @@ def frozen_part_parameters(folder: Path = SDXL_CONFIGS) -> tuple[int, int]:
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(str(folder), subfolder="vae"))
         one = CLIPTextModel(CLIPTextConfig.from_pretrained(str(folder / "text_encoder")))
         two = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(str(folder / "text_encoder_2")))
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    return count(vae), count(one) + count(two)
+    return parameter_count(vae), parameter_count(one) + parameter_count(two)
 
 
 @lru_cache(maxsize=None)
 def _largest_linear(folder: Path = SDXL_CONFIGS) -> int:
-    import torch
-
-    return max(m.weight.numel() for m in _meta_unet(folder).modules() if isinstance(m, torch.nn.Linear))
+    return largest_linear(_meta_unet(folder))
 
 
 @lru_cache(maxsize=None)
 def lora_parameters(rank: int, targets: tuple[str, ...] = SD_TARGETS, folder: Path = SDXL_CONFIGS) -> int:
-    import torch
-
-    return sum(rank * (m.in_features + m.out_features) for name, m in _meta_unet(folder).named_modules()
-               if isinstance(m, torch.nn.Linear) and any(name.endswith(t) for t in targets))
+    return lora_parameter_count(_meta_unet(folder), targets, rank)
 
 
 @lru_cache(maxsize=None)
@@ -147,28 +143,30 @@ def estimate_sdxl_training_memory(*, precision: str = "bf16", gradient_checkpoin
                                   targets: tuple[str, ...] = SD_TARGETS,
                                   folder: Path = SDXL_CONFIGS) -> MemoryEstimate:
     """The peak memory of one SDXL LoRA training step (and of the caching before it; see the module docstring)."""
-    width = PRECISION_BYTES[precision]
+    width = precision_bytes(precision)
     vae, text = frozen_part_parameters(folder)
     vae_bytes = vae * (4 if precision == "fp16" else width)  # under fp16 the VAE stays fp32 (placement.py)
     encoders = 0 if cache_text_embeddings else text * width
     weights = stored_unet(base_storage, width, folder) + vae_bytes + encoders
     activations = saved_activation_bytes(resolution, batch_size, gradient_checkpointing, width, folder)
-    if base_storage != "full":  # the layer computing holds its weight dequantised (and its backward another copy)
-        activations += 2 * _largest_linear(folder) * width
+    activations += dequantised_bytes(base_storage, _largest_linear(folder), width)
     lora = lora_parameters(lora_rank, targets, folder) * LORA_BYTES_PER_PARAMETER
-    overhead = CONTEXT_BYTES + int(FRAGMENTATION * (weights + lora + activations))
     caching = text * width + vae_bytes if cache_text_embeddings else 0  # the UNet is placed after the caches
-    setup = caching + CONTEXT_BYTES + int(FRAGMENTATION * caching) if caching else 0
-    return MemoryEstimate(weights=weights, lora=lora, activations=activations, overhead=overhead, setup=setup)
+    return assemble_estimate(weights=weights, lora=lora, activations=activations, caching=caching)
 
 
 def sdxl_memory_sentence(config: Any, folder: Path = SDXL_CONFIGS) -> tuple[str, MemoryEstimate]:
-    """The estimate for a TrainConfig's SDXL run, and its sentence (the words of Klein's: flux2_memory.estimate_words).
+    """The estimate for a TrainConfig's SDXL run, and its sentence (in every family's words: models/memory.py estimate_words).
     The sizes are SDXL base 1.0's (the shipped configs) whatever the checkpoint: every SDXL fine-tune has them
     (`folder`: another size's configs, as bench/cpu_peak.py prices the tiny SDXL)."""
-    precision = {"no": "fp32"}.get(config.mixed_precision, config.mixed_precision)
+    precision = run_precision(config)
     estimate = estimate_sdxl_training_memory(
         precision=precision, gradient_checkpointing=config.gradient_checkpointing, batch_size=config.train_batch_size,
         resolution=config.resolution, lora_rank=config.lora_rank, cache_text_embeddings=config.cache_text_embeddings,
         base_storage=config.base_storage, targets=tuple(config.unet_lora_targets), folder=folder)
     return estimate_words("SDXL", config, estimate, precision, "both CLIP text encoders kept loaded"), estimate
+
+
+#: What the memory plan asks of SDXL: the shipped sizes' estimate, and no UNet block swap (the module docstring says
+#: why).
+MEMORY_MODEL = FamilyMemoryModel(sentence=sdxl_memory_sentence, swappable_blocks=lambda config: 0)

@@ -39,7 +39,7 @@ from ...family_files import Z_IMAGE_PIPELINE, files_name_z_image
 from ..base import (Conditioning, ModelBundle, ModelLoadError, denormalize_latents, flow_model_metadata,
                    load_errors_in_one_sentence, normalize_latents)
 from ...lora.targets import lora_target_modules
-from ..loading import check_source
+from ..sources import check_source
 from ..qwen3_text import MAX_SEQUENCE_LENGTH, caption_token_counter, check_tokenizer, text_length
 
 PIPELINE_CLASS = Z_IMAGE_PIPELINE
@@ -126,7 +126,7 @@ class ZImage:
     modelspec_implementation = "https://github.com/Tongyi-MAI/Z-Image"
     default_resolution = (1024, 1024)
     is_v2 = False
-    plans_memory = False  # models/memory_plan.py: no memory model of this family yet
+    plans_memory = True  # models/memory_plan.py (its memory model: z_image/memory.py)
     lora_presets = LORA_PRESETS
     unet_lora_targets = LORA_PRESETS["attention"]
     text_encoder_lora_targets: list[str] = []  # Qwen3 stays frozen: Z-Image LoRAs adapt the transformer only

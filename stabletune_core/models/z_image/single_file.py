@@ -109,7 +109,7 @@ def config_facts(config) -> dict[str, int]:
 def check_transformer_file(path: Path) -> dict[str, tuple[int, ...]]:
     """The file's keys and shapes (its header only), or ModelLoadError in one sentence when it is no Z-Image
     transformer."""
-    from ..loading import safetensors_header
+    from ..sources import safetensors_header
 
     shapes, _ = safetensors_header(path)
     if file_layout(shapes) == "other":

@@ -111,7 +111,7 @@ def naming_comparisons(trees: dict[str, ast.AST]) -> list[str]:
 
 def test_no_module_outside_the_family_folders_compares_a_naming_literal():
     """tools/lora_file.py, extract.py and merge.py asked `kohya_unet_naming == "bfl"` / `"sgm"`: they ask the face now
-    (fused_lora_export, kohya_denoiser_name, denoiser_has_convolutions, single_file_config_dir)."""
+    (fused_lora_export, kohya_denoiser_name, denoiser_has_convolutions, single_file_merges_into_folder)."""
     planted = {"planted.py": ast.parse('if family.kohya_unet_naming == "bfl" or naming in ("sgm",):\n    pass\n'
                                        'x = bundle.family.kohya_unet_naming != "diffusers"\nok = fmt == "diffusers"\n')}
     assert naming_comparisons(planted) == ["planted.py:1 family.kohya_unet_naming == 'bfl'",

@@ -121,3 +121,18 @@ def test_the_limits_reach_the_console_before_start():
     assert not [n for n in build_config(dict(model_family="z_image", network_type="lokr")).notes()
                 if "does not load" in n]
     assert run_host_limits(build_config(dict(model_family="z_image", network_type="loha")), "z_image")
+
+
+def test_our_z_image_lora_merges_into_the_z_image_folder_as_trained(folders, tmp_path, one_thread, capsys):
+    """`merge` reads the kohya names the family declares (kohya_denoiser_name: diffusion_model. + the path), not a
+    naming literal: at 22f601e it refused our own Z-Image file ("modules this Z-Image model lacks")."""
+    from stabletune_core.cli import main
+    from stabletune_core.models import get_family
+
+    bundle, file = written(folders["base"], "lora", tmp_path)
+    assert main(["merge", "--model", str(folders["base"]), "--lora", str(file), "--output", str(tmp_path / "m")]) == 0
+    assert "diffusers folder" in capsys.readouterr().out
+    base = output(get_family("z_image").load(str(folders["base"])).denoiser)
+    ours = output(bundle.denoiser)
+    assert (ours - base).abs().max() > 50 * TOLERANCE  # the LoRA does change the model
+    assert (output(get_family("z_image").load(str(tmp_path / "m")).denoiser) - ours).abs().max() <= TOLERANCE

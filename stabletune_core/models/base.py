@@ -135,6 +135,10 @@ class ModelFamily(Protocol):
     display_name: str  # what a sentence calls the family, e.g. "Stable Diffusion 1.x"
     # the denoiser has convolutions a LoCon adapts (SD's UNet: conv_rank, extract --conv_rank); a transformer has none
     denoiser_has_convolutions: bool
+    # a merge into a single file of this family can write a diffusers folder: SD's shipped configs, Z-Image's
+    # model_config_dir (a diffusers folder, which its single files need anyway); FLUX.2's shipped config trees hold no
+    # tokenizer, so its single files merge into a single file only
+    single_file_merges_into_folder: bool
     denoiser_name: str  # what a sentence calls the denoiser: "UNet" or "transformer"
     denoiser_folder: str  # the denoiser's folder in a diffusers model folder: "unet" or "transformer"
     # What a LoRA file made for this family says of itself: lowercase words its ss_base_model_version or
@@ -243,8 +247,8 @@ class ModelFamily(Protocol):
 
     def single_file_config_dir(self, path: Path) -> Path | None:
         """The shipped diffusers config tree that describes the single-file checkpoint `path` (what a merge from it
-        into a diffusers folder copies); None where the family ships none (FLUX.2's and Z-Image's single files are
-        the transformer alone: a merge from one writes a single file)."""
+        into a diffusers folder copies when no model_config_dir is given); None where the family ships none that
+        would do (FLUX.2's and Z-Image's single files are the transformer alone)."""
         ...
 
     def full_original_state_dict(self, bundle: ModelBundle) -> dict[str, torch.Tensor]:

@@ -248,7 +248,7 @@ def merge_checkpoint(model: str, loras: list[tuple[Path, float]], output: Path, 
     family = base_family(model)
     read = read_loras(loras, family)  # one sentence for a LoRA of another family, before the model loads
     if source.is_file() and output.suffix.lower() != ".safetensors" and \
-            get_family(family).single_file_config_dir(source) is None:  # no configs ship for the rest of the model
+            not get_family(family).single_file_merges_into_folder:
         raise refuse(f"A {get_family(family).display_name} model given as its transformer file merges into a "
                      "single file; give an output path ending in .safetensors (or merge into its diffusers folder).")
     bundle = load_base(model, config_dir, family)

@@ -285,6 +285,7 @@ class Flux2Klein:
     diffusers_lora_layers_argument = "transformer_lora_layers"  # the save_lora_weights argument for the denoiser
     diffusers_lora_key_names = "peft"  # lora_A / lora_B, as diffusers' Klein script saves (see lora/export.py)
     denoiser_has_convolutions = False  # the transformer's layers are all Linear
+    single_file_merges_into_folder = False  # the shipped config trees hold no tokenizer
 
     @property
     def fused_lora_export(self):
@@ -295,7 +296,7 @@ class Flux2Klein:
         return FUSED_EXPORT
 
     def single_file_config_dir(self, path: Path) -> None:
-        """None: a FLUX.2 single file is the transformer alone, and no configs for the rest ship with StableTune."""
+        """None: a FLUX.2 single file is the transformer alone, and the shipped config trees lack its tokenizer."""
         return None
 
     # ------------------------------------------------------------------ load

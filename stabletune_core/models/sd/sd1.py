@@ -36,6 +36,7 @@ class SD1:
     text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
     text_encoder_kohya_prefixes = ["lora_te"]
     denoiser_has_convolutions = True  # the UNet's ResNets and samplers (LoCon, extract --conv_rank)
+    single_file_merges_into_folder = True  # with the shipped configs/
     fused_lora_export = None  # one kohya name per module
     diffusers_pipeline_class = "StableDiffusionPipeline"
     diffusers_lora_key_names = "diffusers"

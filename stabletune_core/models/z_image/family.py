@@ -139,6 +139,7 @@ class ZImage:
     # kohya files: "diffusion_model." + the diffusers module path (kohya_denoiser_name)
     fused_lora_export = None  # one kohya name per module
     denoiser_has_convolutions = False  # the transformer's layers are all Linear
+    single_file_merges_into_folder = True  # from model_config_dir, the diffusers folder its single files need
 
     # ------------------------------------------------------------------ load
     def load(self, source: str | Path, *, local_files_only: bool = True, config_dir: str | Path | None = None,
@@ -321,7 +322,7 @@ class ZImage:
         return LORA_KEY_PREFIX + module_path
 
     def single_file_config_dir(self, path: Path) -> None:
-        """None: a Z-Image single file is the transformer alone (ComfyUI's layout), and no configs ship for the rest."""
+        """None: a Z-Image single file is the transformer alone (ComfyUI's layout); model_config_dir names the rest."""
         return None
 
     def original_state_dict(self, bundle: ModelBundle, components: set[str]) -> dict[str, torch.Tensor]:

@@ -202,7 +202,7 @@ def check(config: TrainConfig) -> ModelFamily:
 
 def measured_memory(config: TrainConfig, family: ModelFamily) -> float | None:
     """Without vram_gb, the GiB a family with a memory plan plans for on this CUDA card (its free memory less a
-    margin); None on a CPU, with vram_gb, or for a family without a memory model (the SD families, Z-Image)."""
+    margin); None on a CPU, with vram_gb, or for a family without a memory model (SD 1.x and 2.x)."""
     if config.vram_gb or not family.plans_memory:
         return None
     return measured_budget(free_device_bytes())

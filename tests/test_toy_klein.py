@@ -41,8 +41,8 @@ def test_an_unknown_demo_family_is_one_sentence_before_anything_is_built(tmp_pat
     done = run_cli("stabletune_core", "demo", "--family", "flux3", "--output_dir", str(tmp_path / "run"),
                    cache=tmp_path / "cache", timeout=300)
     assert done.returncode == 2
-    assert done.stderr.strip() == ("error: There is no toy base of model family 'flux3': choose 'sd1' or "
-                                   "'flux2_klein'.")
+    assert done.stderr.strip() == ("error: There is no toy base of model family 'flux3': choose 'sd1', "
+                                   "'flux2_klein' or 'z_image'.")
     assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()  # nothing built, nothing loaded
 
 
@@ -50,8 +50,8 @@ def test_an_unknown_toy_build_family_is_one_sentence_before_anything_is_built(tm
     done = run_cli("stabletune_core.toy", "build", "--family", "sdxl", "--out", str(tmp_path / "weights"),
                    cache=tmp_path / "cache", timeout=300)
     assert done.returncode == 2
-    assert done.stderr.strip() == ("error: There is no toy base of model family 'sdxl': choose 'sd1' or "
-                                   "'flux2_klein'.")
+    assert done.stderr.strip() == ("error: There is no toy base of model family 'sdxl': choose 'sd1', "
+                                   "'flux2_klein' or 'z_image'.")
     assert not (tmp_path / "weights").exists()
 
 

@@ -27,6 +27,13 @@ def plain(config: dict) -> dict:
     return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
+def check_shipped(weights: Path, label: str, family: str) -> None:
+    """One sentence when a toy base's shipped weights are missing (`label`: 'The toy Klein', ...)."""
+    if not (weights / "manifest.json").is_file():
+        raise FileNotFoundError(f"{label} base weights are missing from {weights}; rebuild them with "
+                                f"`python -m stabletune_core.toy build --family {family}`.")
+
+
 def materialize_flow_base(weights: Path, target: Path | None, *, prefix: str, label: str,
                           modules: Callable[[dict], dict[str, Any]], model_index: Callable[[], dict]) -> Path:
     """Write a diffusers folder (fp32, tokenizer included) from a toy base's fp16 weights: `modules(configs)` gives

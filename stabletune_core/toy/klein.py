@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .flow_base import TEXT_LENGTH, in_memory_pipeline, load_flow_pipeline, materialize_flow_base, plain
+from .flow_base import TEXT_LENGTH, check_shipped, in_memory_pipeline, load_flow_pipeline, materialize_flow_base, plain
 
 WEIGHTS = Path(__file__).resolve().parent / "weights_flux2"
 __all__ = ["TEXT_LENGTH", "WEIGHTS", "load_toy_klein_pipeline", "materialize", "pipeline_of", "toy_klein_model"]
@@ -17,9 +17,7 @@ __all__ = ["TEXT_LENGTH", "WEIGHTS", "load_toy_klein_pipeline", "materialize", "
 
 def toy_klein_model(weights: Path = WEIGHTS) -> Path:
     """The shipped toy Klein base as a diffusers folder (built once per weights version, in the cache)."""
-    if not (weights / "manifest.json").is_file():
-        raise FileNotFoundError(f"The toy Klein base weights are missing from {weights}; rebuild them with "
-                                "`python -m stabletune_core.toy build --family flux2_klein`.")
+    check_shipped(weights, "The toy Klein", "flux2_klein")
     return materialize(weights)
 
 

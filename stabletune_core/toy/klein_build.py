@@ -9,8 +9,7 @@ as Klein's text encoder is) and Klein's scheduler.
 """
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+import functools
 
 import torch
 
@@ -77,8 +76,6 @@ TOY_KLEIN = FlowToy(family="flux2_klein", recipe=RECIPE, text_length=toy_klein.T
                     normalize=normalize, pipeline_of=toy_klein.pipeline_of, materialize=toy_klein.materialize,
                     load_pipeline=toy_klein.load_toy_klein_pipeline)
 
-
-def build(out: Path, **numbers: Any) -> dict:
-    """Train the toy Klein base (RECIPE, less the `numbers` given; `log=`) and write its shipped files and manifest
-    into `out`."""
-    return build_flow_toy(out, TOY_KLEIN, **numbers)
+#: build(out, **numbers): train the toy Klein base (RECIPE, less the numbers given; log=) and write its shipped files
+#: and manifest into `out`.
+build = functools.partial(build_flow_toy, toy=TOY_KLEIN)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .flow_base import TEXT_LENGTH, in_memory_pipeline, load_flow_pipeline, materialize_flow_base, plain
+from .flow_base import TEXT_LENGTH, check_shipped, in_memory_pipeline, load_flow_pipeline, materialize_flow_base, plain
 
 WEIGHTS = Path(__file__).resolve().parent / "weights_z_image"
 __all__ = ["TEXT_LENGTH", "WEIGHTS", "load_toy_z_image_pipeline", "materialize", "pipeline_of", "toy_z_image_model"]
@@ -17,9 +17,7 @@ __all__ = ["TEXT_LENGTH", "WEIGHTS", "load_toy_z_image_pipeline", "materialize",
 
 def toy_z_image_model(weights: Path = WEIGHTS) -> Path:
     """The shipped toy Z-Image base as a diffusers folder (built once per weights version, in the cache)."""
-    if not (weights / "manifest.json").is_file():
-        raise FileNotFoundError(f"The toy Z-Image base weights are missing from {weights}; rebuild them with "
-                                "`python -m stabletune_core.toy build --family z_image`.")
+    check_shipped(weights, "The toy Z-Image", "z_image")
     return materialize(weights)
 
 

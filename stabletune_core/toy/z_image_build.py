@@ -10,8 +10,7 @@ hidden state) and Z-Image's scheduler (a static shift of 3).
 """
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+import functools
 
 import torch
 
@@ -74,8 +73,6 @@ TOY_Z_IMAGE = FlowToy(family="z_image", recipe=RECIPE, text_length=toy_z_image.T
                       normalize=normalize, pipeline_of=toy_z_image.pipeline_of, materialize=toy_z_image.materialize,
                       load_pipeline=toy_z_image.load_toy_z_image_pipeline)
 
-
-def build(out: Path, **numbers: Any) -> dict:
-    """Train the toy Z-Image base (RECIPE, less the `numbers` given; `log=`) and write its shipped files and
-    manifest into `out`."""
-    return build_flow_toy(out, TOY_Z_IMAGE, **numbers)
+#: build(out, **numbers): train the toy Z-Image base (RECIPE, less the numbers given; log=) and write its shipped files
+#: and manifest into `out`.
+build = functools.partial(build_flow_toy, toy=TOY_Z_IMAGE)

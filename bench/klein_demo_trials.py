@@ -2,7 +2,8 @@
 demos (issues 23.5 and 21.4).
 
 The demo (`--family flux2_klein`, the default: `presets/demo-flux2-klein.toml` on the toy Klein base; `--family sd1`:
-`presets/demo.toml` on the toy SD 1.x base; either with the demo dataset: 12 purple shapes and the base's own images
+`presets/demo.toml` on the toy SD 1.x base; `--family z_image`: `presets/demo-z_image.toml` on the toy Z-Image base;
+each with the demo dataset: 12 purple shapes and the base's own images
 of the colours it knows), with `--set knob=value` overrides (TOML values), trains once in this process; its exported
 LoRA is then loaded into a fresh toy pipeline with diffusers' `load_lora_weights` and judged over 8 seeds per
 prompt (toy/evaluate.learning_report): purple's hue error in degrees against the run's own training images, each
@@ -63,8 +64,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="Folder of the trials (runs, base renders, table).")
     parser.add_argument("--name", required=True, help="The trial's name (its run folder under OUT/runs).")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KNOB=VALUE")
-    parser.add_argument("--family", choices=["flux2_klein", "sd1"], default="flux2_klein",
-                        help="which demo: the toy FLUX.2 Klein's or the toy SD 1.x's")
+    from stabletune_core.toy.bases import TOY_BASES
+
+    parser.add_argument("--family", choices=list(TOY_BASES), default="flux2_klein",
+                        help="which demo: the toy FLUX.2 Klein's, the toy SD 1.x's or the toy Z-Image's")
     args = parser.parse_args()
 
     import torch
@@ -74,12 +77,10 @@ def main() -> None:
     from stabletune_core.demo import demo_config
     from stabletune_core.toy.evaluate import SCORE_SEEDS, learning_report, render
     from stabletune_core.toy.judge import concept_reference, learning_summary
-    from stabletune_core.toy import load_toy_pipeline
-    from stabletune_core.toy.klein import load_toy_klein_pipeline
     from stabletune_core.toy.world import CONCEPT_COLOR, base_prompts, concept_prompts
 
     torch.set_num_threads(1)  # the toy models are dispatch-bound (train/threads.py)
-    load_pipeline = load_toy_klein_pipeline if args.family == "flux2_klein" else load_toy_pipeline
+    load_pipeline = TOY_BASES[args.family].pipeline
     overrides = parse_overrides(args.overrides)
     run_dir = args.out / "runs" / args.name
     if run_dir.exists():

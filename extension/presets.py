@@ -16,7 +16,7 @@ except ModuleNotFoundError:  # pragma: no cover - depends on the host
 # base's own images), as `python -m stabletune_core demo --family F --concept C` does (demo.demo_preset).
 DEMO_PRESET = "demo"
 DEMO_PRESETS = {DEMO_PRESET: ("sd1", "colour"), "demo-shape": ("sd1", "shape"),
-                "demo-flux2-klein": ("flux2_klein", "colour")}
+                "demo-flux2-klein": ("flux2_klein", "colour"), "demo-z_image": ("z_image", "colour")}
 
 
 def list_presets(folder: Path) -> list[str]:

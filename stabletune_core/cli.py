@@ -55,7 +55,8 @@ def run_command(argv: list[str] | None = None) -> int:
     demo.add_argument("--network_type", "--network-type", "--algo", choices=("lora", "loha", "lokr"), default="lora",
                       help="Adapter kind to train (LoHa and LoKr get the higher learning rates they need).")
     demo.add_argument("--family", "--model_family", "--model-family", default="sd1",
-                      help="Which toy base learns: 'sd1' (a tiny SD 1.x) or 'flux2_klein' (a tiny FLUX.2 Klein).")
+                      help="Which toy base learns: 'sd1' (a tiny SD 1.x), 'flux2_klein' (a tiny FLUX.2 Klein) or "
+                      "'z_image' (a tiny Z-Image).")
     demo.add_argument("--concept", default="colour", help="What the toy base learns: 'colour' (purple, which it "
                       "never saw) or 'shape' (rings, which it never drew, in the colours it knows).")
     demo.add_argument("--concept-images", "--concept_images", default=None, metavar="FOLDER",

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     m.set_defaults(handler=memory)
 
     d = commands.add_parser("demo-assets", help="Build (once) and print the demo model and dataset paths.")
-    d.add_argument("--family", required=True, help="Whose toy base: sd1 or flux2_klein.")
+    d.add_argument("--family", required=True, help="Whose toy base: sd1, flux2_klein or z_image.")
     d.add_argument("--concept", required=True, help="What the demo learns: colour or shape.")
     d.set_defaults(handler=demo_assets)
 

@@ -711,7 +711,7 @@ RUN_FOLDER_PATTERNS = (r"step_\{", r"_s\{[^}]*\}\.png", r"\}(-ema|_best|_diffuse
                        r"\.(tmp|old)_\{")
 RUN_FOLDERS = ("samples", "checkpoints", "output", "diagnostics", "grids", "tensorboard", "cache")
 #: Same words, other folders: the shipped toy bases' own manifest.json, torch hub's checkpoints/.
-NOT_THE_RUN = {("stabletune_core/toy/__init__.py", "manifest.json"), ("stabletune_core/toy/klein.py", "manifest.json"),
+NOT_THE_RUN = {("stabletune_core/toy/__init__.py", "manifest.json"), ("stabletune_core/toy/flow_base.py", "manifest.json"),
                ("stabletune_core/toy/build.py", "manifest.json"), ("stabletune_core/train/perceptual.py", "checkpoints")}
 
 

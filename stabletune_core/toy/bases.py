@@ -7,6 +7,7 @@ teaches it the held-out concept.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,29 +57,33 @@ def _sd1_build(out: Path | None, steps: BuildSteps, log: Callable[[str], None]) 
                  **({"unet_steps": steps.denoiser_steps} if steps.denoiser_steps else {}), log=log)
 
 
-def _klein_model() -> Path:
-    from .klein import toy_klein_model
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """toy/MODULE's function NAME, imported when first called (listing the toy bases loads no model code)."""
+    def call(*args: Any) -> Any:
+        return getattr(import_module(f".{module}", __package__), name)(*args)
 
-    return toy_klein_model()
-
-
-def _klein_pipeline(model: Path) -> Any:
-    from .klein import load_toy_klein_pipeline
-
-    return load_toy_klein_pipeline(model)
+    call.__name__ = call.__qualname__ = f"{module}.{name}"
+    return call
 
 
-def _klein_build(out: Path | None, steps: BuildSteps, log: Callable[[str], None]) -> Any:
-    from .klein_build import build, default_out
+def _flow_build(module: str) -> Callable[[Path | None, BuildSteps, Callable[[str], None]], Any]:
+    """The build of a transformer family's toy base (toy/flow_build.py, the family's piece in toy/MODULE)."""
+    def build(out: Path | None, steps: BuildSteps, log: Callable[[str], None]) -> Any:
+        piece = import_module(f".{module}", __package__)
+        return piece.build(out or piece.WEIGHTS, **({"vae_steps": steps.vae_steps} if steps.vae_steps else {}),
+                           **({"transformer_steps": steps.denoiser_steps} if steps.denoiser_steps else {}), log=log)
 
-    return build(out or default_out(), **({"vae_steps": steps.vae_steps} if steps.vae_steps else {}),
-                 **({"transformer_steps": steps.denoiser_steps} if steps.denoiser_steps else {}), log=log)
+    return build
 
 
 TOY_BASES: dict[str, ToyBase] = {
     "sd1": ToyBase("sd1", "the toy base model (SD 1.x)", "demo.toml", _sd1_model, _sd1_pipeline, _sd1_build),
-    "flux2_klein": ToyBase("flux2_klein", "the toy FLUX.2 Klein base", "demo-flux2-klein.toml", _klein_model,
-                           _klein_pipeline, _klein_build, prior_images_per_prompt=4),
+    "flux2_klein": ToyBase("flux2_klein", "the toy FLUX.2 Klein base", "demo-flux2-klein.toml",
+                           _lazy("klein", "toy_klein_model"), _lazy("klein", "load_toy_klein_pipeline"),
+                           _flow_build("klein_build"), prior_images_per_prompt=4),
+    "z_image": ToyBase("z_image", "the toy Z-Image base", "demo-z_image.toml", _lazy("z_image", "toy_z_image_model"),
+                       _lazy("z_image", "load_toy_z_image_pipeline"), _flow_build("z_image_build"),
+                       prior_images_per_prompt=4),
 }
 
 
@@ -86,5 +91,5 @@ def unknown_family_sentence(family: str) -> str | None:
     """One sentence when `family` has no toy base (None when it has one)."""
     if family in TOY_BASES:
         return None
-    return (f"There is no toy base of model family {family!r}: choose "
-            f"{' or '.join(repr(name) for name in TOY_BASES)}.")
+    *others, last = (repr(name) for name in TOY_BASES)
+    return f"There is no toy base of model family {family!r}: choose {', '.join(others)} or {last}."

@@ -1,54 +1,31 @@
-"""Build the toy FLUX.2 Klein base: a tiny real-layout Klein that has really learned the toy world.
+"""The toy FLUX.2 Klein base's part of the transformer families' toy build (toy/flow_build.py): its components and
+how its latents are normalised.
 
     python -m stabletune_core.toy build --family flux2_klein [--out DIR] [--vae-steps N] [--unet-steps N]
 
-The same world as the SD 1.x toy base (world.py), the same judge (score.py, evaluate.py), the same recipe in the
-Klein's own terms: an AutoencoderKLFlux2 codec is trained first on shapes in *any* colour (so it can draw the held-out
-concept once a LoRA asks for it), with build.py's codec loss, and its latent batch norm gets the statistics of the
-toy world's patchified latents; then the Flux2Transformer2DModel learns the base vocabulary (every base colour x
-shape, never the concept colour) with the family's own flow-matching objective (models/flow_matching.py, through
-the family face: text encoding, latents, conditioning, noise path, target and loss are the ones a LoRA run uses),
-conditioned by the tiny Qwen3 of models/flux2_klein/tiny.py, which stays at its seeded random initialisation (frozen, as
-Klein's text encoder is). The shipped weights are the transformer's exponential moving average, in fp16, with the
-tokenizer files; `manifest.json` records the seed, steps, final losses, scores, the build's CPU seconds and the
-sha256 of every shipped file.
+An AutoencoderKLFlux2 codec whose latent batch norm gets the statistics of the toy world's patchified latents, a
+Flux2Transformer2DModel of two double and two single blocks, the tiny Qwen3 of models/flux2_klein/tiny.py (frozen,
+as Klein's text encoder is) and Klein's scheduler.
 """
 from __future__ import annotations
 
-import copy
-import json
-import math
-import time
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Callable
+import functools
 
-import numpy as np
 import torch
 
-from .build import BUILD_SEED, pixels, train_vae, write_manifest
-from .klein import TEXT_LENGTH
-from .world import BASE_COLORS, SHAPES, base_scenes, draw_scene
+from . import klein as toy_klein
+from .build import BUILD_SEED
+from .flow_build import FlowToy, Recipe, loud_token_embeddings
+from .flow_build import build as build_flow_toy
 
-WEIGHTS = Path(__file__).resolve().parent / "weights_flux2"
+WEIGHTS = toy_klein.WEIGHTS
 #: Wider than the tests' random tiny Klein (models/flux2_klein/tiny.py), for the reason build.py's TOY_VAE_CONFIG gives:
 #: one channel per norm group erases colour ratios; four per group keep colours apart.
 TOY_VAE_CONFIG = dict(block_out_channels=(16, 32, 32, 32), norm_num_groups=4)
 TOY_TRANSFORMER_CONFIG = dict(num_attention_heads=4)  # 64 wide (4 heads of 16); two double, two single blocks
-SHIPPED_FILES = ("transformer.safetensors", "vae.safetensors", "text_encoder.safetensors")
-#: The tests' random Qwen3 draws its token embeddings at std 0.02 (Qwen3's initializer_range): its hidden states are
-#: then ~0.02 wide and mostly what its random attention mixed in, so the prompt reached the transformer as a faint,
-#: diffuse signal; a first build (1800 steps) drew "a red circle" and "a red square" alike and "a purple circle"
-#: yellow. Token embeddings of std 1 carry each word's identity through the residual stream at its own position,
-#: as loud as a trained encoder's hidden states are.
-TEXT_EMBEDDING_STD = 1.0
-CFG_DROPOUT = 0.1  # empty captions, for classifier-free guidance (the pipeline's negative prompt is "")
-#: The family's objective with logit-normal sigmas (diffusers' Klein script's --weighting_scheme logit_normal): more
-#: draws mid-schedule, where the shape is decided. Trials at 32 text tokens, 3000 steps of 32, 4 seeds per prompt
-#: (kleinbase report): uniform lr 1e-3 right 48 % (shape 65 %), logit-normal 48 % (shape 73 %), logit-normal at lr
-#: 2e-3 79 % (shape 96 %).
-OBJECTIVE_OPTIONS = SimpleNamespace(flow_shift=None, weighting_scheme="logit_normal", logit_mean=0.0, logit_std=1.0,
-                                    mode_scale=1.29)
+#: The shipped v3 base's numbers (weights_flux2/manifest.json): 1500 codec steps, 10000 transformer steps of 32.
+RECIPE = Recipe(vae_steps=1500, vae_batch=16, transformer_steps=10000, transformer_batch=32, transformer_lr=2e-3,
+                scenes_per_combo=256, eval_seeds=8, ema_max_decay=0.998, evaluate_every=2500)
 
 
 def toy_components(seed: int = BUILD_SEED) -> dict:
@@ -58,10 +35,7 @@ def toy_components(seed: int = BUILD_SEED) -> dict:
     from ..models.flux2_klein.tiny import TRANSFORMER_CONFIG, VAE_CONFIG, build_tiny_klein_components
 
     parts = build_tiny_klein_components(seed)  # the frozen random Qwen3, its tokenizer, Klein's scheduler
-    embeddings = parts["text_encoder"].get_input_embeddings().weight
-    with torch.no_grad():  # see TEXT_EMBEDDING_STD
-        embeddings.copy_(TEXT_EMBEDDING_STD * torch.randn(embeddings.shape,
-                                                          generator=torch.Generator().manual_seed(seed + 13)))
+    loud_token_embeddings(parts["text_encoder"], seed)
     torch.manual_seed(seed + 11)
     parts["transformer"] = Flux2Transformer2DModel(**{**TRANSFORMER_CONFIG, **TOY_TRANSFORMER_CONFIG})
     torch.manual_seed(seed + 12)
@@ -79,150 +53,29 @@ def bundle_of(parts: dict):
                        text_encoders=[parts["text_encoder"]], tokenizers=[parts["tokenizer"]],
                        noise_scheduler=parts["scheduler"], source="toy-klein",
                        extra={"distillation": Distillation("base", "the toy build trains the base"),
-                              "max_sequence_length": TEXT_LENGTH})
+                              "max_sequence_length": toy_klein.TEXT_LENGTH})
 
 
-@torch.no_grad()
-def set_latent_statistics(vae, scenes: list, batch: int = 128) -> torch.Tensor:
-    """Give the VAE's latent batch norm the mean and variance of the toy world's patchified latents (the mode, as
-    the family encodes); returns the raw latents of `scenes`."""
+def set_latent_statistics(vae, raw: torch.Tensor) -> None:
+    """Give the VAE's latent batch norm the mean and variance of the toy world's patchified latents."""
     from ..models.flux2_klein.family import patchify
 
-    raws = [vae.encode(pixels([draw_scene(s) for s in scenes[i:i + batch]])).latent_dist.mode()
-            for i in range(0, len(scenes), batch)]
-    raw = torch.cat(raws)
     packed = patchify(raw)
     vae.bn.running_mean.copy_(packed.mean(dim=(0, 2, 3)))
     vae.bn.running_var.copy_(packed.var(dim=(0, 2, 3)))
-    return raw
 
 
-@torch.no_grad()
-def codec_hue_error(vae, per_colour: int = 8) -> float:
-    """Mean hue distance in degrees between drawn toy images (every colour, concept included) and the codec's
-    reconstruction of them (the mode): how much colour the VAE alone loses."""
-    from .score import hue_distance, judge
-    from .world import ALL_COLORS, Scene
-
-    scenes = [Scene(c, SHAPES[i % len(SHAPES)], 90_000 + i) for c in ALL_COLORS for i in range(per_colour)]
-    x = pixels([draw_scene(s) for s in scenes])
-    recon = vae.decode(vae.encode(x).latent_dist.mode()).sample
-    images = ((recon.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
-    from PIL import Image
-
-    errors = [hue_distance(judge(draw_scene(s)).hue, judge(Image.fromarray(im)).hue) for s, im in zip(scenes, images)]
-    return float(np.mean(errors))
-
-
-def train_transformer(bundle, latents: torch.Tensor, cond: torch.Tensor, labels: torch.Tensor, steps: int,
-                      batch: int, log: Callable[[str], None], lr: float = 1e-3, ema_max_decay: float = 0.999,
-                      evaluate: Callable[[object, int], None] | None = None, objective_options=OBJECTIVE_OPTIONS,
-                      cfg_dropout: float = CFG_DROPOUT, evaluate_every: int = 600) -> tuple[object, float]:
-    """Flow-matching training of the transformer on normalised latents, with CFG_DROPOUT empty captions; returns
-    the transformer's EMA copy and the final mean loss. `cond` holds one row per caption, the empty one last;
-    `objective_options` are the TrainConfig knobs of the family's objective (weighting_scheme, ...)."""
-    transformer = bundle.denoiser
-    objective = bundle.family.objective(bundle, objective_options)
-    generator = torch.Generator().manual_seed(BUILD_SEED + 21)
-    ema = copy.deepcopy(transformer).requires_grad_(False)
-    transformer.requires_grad_(True).train()
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0)
-    warmup = 100
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
-    empty = len(cond) - 1
-    losses = []
-    for step in range(steps):
-        pick = torch.randint(0, len(latents), (batch,), generator=generator)
-        clean = latents[pick]
-        noisy, noise, timesteps = objective.add_noise(clean, generator)
-        rows = labels[pick].clone()
-        rows[torch.rand(batch, generator=generator) < cfg_dropout] = empty
-        conditioning = bundle.family.make_conditioning(bundle, {"prompt_embeds": cond[rows]})
-        prediction = objective.predict(transformer, noisy, timesteps, conditioning)
-        loss = objective.loss(prediction, objective.target(clean, noise, timesteps), timesteps).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        decay = min(ema_max_decay, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for e, p in zip(ema.parameters(), transformer.parameters()):
-                e.lerp_(p, 1 - decay)
-        losses.append(float(loss))
-        if step % 100 == 0 or step == steps - 1:
-            log(f"transformer step {step}/{steps} loss {np.mean(losses[-100:]):.4f} "
-                f"lr {schedule.get_last_lr()[0]:.2e}")
-        if evaluate and step and step % evaluate_every == 0:
-            evaluate(ema, step)
-    transformer.requires_grad_(False).eval()
-    return ema, float(np.mean(losses[-200:]))
-
-
-def build(out: Path, *, vae_steps: int = 1500, vae_batch: int = 16, transformer_steps: int = 10000,
-          transformer_batch: int = 32, transformer_lr: float = 2e-3, scenes_per_combo: int = 256, eval_seeds: int = 8,
-          ema_max_decay: float = 0.998, log: Callable[[str], None] = print) -> dict:
-    """Train the toy Klein base and write its shipped files and manifest into `out`."""
-    from safetensors.torch import save_file
-
-    from . import klein as toy_klein
-    from .evaluate import base_report
-
-    torch.set_num_threads(1)  # the tiny model is dispatch-bound: one thread is fastest on shared cores
-    started, cpu_started = time.time(), time.process_time()
-    parts = toy_components(BUILD_SEED)
-    vae = parts["vae"]
-    vae_loss = train_vae(vae, vae_steps, vae_batch, log)  # build.py's codec recipe, any colour, every shape
-    codec = codec_hue_error(vae)
-    log(f"codec: reconstructed hue error {codec:.1f} deg (mean over the base and concept colours)")
-
-    scenes = base_scenes(scenes_per_combo * len(BASE_COLORS) * len(SHAPES), seed=BUILD_SEED + 5)
-    raw = set_latent_statistics(vae, scenes)
-    bundle = bundle_of(parts)
+def normalize(vae, raw: torch.Tensor) -> torch.Tensor:
     from ..models.flux2_klein.family import normalize_latents
 
-    latents = normalize_latents(vae, raw).float()
-    log(f"latent bank: {len(scenes)} scenes, normalised latents {tuple(latents.shape)}")
-
-    captions = sorted({s.caption for s in scenes})
-    with torch.no_grad():
-        cond = bundle.family.encode_text(bundle, captions + [""])["prompt_embeds"].float()
-    labels = torch.tensor([captions.index(s.caption) for s in scenes])
-
-    def evaluate(ema, step: int) -> None:
-        report = base_report(toy_klein.pipeline_of({**parts, "transformer": ema}), seeds_per_prompt=2)
-        log(f"  eval at step {step}: right {report['base_right']:.0%} (colour within "
-            f"{report['color_tolerance_deg']:.0f} deg {report['base_color_score']:.0%}, shape "
-            f"{report['base_shape_score']:.0%}), base hue error {report['base_hue_error']:.1f} deg, concept "
-            f"{report['concept_hue_error']:.0f} deg off")
-
-    ema, transformer_loss = train_transformer(bundle, latents, cond, labels, transformer_steps, transformer_batch,
-                                              log, lr=transformer_lr, ema_max_decay=ema_max_decay, evaluate=evaluate,
-                                              evaluate_every=2500)
-
-    out.mkdir(parents=True, exist_ok=True)
-    for name, module in (("transformer", ema), ("vae", vae), ("text_encoder", parts["text_encoder"])):
-        state = {k: v.detach().to(torch.float16).contiguous() for k, v in module.state_dict().items()
-                 if k != "lm_head.weight"}  # Qwen3's lm_head is tied to its embeddings
-        save_file(state, str(out / f"{name}.safetensors"), metadata={"format": "pt"})
-    configs = {"transformer": dict(ema.config), "vae": dict(vae.config),
-               "text_encoder": parts["text_encoder"].config.to_dict(), "scheduler": dict(parts["scheduler"].config)}
-    (out / "configs.json").write_text(json.dumps(configs, indent=1, default=list))
-    parts["tokenizer"].save_pretrained(str(out / "tokenizer"))
-
-    model = toy_klein.materialize(out)  # what users and tests load: the shipped fp16 weights, as an fp32 folder
-    report = base_report(toy_klein.load_toy_klein_pipeline(model), seeds_per_prompt=eval_seeds)
-    recipe = {
-        "family": "flux2_klein", "seed": BUILD_SEED, "vae_steps": vae_steps, "vae_batch": vae_batch,
-        "transformer_steps": transformer_steps, "transformer_batch": transformer_batch, "transformer_lr": transformer_lr,
-        "scenes_per_combo": scenes_per_combo, "ema_max_decay": ema_max_decay, "max_sequence_length": TEXT_LENGTH,
-        "objective": vars(OBJECTIVE_OPTIONS), "cfg_dropout": CFG_DROPOUT,
-        "final_vae_loss": round(vae_loss, 5), "codec_hue_error_deg": round(codec, 2),
-        "final_transformer_loss": round(transformer_loss, 5),
-    }
-    return write_manifest(out, recipe, report, SHIPPED_FILES, started, cpu_started, log)
+    return normalize_latents(vae, raw)
 
 
-def default_out() -> Path:
-    return WEIGHTS
+TOY_KLEIN = FlowToy(family="flux2_klein", recipe=RECIPE, text_length=toy_klein.TEXT_LENGTH,
+                    components=toy_components, bundle_of=bundle_of, set_latent_statistics=set_latent_statistics,
+                    normalize=normalize, pipeline_of=toy_klein.pipeline_of, materialize=toy_klein.materialize,
+                    load_pipeline=toy_klein.load_toy_klein_pipeline)
+
+#: build(out, **numbers): train the toy Klein base (RECIPE, less the numbers given; log=) and write its shipped files
+#: and manifest into `out`.
+build = functools.partial(build_flow_toy, toy=TOY_KLEIN)

@@ -84,16 +84,20 @@ def build_tiny_z_image_components(seed: int = 0) -> dict:
 def build_tiny_z_image(out_dir: Path, seed: int = 0) -> Path:
     """Write a complete tiny Z-Image diffusers folder (as Tongyi-MAI/Z-Image lays it out) and return its path; name
     the folder ``...Turbo...`` for a tiny Turbo."""
-    import diffusers
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     parts = build_tiny_z_image_components(seed)
     for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
         parts[name].save_pretrained(str(out_dir / name))
-    index = {"_class_name": "ZImagePipeline", "_diffusers_version": diffusers.__version__,
-             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": ["transformers",
-             "Qwen3ForCausalLM"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-             "transformer": ["diffusers", "ZImageTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}
-    (out_dir / "model_index.json").write_text(json.dumps(index, indent=2))
+    (out_dir / "model_index.json").write_text(json.dumps(model_index(), indent=2))
     return out_dir
+
+
+def model_index() -> dict:
+    """The model_index.json of a Z-Image diffusers folder (Tongyi-MAI/Z-Image's classes)."""
+    import diffusers
+
+    return {"_class_name": "ZImagePipeline", "_diffusers_version": diffusers.__version__,
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": ["transformers",
+            "Qwen3ForCausalLM"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+            "transformer": ["diffusers", "ZImageTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}

@@ -73,9 +73,10 @@ def draw_any_hue_batch(rng: random.Random, size: int) -> torch.Tensor:
 
 def train_vae(vae, steps: int, batch: int, log: Callable[[str], None],
               draw: Callable[[random.Random, int], torch.Tensor] | None = None,
-              mean_colour_weight: float = 0.0) -> float:
-    """The codec's first stage, encoder and decoder; `draw` (default draw_vae_batch) makes its batches and
-    `mean_colour_weight` weighs a term on the object's mean colour error (see polish_decoder)."""
+              mean_colour_weight: float = 0.0, edge_weight: float = 0.0) -> float:
+    """The codec's first stage, encoder and decoder; `draw` (default draw_vae_batch) makes its batches,
+    `mean_colour_weight` weighs a term on the object's mean colour error (see polish_decoder) and `edge_weight` the
+    object's outline (codec.edge_band)."""
     draw = draw or draw_vae_batch
     rng = random.Random(BUILD_SEED + 11)
     optimizer = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
@@ -86,7 +87,7 @@ def train_vae(vae, steps: int, batch: int, log: Callable[[str], None],
         x = draw(rng, batch)
         posterior = vae.encode(x).latent_dist
         recon = vae.decode(posterior.sample()).sample
-        loss = reconstruction_loss(x, recon - x, mean_colour_weight) + 1e-6 * posterior.kl().mean()
+        loss = reconstruction_loss(x, recon - x, mean_colour_weight, edge_weight) + 1e-6 * posterior.kl().mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -220,10 +221,11 @@ VAE_IMAGES = ("named", "hue_circle")
 
 def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_steps: int = 300,
           unet_steps: int = 3200, unet_batch: int = 64, scenes_per_combo: int = 256, vae_images: str = "named",
-          vae_polish_edge_weight: float = 0.0, vae_polish_mean_latents: bool = False,
+          vae_edge_weight: float = 0.0, vae_polish_edge_weight: float = 0.0, vae_polish_mean_latents: bool = False,
           unet_posterior_spread: float = 1.0, log: Callable[[str], None] = print) -> dict:
-    """Train the toy base and write its shipped files and manifest into `out` (`vae_images`: VAE_IMAGES; the
-    polish's `edge_weight` and `mean_latents`: polish_decoder's; `unet_posterior_spread`: train_unet's)."""
+    """Train the toy base and write its shipped files and manifest into `out` (`vae_images`: VAE_IMAGES;
+    `vae_edge_weight`: train_vae's `edge_weight`; the polish's `edge_weight` and `mean_latents`: polish_decoder's;
+    `unet_posterior_spread`: train_unet's)."""
     from safetensors.torch import save_file
 
     from ..models.sd.tiny import TEXT_ENCODER_CONFIG, UNET_CONFIG, VAE_CONFIG, build_tiny_components
@@ -242,7 +244,8 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
     hue_circle = vae_images == "hue_circle"
     draw = draw_any_hue_batch if hue_circle else None
     mean_colour_weight = VAE_MEAN_COLOUR_WEIGHT if hue_circle else 0.0
-    vae_loss = train_vae(vae, vae_steps, vae_batch, log, draw=draw, mean_colour_weight=mean_colour_weight)
+    vae_loss = train_vae(vae, vae_steps, vae_batch, log, draw=draw, mean_colour_weight=mean_colour_weight,
+                         edge_weight=vae_edge_weight)
     polish_loss = (polish_decoder(vae, vae_polish_steps, vae_batch, log, draw=draw,
                                   edge_weight=vae_polish_edge_weight, mean_latents=vae_polish_mean_latents)
                    if vae_polish_steps else vae_loss)
@@ -285,7 +288,8 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
     recipe = {
         "seed": BUILD_SEED, "vae_steps": vae_steps, "vae_batch": vae_batch, "vae_polish_steps": vae_polish_steps,
         "vae_polish_edge_weight": vae_polish_edge_weight, "vae_polish_mean_latents": vae_polish_mean_latents,
-        "vae_images": vae_images, "vae_mean_colour_weight": mean_colour_weight, "unet_steps": unet_steps,
+        "vae_images": vae_images, "vae_mean_colour_weight": mean_colour_weight,
+        "vae_edge_weight": vae_edge_weight, "unet_steps": unet_steps,
         "unet_posterior_spread": unet_posterior_spread,
         "unet_batch": unet_batch, "scenes_per_combo": scenes_per_combo, "min_snr_gamma": MIN_SNR_GAMMA,
         "final_vae_loss": round(vae_loss, 5), "final_vae_polish_loss": round(polish_loss, 5),

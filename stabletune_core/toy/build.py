@@ -214,8 +214,9 @@ def train_unet(unet, scheduler, latents: tuple[torch.Tensor, torch.Tensor], scal
 
 
 #: The codec's training images: "named" (the shipped base's: draw_vae_batch, the first stage without the mean-colour
-#: term) or "hue_circle" (any hue, the mean-colour term from the start: every hue within 3 degrees, but its denoiser
-#: at the shipped recipe drew shapes worse, 86.5 % against 100 %, so it is not shipped yet; bench/RESULTS.md).
+#: term) or "hue_circle" (any hue, the mean-colour term from the start). Not the default yet: with vae_edge_weight=16,
+#: a 1500-step polish (edge weight 8, on the means) and the denoiser on the means (unet_posterior_spread=0) the base
+#: scores 100 % right and every hue within 2.7 deg, but the SD demo's recipe misses on it (bench/RESULTS.md).
 VAE_IMAGES = ("named", "hue_circle")
 
 

@@ -23,7 +23,10 @@ def test_rebuild_matches_the_shipped_manifest(tmp_path):
                     vae_polish_steps=shipped.get("vae_polish_steps", 0),
                     unet_steps=shipped["unet_steps"], unet_batch=shipped["unet_batch"],
                     scenes_per_combo=shipped["scenes_per_combo"], vae_images=shipped.get("vae_images", "named"),
-                    log=lambda message: None)
+                    vae_edge_weight=shipped.get("vae_edge_weight", 0.0),
+                    vae_polish_edge_weight=shipped.get("vae_polish_edge_weight", 0.0),
+                    vae_polish_mean_latents=shipped.get("vae_polish_mean_latents", False),
+                    unet_posterior_spread=shipped.get("unet_posterior_spread", 1.0), log=lambda message: None)
     for key in ("final_vae_loss", "final_unet_loss"):
         assert rebuilt[key] == pytest.approx(shipped[key], rel=LOSS_TOLERANCE), key
     assert rebuilt["scores"]["base_right"] >= 0.95  # colour within 6 degrees and right shape, 8 seeds

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 
 from bench_scripts import load_bench
-from stabletune_core.toy.codec import HUE_STEP, hue_circle_floor, hue_scenes, round_trip
+from stabletune_core.toy.codec import (HUE_STEP, edge_band, hue_circle_floor, hue_scenes, reconstruction_loss,
+                                       round_trip, shape_keeping)
 from stabletune_core.toy.score import hue_distance, judge
 from stabletune_core.toy.world import draw_scene
 
 WORST_HUE_DEG = 3.0  # the issue's "within a couple of degrees", at every hue in 10-degree steps
+SHAPES_KEPT = 0.9  # per base colour and shape: the base's denoiser must draw 99 % of its shapes right through it
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,28 @@ def test_the_shipped_codec_carries_every_hue_within_three_degrees(shipped_vae):
     floor = hue_circle_floor(round_trip(shipped_vae))
     worst = max(floor, key=floor.get)
     assert floor[worst] <= WORST_HUE_DEG, f"hue {worst} comes back {floor[worst]:.1f} deg off"
+
+
+def test_the_shipped_codec_gives_back_every_base_shape(shipped_vae):
+    """A codec that carries every hue but rounds squares off is no base: its denoiser drew 86.5 % of the base shapes
+    right (cyan squares 0 %) where v3's draws 100 % (bench/RESULTS.md)."""
+    kept = shape_keeping(round_trip(shipped_vae))
+    assert min(kept.values()) >= SHAPES_KEPT, kept
+    assert shape_keeping(lambda image: image)["green square"] == 1.0  # the measure reads drawn shapes right
+
+
+def test_the_edge_term_weighs_the_outline_of_the_object():
+    import torch
+
+    x = torch.full((1, 3, 16, 16), 0.8)
+    x[:, :, 4:12, 4:12] = torch.tensor([-0.7, 0.3, -0.6]).view(1, 3, 1, 1)  # a green square on a pale ground
+    saturated = ((x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) > 0.5).float()
+    band = edge_band(saturated)[0, 0]
+    assert band[8, 8] == 0 and band[0, 0] == 0 and band[4, 4] == 1 and band[2, 8] == 1 and band[5, 8] == 1
+    corner, centre = torch.zeros_like(x), torch.zeros_like(x)
+    corner[:, :, 4, 4], centre[:, :, 8, 8] = 0.5, 0.5  # the same error on a corner pixel and a central one
+    assert reconstruction_loss(x, corner) == reconstruction_loss(x, centre)
+    assert reconstruction_loss(x, corner, edge_weight=16) > 2 * reconstruction_loss(x, centre, edge_weight=16)
 
 
 def test_the_bench_table_has_a_row_per_hue_and_the_suite_colours():

@@ -186,6 +186,13 @@ class ModelFamily(Protocol):
         `generator`, or the posterior mean without one."""
         ...
 
+    def normalize_raw_latents(self, bundle: ModelBundle, raw: torch.Tensor) -> torch.Tensor:
+        """The VAE's own latents (a posterior sample or mode) to what the denoiser trains on, fp32: what
+        `encode_latents` does after encoding (SD, Z-Image: this module's `normalize_latents`, from the VAE's config;
+        FLUX.2 Klein: patchified, then its batch norm's statistics). The toy build asks it of latents it encoded
+        once for the whole latent bank (toy/flow_build.py)."""
+        ...
+
     def decode_latents(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
         """The inverse of `encode_latents`: latents (any dtype) to images in [-1, 1], in the VAE's dtype."""
         ...

@@ -561,7 +561,12 @@ class Flux2Klein:
         same with and without a latent cache."""
         vae = bundle.vae
         raw = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        return normalize_latents(vae, raw).float()
+        return self.normalize_raw_latents(bundle, raw)
+
+    def normalize_raw_latents(self, bundle: ModelBundle, raw: torch.Tensor) -> torch.Tensor:
+        """Patchified, then normalised by the VAE's latent batch norm's statistics (this module's
+        normalize_latents), fp32."""
+        return normalize_latents(bundle.vae, raw).float()
 
     def decode_latents(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
         """The inverse of encode_latents, in the VAE's dtype; gradients flow when the caller allows them (the

@@ -250,7 +250,11 @@ class ZImage:
                        generator: torch.Generator | None = None) -> torch.Tensor:
         """Pixels in [-1, 1] -> normalised latents, fp32: the VAE's mode (`generator` is not drawn from)."""
         vae = bundle.vae
-        return normalize_latents(vae, vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
+        return self.normalize_raw_latents(bundle, vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
+
+    def normalize_raw_latents(self, bundle: ModelBundle, raw: torch.Tensor) -> torch.Tensor:
+        """(z - shift) x scaling, the VAE config's shift and scaling factors (models/base.py normalize_latents)."""
+        return normalize_latents(bundle.vae, raw)
 
     def decode_latents(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
         vae = bundle.vae

@@ -283,7 +283,7 @@ class Flux2Klein:
     tokenizer_parts = ("tokenizer",)
     diffusers_pipeline_class = "Flux2KleinPipeline"
     diffusers_lora_layers_argument = "transformer_lora_layers"  # the save_lora_weights argument for the denoiser
-    diffusers_lora_key_names = "peft"  # lora_A / lora_B, as diffusers' Klein script saves (see lora/export.py)
+    diffusers_lora_uses_peft_names = True  # lora_A / lora_B, as diffusers' Klein script saves (see lora/export.py)
     denoiser_has_convolutions = False  # the transformer's layers are all Linear
     single_file_merges_into_folder = False  # the shipped config trees hold no tokenizer
 

@@ -39,7 +39,7 @@ class SD1:
     single_file_merges_into_folder = True  # with the shipped configs/
     fused_lora_export = None  # one kohya name per module
     diffusers_pipeline_class = "StableDiffusionPipeline"
-    diffusers_lora_key_names = "diffusers"
+    diffusers_lora_uses_peft_names = False  # diffusers' own names: lora.up / lora.down
     diffusers_lora_layers_argument = "unet_lora_layers"
     denoiser_name = "UNet"
     denoiser_folder = "unet"

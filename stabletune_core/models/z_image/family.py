@@ -135,7 +135,7 @@ class ZImage:
     tokenizer_parts = ("tokenizer",)
     diffusers_pipeline_class = PIPELINE_CLASS
     diffusers_lora_layers_argument = "transformer_lora_layers"
-    diffusers_lora_key_names = "peft"  # lora_A / lora_B with alpha folded, as for FLUX.2 Klein (lora/export.py)
+    diffusers_lora_uses_peft_names = True  # lora_A / lora_B with alpha folded, as for FLUX.2 Klein (lora/export.py)
     # kohya files: "diffusion_model." + the diffusers module path (kohya_denoiser_name)
     fused_lora_export = None  # one kohya name per module
     denoiser_has_convolutions = False  # the transformer's layers are all Linear

@@ -27,10 +27,10 @@
 #   klein_9b_nf4_swap16   120  rest     the 9B's 8 GB plan (nf4 + 16 blocks swapped) at 1024 px
 #   compare_peer          130  rest     bench/compare_peer.py --gpu: it/s, peak VRAM, largest batch at 512 px (SD 1.5)
 #   cache_memory          100  rest     bench/cache_memory.py: peak VRAM and time to step 1 with caches
-#   klein_peer            240  only when KLEIN_PEER_SCRIPT names diffusers' train_dreambooth_lora_flux2_klein.py
+#   klein_4b_peer         240  only when KLEIN_PEER_SCRIPT names diffusers' train_dreambooth_lora_flux2_klein.py
 #                                       (and KLEIN_PEER_PYTHONPATH, if given, a folder with its `datasets`) and the
 #                                       section is named: klein_4b also writes the random 4B as a diffusers folder,
-#                                       and bench/klein_peer.py runs StableTune and the example on it at 512 px,
+#                                       and bench/transformer_peer.py runs StableTune and the example on it at 512 px,
 #                                       batch 1, bf16 + GC, rank 16: first step, s/step, peak CUDA memory, ratios
 #
 # Which Python: $PYTHON if set, else .venv/bin/python when it exists, else python3. It needs the packages of
@@ -56,7 +56,7 @@ klein_4b_nf4 50 rest
 klein_9b_nf4_swap16 120 rest
 compare_peer 130 rest
 cache_memory 100 rest
-klein_peer 240 peer"
+klein_4b_peer 240 peer"
 
 WANTED=$(awk '$3 == "default" {print $1}' <<< "$SECTIONS")
 while [[ $# -gt 0 ]]; do
@@ -118,7 +118,7 @@ check() {  # check NAME SECONDS COMMAND...: run it under a time limit, keep its 
 wanted tests && check tests "$(limit tests)" "$PY" -m pytest -q -rA -p no:cacheprovider \
   --junitxml="$OUT/tests.xml" "${GPU_TESTS[@]}"
 KLEIN_MODEL=() KLEIN_LIMIT=$(limit klein_4b)
-if [[ -n "${KLEIN_PEER_SCRIPT:-}" ]] && wanted klein_peer; then  # writing the random 4B (16 GB): a minute more
+if [[ -n "${KLEIN_PEER_SCRIPT:-}" ]] && wanted klein_4b_peer; then  # writing the random 4B (16 GB): a minute more
   KLEIN_MODEL=(--write-model "$OUT/klein-4b") KLEIN_LIMIT=$((KLEIN_LIMIT + 60))
 fi
 wanted klein_4b && check klein_4b "$KLEIN_LIMIT" "$PY" bench/klein_gpu.py --device cuda --resolutions 512,1024 \
@@ -152,8 +152,8 @@ wanted z_image_16gb && check z_image_16gb "$(limit z_image_16gb)" "$PY" bench/pl
   --plan-gb 16 --resolutions 512,1024 --steps 3
 wanted compare_peer && check compare_peer "$(limit compare_peer)" "$PY" bench/compare_peer.py --gpu --max_batch 128
 wanted cache_memory && check cache_memory "$(limit cache_memory)" "$PY" bench/cache_memory.py
-if [[ -n "${KLEIN_PEER_SCRIPT:-}" ]] && wanted klein_peer; then
-  check klein_peer "$(limit klein_peer)" "$PY" bench/klein_peer.py --peer-script "$KLEIN_PEER_SCRIPT" \
+if [[ -n "${KLEIN_PEER_SCRIPT:-}" ]] && wanted klein_4b_peer; then
+  check klein_4b_peer "$(limit klein_4b_peer)" "$PY" bench/transformer_peer.py --peer-script "$KLEIN_PEER_SCRIPT" \
     ${KLEIN_PEER_PYTHONPATH:+--peer-pythonpath "$KLEIN_PEER_PYTHONPATH"} --model "$OUT/klein-4b" --rows same,peer \
     --resolution 512 --batch 1 --rank 16 --precision bf16 --gradient-checkpointing --steps 15 --rounds 1 \
     --threads 8 --out "$OUT/klein-peer"
@@ -203,8 +203,8 @@ section = "\n".join([
     table_of("klein_4b_bnb_nf4"), table_of("klein_4b_nf4"), "```", "",
     "### plan_gpu.py, the memory plans (SDXL 6 GB; Z-Image 12 and 16 GB; issues 36.5, 39.6)", "```",
     table_of("sdxl_6gb"), table_of("z_image_12gb"), table_of("z_image_16gb"), "```",
-    *(["", "### klein_peer.py (StableTune vs diffusers' Klein example on the random 4B)", "```",
-       table_of("klein_peer"), "```"] if (out / "klein_peer.log").exists() else []),
+    *(["", "### transformer_peer.py (StableTune vs diffusers' Klein example on the random 4B)", "```",
+       table_of("klein_4b_peer"), "```"] if (out / "klein_4b_peer.log").exists() else []),
     "<!-- gpu_check:end -->", ""])
 old = results.read_text() if results.exists() else "# Benchmark results\n\n"
 pattern = re.compile(r"<!-- gpu_check:start -->.*?<!-- gpu_check:end -->\n?", re.S)

@@ -15,8 +15,8 @@ shape (512 tokens x 3 stacked Qwen3 layers), as with cached text embeddings; the
     python bench/klein_gpu.py ... --write-model DIR   # also write the random model as a Klein diffusers folder
 
 `--write-model` writes the same random transformer with a random Qwen3 text encoder and VAE of the shipped
-configs, the tiny tokenizer of models/flux2_klein/tiny.py and the shipped scheduler, so that bench/klein_peer.py
---model DIR can run StableTune and diffusers' example side by side on the real architecture.
+configs, the tiny tokenizer of models/flux2_klein/tiny.py and the shipped scheduler, so that
+bench/transformer_peer.py --model DIR can run StableTune and diffusers' example side by side on the real architecture.
 """
 from __future__ import annotations
 

@@ -35,8 +35,8 @@ imagefolder (`--dataset_name DIR --caption_column text`). Its two rows:
 Both get what the toy base itself needs and the example cannot know: the preset's text length
 (`--max_sequence_length 32`, the length the toy Klein was built and is sampled at; the example's 512 trains on other
 text embeddings than the pipeline renders with) and `--text_encoder_out_layers 9 18 27` (the layers
-Flux2KleinPipeline reads; the example's 10 20 30 are not, see bench/klein_peer.py). Each LoRA is scored through the
-toy Klein's Flux2KleinPipeline with `load_lora_weights`, by the same judge.
+Flux2KleinPipeline reads; the example's 10 20 30 are not, see bench/transformer_peer.py). Each LoRA is scored through
+the toy Klein's Flux2KleinPipeline with `load_lora_weights`, by the same judge.
 
     python bench/toy_quality.py --family flux2_klein \\
         --peer-script /tmp/peer-klein/train_dreambooth_lora_flux2_klein.py \\
@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(ROOT / "bench"))
 
-import transformer_example  # noqa: E402  (the examples' commands; bench/klein_peer.py times the same ones)
+import transformer_example  # noqa: E402  (the examples' commands; bench/transformer_peer.py times the same ones)
 
 PRESET = ROOT / "presets" / "demo.toml"
 SCORE_SEEDS_PER_PROMPT = 8  # seeds 1000..1007, as tests/test_toy_learning.py measures the demo's LoRA
@@ -189,8 +189,8 @@ def peer_command(script: Path, model: Path, data: Path, out: Path, learning_rate
             "--learning_rate", str(learning_rate), "--checkpointing_steps", str(snapshot_steps)]
 
 
-def klein_peer_command(script: Path, model: Path, data: Path, out: Path, snapshot_steps: int, preset: dict,
-                       recipe: dict) -> list[str]:
+def klein_example_command(script: Path, model: Path, data: Path, out: Path, snapshot_steps: int, preset: dict,
+                          recipe: dict) -> list[str]:
     """diffusers' Klein example on the toy Klein: `recipe`'s learning rate, steps, rank, alpha and batch; the
     preset's resolution, seed and text length (none set: the example's 512, StableTune's default too); the
     pipeline's text layers; a snapshot every `snapshot_steps`."""
@@ -225,7 +225,7 @@ def family_peer_command(family: str, script: Path, model: Path, data: Path, out:
     """The peer command of one of `peer_rows`' rows."""
     if family == "sd1":
         return peer_command(script, model, data, out, row["learning_rate"], snapshot_steps, preset)
-    return klein_peer_command(script, model, data, out, snapshot_steps, preset, row)
+    return klein_example_command(script, model, data, out, snapshot_steps, preset, row)
 
 
 def run_for(command: list[str], env: dict[str, str], seconds: float, log: Path) -> float:

@@ -1,7 +1,7 @@
 """diffusers' examples for the transformer families (`examples/dreambooth/train_dreambooth_lora_flux2_klein.py` and
 `train_dreambooth_lora_z_image.py`, never committed) as the benches run them: what both trainers share (`Setting`),
-what differs per family (`PeerFamily`) and the example's command line (`peer_command`). bench/klein_peer.py times
-an example beside StableTune and bench/toy_quality.py scores what it learns; both import it from here, so neither
+what differs per family (`PeerFamily`) and the example's command line (`peer_command`). bench/transformer_peer.py
+times an example beside StableTune and bench/toy_quality.py scores what it learns; both import it from here, so neither
 imports the other.
 """
 from __future__ import annotations

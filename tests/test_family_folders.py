@@ -87,14 +87,18 @@ def test_the_scan_finds_a_planted_comparison():
     assert family_probes({"planted.py": ast.parse('getattr(bundle.family, "lora_presets", None)')})
 
 
-#: The words one family's module names go by (FLUX.2's BFL names, SDXL's SGM names, Z-Image's diffusion_model. keys):
-#: a caller comparing them asks "which family is this?" in other words.
-LAYOUT_WORDS = {"bfl", "sgm", "diffusion_model"}
+#: The words one family's module names go by (FLUX.2's BFL names, SDXL's SGM names, Z-Image's diffusion_model. keys,
+#: the transformer families' peft names in a diffusers-format LoRA): a caller comparing them asks "which family is
+#: this?" in other words.
+LAYOUT_WORDS = {"bfl", "sgm", "diffusion_model", "peft"}
+#: Attribute names that name a naming scheme (`family.kohya_unet_naming`, `family.diffusers_lora_key_names`).
+NAMING_ATTRIBUTES = ("naming", "key_names")
 
 
 def naming_comparisons(trees: dict[str, ast.AST]) -> list[str]:
-    """Comparisons with a family's naming on one side: a layout word (`naming == "bfl"`), or an attribute that names
-    a naming scheme (`family.kohya_unet_naming == "..."`) against any string literal."""
+    """Comparisons with a family's naming on one side: a layout word (`naming == "bfl"`, `... == "peft"`), or an
+    attribute that names a naming scheme (`family.kohya_unet_naming == "..."`, `family.diffusers_lora_key_names ==
+    "..."`) against any string literal."""
     found = []
     for where, tree in trees.items():
         for node in ast.walk(tree):
@@ -103,7 +107,7 @@ def naming_comparisons(trees: dict[str, ast.AST]) -> list[str]:
             sides = [node.left, *node.comparators]
             strings = {e.value for s in sides for e in (s.elts if isinstance(s, (ast.Tuple, ast.List, ast.Set)) else [s])
                        if isinstance(e, ast.Constant) and isinstance(e.value, str)}
-            naming = any(isinstance(s, ast.Attribute) and s.attr.endswith("naming") for s in sides)
+            naming = any(isinstance(s, ast.Attribute) and s.attr.endswith(NAMING_ATTRIBUTES) for s in sides)
             if strings & LAYOUT_WORDS or (naming and strings):
                 found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
     return sorted(found)
@@ -111,12 +115,16 @@ def naming_comparisons(trees: dict[str, ast.AST]) -> list[str]:
 
 def test_no_module_outside_the_family_folders_compares_a_naming_literal():
     """tools/lora_file.py, extract.py and merge.py asked `kohya_unet_naming == "bfl"` / `"sgm"`: they ask the face now
-    (fused_lora_export, kohya_denoiser_name, denoiser_has_convolutions, single_file_merges_into_folder)."""
+    (fused_lora_export, kohya_denoiser_name, denoiser_has_convolutions, single_file_merges_into_folder); and
+    lora/export.py's `diffusers_lora_key_names == "peft"` (review) is the face's diffusers_lora_uses_peft_names."""
     planted = {"planted.py": ast.parse('if family.kohya_unet_naming == "bfl" or naming in ("sgm",):\n    pass\n'
-                                       'x = bundle.family.kohya_unet_naming != "diffusers"\nok = fmt == "diffusers"\n')}
+                                       'x = bundle.family.kohya_unet_naming != "diffusers"\nok = fmt == "diffusers"\n'
+                                       'p = family.diffusers_lora_key_names == "peft"\nq = "peft" == names\n')}
     assert naming_comparisons(planted) == ["planted.py:1 family.kohya_unet_naming == 'bfl'",
                                            "planted.py:1 naming in ('sgm',)",
-                                           "planted.py:3 bundle.family.kohya_unet_naming != 'diffusers'"]
+                                           "planted.py:3 bundle.family.kohya_unet_naming != 'diffusers'",
+                                           "planted.py:5 family.diffusers_lora_key_names == 'peft'",
+                                           "planted.py:6 'peft' == names"]
     found = naming_comparisons(sources(ALLOWED))
     assert not found, found
 

@@ -28,3 +28,31 @@ def test_rebuild_matches_the_shipped_manifest(tmp_path, piece):
     assert rebuilt["build_cpu_seconds"] <= 30 * 60
     assert rebuilt["scores"]["base_right"] >= shipped["scores"]["base_right"] - 0.05
     assert rebuilt["scores"]["concept_hue_error"] >= 30  # it never saw the concept colour
+
+
+@pytest.mark.parametrize("piece, toy", [("klein_build", "TOY_KLEIN"), ("z_image_build", "TOY_Z_IMAGE")])
+def test_the_build_normalises_latents_as_the_familys_runs_do(piece, toy):
+    """Review D2: each builder declared a normalize(vae, raw) that only forwarded to its family's normalisation. The
+    build asks the family face (ModelFamily.normalize_raw_latents), the very step encode_latents takes after
+    encoding, so the latents the toy base learns are the ones a LoRA run on it trains on."""
+    import dataclasses
+
+    import torch
+
+    from stabletune_core.toy.build import BUILD_SEED, pixels
+    from stabletune_core.toy.flow_build import FlowToy, encode_scenes
+    from stabletune_core.toy.world import base_scenes, draw_scene
+
+    module = import_module(f"stabletune_core.toy.{piece}")
+    assert not hasattr(module, "normalize")
+    assert "normalize" not in {field.name for field in dataclasses.fields(FlowToy)}
+    toy = getattr(module, toy)
+    parts = toy.components(BUILD_SEED)
+    scenes = base_scenes(3, seed=1)
+    raw = encode_scenes(parts["vae"], scenes)
+    with torch.no_grad():
+        toy.set_latent_statistics(parts["vae"], raw)
+    bundle = toy.bundle_of(parts)
+    normalised = bundle.family.normalize_raw_latents(bundle, raw)
+    assert normalised.dtype == torch.float32 and normalised.std() > 0.1
+    assert torch.equal(normalised, bundle.family.encode_latents(bundle, pixels([draw_scene(s) for s in scenes])))

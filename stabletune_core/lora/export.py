@@ -329,7 +329,7 @@ def export_diffusers_lora(
         # FLUX.2's loader drops `to_q.lora.down`-style names of attention layers, so it gets peft's own names, as
         # diffusers' Klein script saves them; and since ComfyUI reads those files without their metadata (scale 1),
         # each layer's alpha / rank is folded into its lora_B and the stored alpha made equal to the rank.
-        peft_names = family.diffusers_lora_key_names == "peft"
+        peft_names = family.diffusers_lora_uses_peft_names
         if peft_names:
             state = {k: v.detach().float() for k, v in state.items()}
             for layer in iter_lora_layers(model, adapter_name):

@@ -152,7 +152,9 @@ class ModelFamily(Protocol):
     # models/memory_plan.py has a memory model of this family: vram_gb, or a CUDA card's free memory, plans its run
     plans_memory: bool
     diffusers_pipeline_class: str  # the diffusers pipeline class that loads the family's LoRA (export check)
-    diffusers_lora_key_names: str  # "diffusers" (SD's lora.up/down names) or "peft" (lora_A / lora_B)
+    # the diffusers-format LoRA is written in peft's names (lora_A / lora_B, each layer's alpha / rank folded into
+    # lora_B: FLUX.2 Klein, Z-Image), not diffusers' own (SD's lora.up / lora.down); lora/export.py asks
+    diffusers_lora_uses_peft_names: bool
     diffusers_lora_layers_argument: str  # save_lora_weights' argument for the denoiser: unet_ or transformer_...
     # A family whose target suffixes also name containers resolves them to the module names LoRA wraps
     # (model, suffixes) -> names; None: the suffixes are peft's target names as they are.
@@ -184,6 +186,13 @@ class ModelFamily(Protocol):
                        generator: torch.Generator | None = None) -> torch.Tensor:
         """Images in [-1, 1] to the latents the denoiser trains on (fp32): a posterior sample drawn from
         `generator`, or the posterior mean without one."""
+        ...
+
+    def normalize_raw_latents(self, bundle: ModelBundle, raw: torch.Tensor) -> torch.Tensor:
+        """The VAE's own latents (a posterior sample or mode) to what the denoiser trains on, fp32: what
+        `encode_latents` does after encoding (SD, Z-Image: this module's `normalize_latents`, from the VAE's config;
+        FLUX.2 Klein: patchified, then its batch norm's statistics). The toy build asks it of latents it encoded
+        once for the whole latent bank (toy/flow_build.py)."""
         ...
 
     def decode_latents(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:

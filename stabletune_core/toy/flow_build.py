@@ -14,8 +14,9 @@ seeded random initialisation (frozen, as the real families' text encoders are). 
 transformer's exponential moving average, in fp16, with the tokenizer files; `manifest.json` records the seed,
 steps, final losses, scores, the build's CPU seconds and the sha256 of every shipped file.
 
-What differs per family (its components, how its latents are normalised, its pipeline and diffusers folder) is a
-FlowToy: toy/klein_build.py and toy/z_image_build.py each declare one.
+What differs per family (its components, how its VAE takes the latents' statistics, its pipeline and diffusers folder)
+is a FlowToy: toy/klein_build.py and toy/z_image_build.py each declare one. How latents are normalised with those
+statistics the family face says (ModelFamily.normalize_raw_latents), as it does for a LoRA run.
 """
 from __future__ import annotations
 
@@ -78,8 +79,6 @@ class FlowToy:
     bundle_of: Callable[[dict], Any]
     #: give the VAE the statistics of the toy world's raw latents (mode), as the family normalises them
     set_latent_statistics: Callable[[Any, torch.Tensor], None]
-    #: raw latents -> what the transformer trains on (the family's own normalisation)
-    normalize: Callable[[Any, torch.Tensor], torch.Tensor]
     pipeline_of: Callable[[dict], Any]  # the family's pipeline over in-memory parts (the build's evaluations)
     materialize: Callable[[Path], Path]  # shipped fp16 weights -> the diffusers folder users load
     load_pipeline: Callable[[Path], Any]  # the pipeline the judge renders with, over that folder
@@ -187,7 +186,7 @@ def build(out: Path, toy: FlowToy, *, log: Callable[[str], None] = print, **numb
     with torch.no_grad():
         toy.set_latent_statistics(vae, raw)
     bundle = toy.bundle_of(parts)
-    latents = toy.normalize(vae, raw).float()
+    latents = bundle.family.normalize_raw_latents(bundle, raw).float()  # as a LoRA run's encode_latents normalises
     log(f"latent bank: {len(scenes)} scenes, normalised latents {tuple(latents.shape)}")
 
     captions = sorted({s.caption for s in scenes})

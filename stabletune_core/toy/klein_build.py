@@ -1,5 +1,5 @@
 """The toy FLUX.2 Klein base's part of the transformer families' toy build (toy/flow_build.py): its components and
-how its latents are normalised.
+the statistics its latents are normalised with (the normalisation is the family's, Flux2Klein.normalize_raw_latents).
 
     python -m stabletune_core.toy build --family flux2_klein [--out DIR] [--vae-steps N] [--unet-steps N]
 
@@ -65,15 +65,9 @@ def set_latent_statistics(vae, raw: torch.Tensor) -> None:
     vae.bn.running_var.copy_(packed.var(dim=(0, 2, 3)))
 
 
-def normalize(vae, raw: torch.Tensor) -> torch.Tensor:
-    from ..models.flux2_klein.family import normalize_latents
-
-    return normalize_latents(vae, raw)
-
-
 TOY_KLEIN = FlowToy(family="flux2_klein", recipe=RECIPE, text_length=toy_klein.TEXT_LENGTH,
                     components=toy_components, bundle_of=bundle_of, set_latent_statistics=set_latent_statistics,
-                    normalize=normalize, pipeline_of=toy_klein.pipeline_of, materialize=toy_klein.materialize,
+                    pipeline_of=toy_klein.pipeline_of, materialize=toy_klein.materialize,
                     load_pipeline=toy_klein.load_toy_klein_pipeline)
 
 #: build(out, **numbers): train the toy Klein base (RECIPE, less the numbers given; log=) and write its shipped files

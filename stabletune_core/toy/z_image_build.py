@@ -1,5 +1,5 @@
-"""The toy Z-Image base's part of the transformer families' toy build (toy/flow_build.py): its components and how
-its latents are normalised.
+"""The toy Z-Image base's part of the transformer families' toy build (toy/flow_build.py): its components and the
+statistics its latents are normalised with (the normalisation is the family's, ZImage.normalize_raw_latents).
 
     python -m stabletune_core.toy build --family z_image [--out DIR] [--vae-steps N] [--unet-steps N]
 
@@ -62,15 +62,9 @@ def set_latent_statistics(vae, raw: torch.Tensor) -> None:
     vae.register_to_config(shift_factor=round(float(raw.mean()), 5), scaling_factor=round(float(1 / raw.std()), 5))
 
 
-def normalize(vae, raw: torch.Tensor) -> torch.Tensor:
-    from ..models.base import normalize_latents
-
-    return normalize_latents(vae, raw)
-
-
 TOY_Z_IMAGE = FlowToy(family="z_image", recipe=RECIPE, text_length=toy_z_image.TEXT_LENGTH,
                       components=toy_components, bundle_of=bundle_of, set_latent_statistics=set_latent_statistics,
-                      normalize=normalize, pipeline_of=toy_z_image.pipeline_of, materialize=toy_z_image.materialize,
+                      pipeline_of=toy_z_image.pipeline_of, materialize=toy_z_image.materialize,
                       load_pipeline=toy_z_image.load_toy_z_image_pipeline)
 
 #: build(out, **numbers): train the toy Z-Image base (RECIPE, less the numbers given; log=) and write its shipped files

@@ -283,7 +283,7 @@ class Flux2Klein:
     tokenizer_parts = ("tokenizer",)
     diffusers_pipeline_class = "Flux2KleinPipeline"
     diffusers_lora_layers_argument = "transformer_lora_layers"  # the save_lora_weights argument for the denoiser
-    diffusers_lora_key_names = "peft"  # lora_A / lora_B, as diffusers' Klein script saves (see lora/export.py)
+    diffusers_lora_uses_peft_names = True  # lora_A / lora_B, as diffusers' Klein script saves (see lora/export.py)
     denoiser_has_convolutions = False  # the transformer's layers are all Linear
     single_file_merges_into_folder = False  # the shipped config trees hold no tokenizer
 
@@ -561,7 +561,12 @@ class Flux2Klein:
         same with and without a latent cache."""
         vae = bundle.vae
         raw = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        return normalize_latents(vae, raw).float()
+        return self.normalize_raw_latents(bundle, raw)
+
+    def normalize_raw_latents(self, bundle: ModelBundle, raw: torch.Tensor) -> torch.Tensor:
+        """Patchified, then normalised by the VAE's latent batch norm's statistics (this module's
+        normalize_latents), fp32."""
+        return normalize_latents(bundle.vae, raw).float()
 
     def decode_latents(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
         """The inverse of encode_latents, in the VAE's dtype; gradients flow when the caller allows them (the

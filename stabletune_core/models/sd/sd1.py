@@ -39,7 +39,7 @@ class SD1:
     single_file_merges_into_folder = True  # with the shipped configs/
     fused_lora_export = None  # one kohya name per module
     diffusers_pipeline_class = "StableDiffusionPipeline"
-    diffusers_lora_key_names = "diffusers"
+    diffusers_lora_uses_peft_names = False  # diffusers' own names: lora.up / lora.down
     diffusers_lora_layers_argument = "unet_lora_layers"
     denoiser_name = "UNet"
     denoiser_folder = "unet"
@@ -155,7 +155,11 @@ class SD1:
         vae = bundle.vae
         posterior = vae.encode(pixels.to(vae.device, dtype=vae.dtype)).latent_dist
         latents = posterior.sample(generator=generator) if generator is not None else posterior.mean
-        return normalize_latents(vae, latents)
+        return self.normalize_raw_latents(bundle, latents)
+
+    def normalize_raw_latents(self, bundle: ModelBundle, raw: torch.Tensor) -> torch.Tensor:
+        """(z - shift) x scaling from the VAE's config (models/base.py normalize_latents), fp32."""
+        return normalize_latents(bundle.vae, raw)
 
     def decode_latents(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
         return bundle.vae.decode(denormalize_latents(bundle.vae, latents)).sample

@@ -135,7 +135,7 @@ class ZImage:
     tokenizer_parts = ("tokenizer",)
     diffusers_pipeline_class = PIPELINE_CLASS
     diffusers_lora_layers_argument = "transformer_lora_layers"
-    diffusers_lora_key_names = "peft"  # lora_A / lora_B with alpha folded, as for FLUX.2 Klein (lora/export.py)
+    diffusers_lora_uses_peft_names = True  # lora_A / lora_B with alpha folded, as for FLUX.2 Klein (lora/export.py)
     # kohya files: "diffusion_model." + the diffusers module path (kohya_denoiser_name)
     fused_lora_export = None  # one kohya name per module
     denoiser_has_convolutions = False  # the transformer's layers are all Linear
@@ -250,7 +250,11 @@ class ZImage:
                        generator: torch.Generator | None = None) -> torch.Tensor:
         """Pixels in [-1, 1] -> normalised latents, fp32: the VAE's mode (`generator` is not drawn from)."""
         vae = bundle.vae
-        return normalize_latents(vae, vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
+        return self.normalize_raw_latents(bundle, vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode())
+
+    def normalize_raw_latents(self, bundle: ModelBundle, raw: torch.Tensor) -> torch.Tensor:
+        """(z - shift) x scaling, the VAE config's shift and scaling factors (models/base.py normalize_latents)."""
+        return normalize_latents(bundle.vae, raw)
 
     def decode_latents(self, bundle: ModelBundle, latents: torch.Tensor) -> torch.Tensor:
         vae = bundle.vae

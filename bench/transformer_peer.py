@@ -1,8 +1,10 @@
-"""FLUX.2 Klein side by side with diffusers' example script (issue 23 item 6): seconds per step, peak memory and
-time to the first optimizer step, on the same model and the same data.
+"""A transformer family side by side with diffusers' example script (FLUX.2 Klein, issue 23 item 6; Z-Image with
+`--family z_image`, issue 39 item 6): seconds per step, peak memory and time to the first optimizer step, on the same
+model and the same data. (Named klein_peer.py until it ran Z-Image too.)
 
-Both trainers get the same model (by default the tiny real-layout Klein of stabletune_core/models/flux2_klein/tiny.py,
-built into --out; `--model DIR` takes any Klein diffusers folder instead, e.g. a toy Klein base or the real-size
+Both trainers get the same model (by default the family's tiny real-layout model, e.g. the Klein of
+stabletune_core/models/flux2_klein/tiny.py, built into --out; `--model DIR` takes any diffusers folder of the family
+instead, e.g. a toy Klein base or the real-size
 random 4B that bench/klein_gpu.py writes), the same toy-world images and captions (stabletune_core/toy/world.py:
 purple shapes and shapes in the base colours, 64 px), and the same seed, steps, LoRA rank and alpha, learning rate,
 batch, resolution, precision and LoRA targets (the example's default list, StableTune's preset
@@ -23,7 +25,7 @@ Rows, in ABC CBA order over rounds (a load change hits every row alike); medians
 - StableTune with its defaults for what the example does not set (no caches, its Klein defaults), the same
   shared knobs: what a user who only names the model and data gets.
 
-    python bench/klein_peer.py --peer-script /tmp/peer-klein/train_dreambooth_lora_flux2_klein.py \\
+    python bench/transformer_peer.py --peer-script /tmp/peer-klein/train_dreambooth_lora_flux2_klein.py \\
         --peer-pythonpath /tmp/peerlib --steps 40 --rounds 2 --threads 2 --out /tmp/klein-peer
 
 Quality per minute on the toy Klein base (what each trainer has learned after the same minutes, scored by the toy
@@ -56,11 +58,6 @@ ROW_DEFAULTS = "StableTune, its defaults otherwise"
 SAME_WORK = ["--cache_latents", "--cache_text_embeddings", "--validation_prompt", "", "--validation_loss_every", "0",
              "--validation_split", "0"]
 TOY = "toy"  # --model toy: the toy Klein base trained on the toy world
-
-
-def example_targets(family: PeerFamily = KLEIN) -> list[str]:
-    """The example's default LoRA targets, as StableTune's preset spells them."""
-    return family.targets()
 
 
 def stabletune_command(model: Path, data: Path, run: Path, s: Setting, same_work: bool,

@@ -470,12 +470,12 @@ def run_suite(args: argparse.Namespace, budgets: list[float], preset: dict) -> N
 
     print("Scoring (fresh toy pipeline per LoRA, the suite's measures) ...", file=sys.stderr)
     torch.set_num_threads(args.threads)
-    render_seeds = list(range(1000, 1000 + args.render_seeds))
+    render_seeds = list(range(1000, 1000 + args.score_seeds))
     base = render(toy.pipeline(model), base_prompts() + [p for c in concepts for p in c.prompts()], render_seeds)
     names = [row["name"] for row in runs[0][2]]
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                "family": args.family, "preset": str(args.preset), "threads": args.threads,
-               "render_seeds_per_prompt": args.render_seeds, "budgets_min": budgets, "concepts": args.concepts,
+               "render_seeds_per_prompt": args.score_seeds, "budgets_min": budgets, "concepts": args.concepts,
                "snapshot_steps": args.snapshot_steps, "complete": False, "cells": [],
                "runs": {c.name: rows for c, _, rows in runs}}
     for _, _, rows in runs:
@@ -506,7 +506,7 @@ def run_suite(args: argparse.Namespace, budgets: list[float], preset: dict) -> N
     text = suite_tables(results["cells"], results["summary"])
     (args.out / "table.md").write_text(text + "\n", encoding="utf-8")
     print(f"\nThe concept suite on the toy {args.family} base: {', '.join(args.concepts)}; {args.threads} threads, "
-          f"snapshots every {args.snapshot_steps} steps, {args.render_seeds} render seeds per prompt, {results['date']}")
+          f"snapshots every {args.snapshot_steps} steps, {args.score_seeds} render seeds per prompt, {results['date']}")
     print(text)
     for concept, _, rows in runs:
         for row in rows:
@@ -570,9 +570,10 @@ def main() -> None:
     parser.add_argument("--budgets", default="1,2,4", help="wall-clock budgets in minutes, comma-separated")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of every trainer and of the scoring")
     parser.add_argument("--snapshot-steps", type=int, default=10, help="steps between two saved LoRAs")
-    parser.add_argument("--score-seeds", type=int, default=SCORE_SEEDS_PER_PROMPT,
-                        help="seeds per prompt of each score (fewer: a quicker, noisier score; say so with the "
-                             "numbers)")
+    parser.add_argument("--score-seeds", "--render-seeds", dest="score_seeds", type=int,
+                        default=SCORE_SEEDS_PER_PROMPT,
+                        help="render seeds per prompt of each score, from 1000 (fewer: a quicker, noisier score; say "
+                             "so with the numbers); --render-seeds as bench/concept_suite.py names it")
     parser.add_argument("--without-samples-row", action="store_true",
                         help="a second StableTune row: the preset without its validation images (the example samples "
                              "nothing while it trains)")
@@ -580,8 +581,6 @@ def main() -> None:
                         help="suite colours (bench/concept_suite.py), comma-separated, e.g. orange,teal,blue,magenta: "
                              "each trainer on each concept's suite dataset, scored by the suite's measures and "
                              "targets (default: the demo's purple dataset alone, scored as above)")
-    parser.add_argument("--render-seeds", type=int, default=8,
-                        help="with --concepts: render seeds per prompt of each measure (1000, 1001, ...)")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="every trainer's --max_train_steps (a quick slice; default: each trainer's own)")
     parser.add_argument("--stabletune-only", action="store_true",
@@ -594,8 +593,8 @@ def main() -> None:
         raise SystemExit("--concepts runs the concept suite on the toy SD 1.x base; leave --family at sd1.")
     if args.stabletune_only and not args.concepts:
         raise SystemExit("--stabletune-only is for a --concepts run; the demo's run compares with the example.")
-    if args.render_seeds < 1:
-        raise SystemExit(f"--render-seeds {args.render_seeds}: give at least 1 seed per prompt.")
+    if args.score_seeds < 1:
+        raise SystemExit(f"--render-seeds {args.score_seeds}: give at least 1 seed per prompt.")
     args.preset = (args.preset or default_preset(args.family)).resolve()
     if not args.preset.is_file():
         raise SystemExit(f"--preset {args.preset} is not a file; give a StableTune preset (.toml).")

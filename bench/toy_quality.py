@@ -41,6 +41,18 @@ the toy Klein's Flux2KleinPipeline with `load_lora_weights`, by the same judge.
     python bench/toy_quality.py --family flux2_klein \\
         --peer-script /tmp/peer-klein/train_dreambooth_lora_flux2_klein.py \\
         --peer-pythonpath /tmp/peerlib --budgets 0.5,1,2,4 --threads 2 --out /tmp/klein-quality
+
+`--concepts orange,teal,blue,magenta` (issue 35 item 6, sd1 only) runs the same rows on the concept suite
+(bench/concept_suite.py) instead of the demo's purple alone: for each suite colour, every trainer trains on that
+concept's suite dataset (its 12 drawn images and the base's prior images, concept_suite.concept_dataset), StableTune
+with the preset as `demo --concept-word NAME` runs it (its validation prompts name the concept), and each budget's
+snapshot is measured as the suite measures a LoRA (concept_suite.measure_cell over `--render-seeds` seeds: the
+concept's hue error against its training images, each kept colour's drift, the base shapes) and judged by issue
+35.2's targets (concept_suite.passes). The report adds, per trainer and budget, the share of concept cells that pass
+and the mean concept error and mean worst drift over the concepts. Without `--concepts`: the demo's purple, as above.
+
+    python bench/toy_quality.py --peer-script /tmp/peer/train_text_to_image_lora.py --peer-pythonpath /tmp/peerlib \\
+        --concepts orange,teal,blue,magenta --budgets 1,2 --threads 1 --render-seeds 8 --out /tmp/qpm
 """
 from __future__ import annotations
 
@@ -332,7 +344,7 @@ def write_results(path: Path, results: dict) -> None:
 
 def check_peer(args: argparse.Namespace) -> None:
     """The peer script and its `datasets` package are there: one sentence before any model loads."""
-    if not args.peer_script.is_file():
+    if args.peer_script is None or not args.peer_script.is_file():
         raise SystemExit(f"--peer-script {args.peer_script} is not a file; give the path of diffusers' "
                          f"{PEER_SCRIPTS[getattr(args, 'family', 'sd1')]}.")
     found = subprocess.run([sys.executable, "-c", "import datasets"], env=thread_env(1, args.peer_pythonpath),
@@ -343,6 +355,207 @@ def check_peer(args: argparse.Namespace) -> None:
                          "pass --peer-pythonpath DIR.")
 
 
+# ------------------------------------------------------------------------------------ the concept suite
+def parse_concepts(text: str | None) -> list[str] | None:
+    """'orange,teal' -> ['orange', 'teal'] (suite colours, in the order given); None or '' -> None (the demo's
+    purple alone); one sentence for a name that is not a suite colour."""
+    from concept_suite import SUITE_COLORS, SUITE_SHAPES
+
+    if not text:
+        return None
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    for name in names:
+        if name not in SUITE_COLORS:
+            why = " (a shape: the suite trains it with another preset, which the example has no row for)" \
+                if name in SUITE_SHAPES else ""
+            raise SystemExit(f"--concepts: {name!r} is not a suite colour{why}; choose from {', '.join(SUITE_COLORS)}.")
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--concepts {text!r} names a colour twice; name each once.")
+    return names
+
+
+def concept_preset(preset: Path, concept: str, target: Path) -> Path:
+    """`preset` as `demo --concept-word CONCEPT` trains it, written to `target`: its validation prompts name the
+    concept instead of purple (the same prompts for purple); a preset that samples nothing is copied as it is."""
+    import tomli_w
+
+    from stabletune_core.config import read_toml
+    from stabletune_core.demo import word_validation_prompts
+
+    values = read_toml(preset)
+    if values.get("validation_prompt"):
+        values["validation_prompt"] = word_validation_prompts(values["validation_prompt"], concept)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(tomli_w.dumps(values), encoding="utf-8")
+    return target
+
+
+def suite_cell(trainer: str, concept: str, budget: float, snap: Snapshot, measured: dict) -> dict:
+    """One trainer x concept x budget, measured as concept_suite measures a LoRA, with its pass verdict (35.2)."""
+    from concept_suite import passes
+
+    row = {"trainer": trainer, "concept": concept, "kind": "colour", "budget_min": budget, "step": snap.step,
+           "seconds": round(snap.seconds, 1), **measured}
+    return {**row, "pass": passes(row)}
+
+
+def suite_summary(cells: list[dict], trainers: list[str], concepts: list[str], budgets: list[float]) -> list[dict]:
+    """Per trainer and budget, over the concepts: the share of concept cells that pass (a concept with no
+    snapshot within the budget counts as not passing), and the mean concept error and mean worst kept-colour drift
+    over the cells measured."""
+    summary = []
+    for trainer in trainers:
+        for budget in budgets:
+            mine = [c for c in cells if c["trainer"] == trainer and c["budget_min"] == budget]
+            worst = [max(c["drift"].values()) for c in mine]
+            summary.append({"trainer": trainer, "budget_min": budget, "measured": len(mine),
+                            "passed": sum(c["pass"] for c in mine), "concepts": len(concepts),
+                            "pass_share": sum(c["pass"] for c in mine) / len(concepts),
+                            "mean_concept_error": sum(c["after"] for c in mine) / len(mine) if mine else None,
+                            "mean_worst_drift": sum(worst) / len(worst) if worst else None})
+    return summary
+
+
+def suite_tables(cells: list[dict], summary: list[dict]) -> str:
+    """The markdown of a suite run: the pass share per trainer and budget, then every measured cell."""
+    lines = ["| trainer | budget | concept cells that pass | mean concept hue error (deg) | mean worst kept-colour "
+             "drift (deg) |", "|---|---:|---:|---:|---:|"]
+    for s in summary:
+        error = "" if s["mean_concept_error"] is None else f"{s['mean_concept_error']:.1f}"
+        drift = "" if s["mean_worst_drift"] is None else f"{s['mean_worst_drift']:.1f}"
+        seen = "" if s["measured"] == s["concepts"] else f" ({s['measured']} measured)"
+        lines.append(f"| {s['trainer']} | {s['budget_min']:g} min | {s['passed']}/{s['concepts']} "
+                     f"({s['pass_share']:.0%}){seen} | {error} | {drift} |")
+    lines += ["", "| trainer | concept | budget | steps | hue error (deg) | drift red / yellow / green / cyan (deg) | "
+              "base shapes % | pass |", "|---|---|---:|---:|---:|---|---:|---|"]
+    for c in cells:
+        drifts = " / ".join(f"{v:.1f}" for v in c["drift"].values())
+        lines.append(f"| {c['trainer']} | {c['concept']} | {c['budget_min']:g} min | {c['step']} | {c['after']:.1f} | "
+                     f"{drifts} | {c['base_shapes'] * 100:.0f} | {'pass' if c['pass'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def suite_trainers(args: argparse.Namespace, preset: dict, concept: str) -> list[tuple[str, str, object]]:
+    """(row name, kind, StableTune's preset or the peer's row) for one suite concept: StableTune's preset with
+    validation prompts naming the concept, then the example's rows (none with --stabletune-only)."""
+    shown = args.preset.relative_to(ROOT) if args.preset.is_relative_to(ROOT) else args.preset
+    own = concept_preset(args.preset, concept, args.out / concept / "preset.toml")
+    trainers = [(f"StableTune ({shown})", "stabletune", own)]
+    if not args.stabletune_only:
+        trainers += [(name, "peer", row) for name, row in peer_rows(args.family, preset)]
+    return trainers
+
+
+def run_suite(args: argparse.Namespace, budgets: list[float], preset: dict) -> None:
+    """--concepts: every trainer on each concept's suite dataset, each budget's snapshot measured by the suite."""
+    import torch
+
+    from concept_suite import Concept, concept_dataset, measure_cell, prior_images
+    from stabletune_core.toy.bases import TOY_BASES
+    from stabletune_core.toy.evaluate import render
+    from stabletune_core.toy.judge import concept_reference_in
+    from stabletune_core.toy.world import base_prompts
+
+    toy = TOY_BASES[args.family]
+    model = toy.model()
+    priors = prior_images(args.out, model, args.family)
+    concepts = [Concept(name) for name in args.concepts]
+    runs = []  # (concept, its training data, its trainers' rows)
+    for concept in concepts:
+        data = concept_dataset(args.out, concept, priors)
+        peer_data = write_imagefolder(dataset_images(data), args.out / concept.name / "peer-data")
+        trainers = suite_trainers(args, preset, concept.name)
+        runs.append((concept, data, train_rows(args, trainers, budgets, model, data, peer_data,
+                                               args.out / concept.name, preset)))
+
+    print("Scoring (fresh toy pipeline per LoRA, the suite's measures) ...", file=sys.stderr)
+    torch.set_num_threads(args.threads)
+    render_seeds = list(range(1000, 1000 + args.score_seeds))
+    base = render(toy.pipeline(model), base_prompts() + [p for c in concepts for p in c.prompts()], render_seeds)
+    names = [row["name"] for row in runs[0][2]]
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+               "family": args.family, "preset": str(args.preset), "threads": args.threads,
+               "render_seeds_per_prompt": args.score_seeds, "budgets_min": budgets, "concepts": args.concepts,
+               "snapshot_steps": args.snapshot_steps, "complete": False, "cells": [],
+               "runs": {c.name: rows for c, _, rows in runs}}
+    for _, _, rows in runs:
+        for row in rows:
+            row["budgets"] = [None] * len(budgets)
+    references = {c.name: concept_reference_in(data, c.name) for c, data, _ in runs}
+    measures: dict[Path, dict] = {}  # a run that ended early offers one snapshot to several budgets
+    # the longest budget first over every concept: a run stopped while scoring has that budget's whole share
+    order = [(b, concept, row) for b in reversed(range(len(budgets))) for concept, _, rows in runs for row in rows
+             if row["chosen"][b] is not None]
+    for b, concept, row in order:
+        snap = row["chosen"][b]
+        if snap.path not in measures:
+            lora = stabletune_lora(snap.path, row["env"]) if row["kind"] == "stabletune" else peer_lora(snap.path)
+            measures[snap.path] = measure_cell(concept, lora, model, base, render_seeds, references[concept.name],
+                                               toy.pipeline)
+        cell = suite_cell(row["name"], concept.name, budgets[b], snap, measures[snap.path])
+        row["budgets"][b] = cell
+        results["cells"].append(cell)
+        results["summary"] = suite_summary(results["cells"], names, args.concepts, budgets)
+        print(f"{row['name']}, {concept.name}, {budgets[b]:g} min, step {snap.step}: {cell}", file=sys.stderr)
+        write_suite_results(args.out / "results.json", results)  # a run stopped while scoring keeps what it scored
+    results["summary"] = suite_summary(results["cells"], names, args.concepts, budgets)
+    results["cells"].sort(key=lambda c: (names.index(c["trainer"]), args.concepts.index(c["concept"]),
+                                         c["budget_min"]))
+    results["complete"] = True
+    write_suite_results(args.out / "results.json", results)
+    text = suite_tables(results["cells"], results["summary"])
+    (args.out / "table.md").write_text(text + "\n", encoding="utf-8")
+    print(f"\nThe concept suite on the toy {args.family} base: {', '.join(args.concepts)}; {args.threads} threads, "
+          f"snapshots every {args.snapshot_steps} steps, {args.score_seeds} render seeds per prompt, {results['date']}")
+    print(text)
+    for concept, _, rows in runs:
+        for row in rows:
+            print(f"{concept.name}: {run_summary(row)} (load {row['load']:.2f} / {row['load_end']:.2f})")
+    print(f"\nRuns, logs, results.json and table.md: {args.out}")
+
+
+def write_suite_results(path: Path, results: dict) -> None:
+    """results.json of a suite run, each concept's rows without what only the run needs."""
+    plain = {**results, "runs": {name: [{k: v for k, v in row.items() if k not in ("env", "chosen", "budgets")}
+                                        for row in rows] for name, rows in results["runs"].items()}}
+    path.write_text(json.dumps(plain, indent=1))
+
+
+# ------------------------------------------------------------------------------------------------- main
+def train_rows(args: argparse.Namespace, trainers: list[tuple[str, str, object]], budgets: list[float], model: Path,
+               data: Path, peer_data: Path, folder: Path, preset: dict) -> list[dict]:
+    """Each trainer, one after the other, for the largest budget (or until it ends); its snapshots and the one
+    each budget takes. Runs and logs under `folder`."""
+    limit = budgets[-1] * 60
+    rows = []
+    for index, (name, kind, what) in enumerate(trainers):  # what: StableTune's preset, or the peer's row
+        run_dir = folder / f"run-{index}-{kind}"
+        load = os.getloadavg()[0]
+        print(f"{name}: running for {limit / 60:g} min (load average {load:.2f})", file=sys.stderr)
+        if kind == "stabletune":
+            env = thread_env(args.threads)
+            command = stabletune_command(model, data, run_dir, args.snapshot_steps, what) + max_steps(args)
+            started = run_for(command, env, limit, folder / f"run-{index}.log")
+            found = snapshots(run_dir / "checkpoints", r"step_(\d+)", started)
+        else:
+            env = thread_env(args.threads, args.peer_pythonpath)
+            command = family_peer_command(args.family, args.peer_script, model, peer_data, run_dir,
+                                          args.snapshot_steps, preset, what) + max_steps(args)
+            started = run_for(command, env, limit, folder / f"run-{index}.log")
+            found = snapshots(run_dir, r"checkpoint-(\d+)", started)
+        rows.append({"name": name, "kind": kind, "load": load, "load_end": os.getloadavg()[0], "env": env,
+                     "started_utc": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(
+                         timespec="seconds"), "command": command,
+                     "snapshots": [(s.step, round(s.seconds, 1)) for s in found],
+                     "chosen": [snapshot_within(found, b * 60) for b in budgets]})
+    return rows
+
+
+def max_steps(args: argparse.Namespace) -> list[str]:
+    """--max-steps N as both trainers' own flag (a quick slice); nothing when unset (each trainer's own length)."""
+    return ["--max_train_steps", str(args.max_steps)] if args.max_steps else []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=FAMILIES, default="sd1",
@@ -350,26 +563,43 @@ def main() -> None:
     parser.add_argument("--preset", type=Path, default=None,
                         help="StableTune's preset (default: the family's demo preset, presets/demo.toml or "
                              "presets/demo-flux2-klein.toml)")
-    parser.add_argument("--peer-script", type=Path, required=True,
+    parser.add_argument("--peer-script", type=Path, default=None,
                         help="the family's diffusers example (never committed): sd1 "
                              f"{PEER_SCRIPTS['sd1']}, flux2_klein {PEER_SCRIPTS['flux2_klein']}")
     parser.add_argument("--peer-pythonpath", default=None, help="extra site folder for the peer (datasets)")
     parser.add_argument("--budgets", default="1,2,4", help="wall-clock budgets in minutes, comma-separated")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of every trainer and of the scoring")
     parser.add_argument("--snapshot-steps", type=int, default=10, help="steps between two saved LoRAs")
-    parser.add_argument("--score-seeds", type=int, default=SCORE_SEEDS_PER_PROMPT,
-                        help="seeds per prompt of each score (fewer: a quicker, noisier score; say so with the "
-                             "numbers)")
+    parser.add_argument("--score-seeds", "--render-seeds", dest="score_seeds", type=int,
+                        default=SCORE_SEEDS_PER_PROMPT,
+                        help="render seeds per prompt of each score, from 1000 (fewer: a quicker, noisier score; say "
+                             "so with the numbers); --render-seeds as bench/concept_suite.py names it")
     parser.add_argument("--without-samples-row", action="store_true",
                         help="a second StableTune row: the preset without its validation images (the example samples "
                              "nothing while it trains)")
+    parser.add_argument("--concepts", default=None,
+                        help="suite colours (bench/concept_suite.py), comma-separated, e.g. orange,teal,blue,magenta: "
+                             "each trainer on each concept's suite dataset, scored by the suite's measures and "
+                             "targets (default: the demo's purple dataset alone, scored as above)")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="every trainer's --max_train_steps (a quick slice; default: each trainer's own)")
+    parser.add_argument("--stabletune-only", action="store_true",
+                        help="with --concepts: StableTune's row alone (no peer script needed)")
     parser.add_argument("--out", type=Path, required=True, help="a new or empty folder for runs and results")
     args = parser.parse_args()
     budgets = parse_budgets(args.budgets)
+    args.concepts = parse_concepts(args.concepts)
+    if args.concepts and args.family != "sd1":
+        raise SystemExit("--concepts runs the concept suite on the toy SD 1.x base; leave --family at sd1.")
+    if args.stabletune_only and not args.concepts:
+        raise SystemExit("--stabletune-only is for a --concepts run; the demo's run compares with the example.")
+    if args.score_seeds < 1:
+        raise SystemExit(f"--render-seeds {args.score_seeds}: give at least 1 seed per prompt.")
     args.preset = (args.preset or default_preset(args.family)).resolve()
     if not args.preset.is_file():
         raise SystemExit(f"--preset {args.preset} is not a file; give a StableTune preset (.toml).")
-    check_peer(args)
+    if not args.stabletune_only:
+        check_peer(args)
     if args.out.exists() and any(args.out.iterdir()):
         raise SystemExit(f"--out {args.out} is not empty; give the bench a new folder (it never overwrites).")
 
@@ -383,9 +613,11 @@ def main() -> None:
     if preset.get("model_family", "sd1") != args.family:
         raise SystemExit(f"--preset {args.preset} trains model_family {preset.get('model_family', 'sd1')!r}, not "
                          f"--family {args.family}.")
+    if args.concepts:
+        args.out.mkdir(parents=True, exist_ok=True)
+        return run_suite(args, budgets, preset)
     model, data = demo_assets(family=args.family)
     peer_data = write_imagefolder(dataset_images(data), args.out / "peer-data")
-    limit = budgets[-1] * 60
     shown = args.preset.relative_to(ROOT) if args.preset.is_relative_to(ROOT) else args.preset
     trainers = [(f"StableTune ({shown})", "stabletune", args.preset)]
     if args.without_samples_row:
@@ -393,27 +625,7 @@ def main() -> None:
         trainers.append((f"StableTune ({shown}, no validation images)", "stabletune", quiet))
     trainers += [(name, "peer", row) for name, row in peer_rows(args.family, preset)]
 
-    rows = []
-    for index, (name, kind, what) in enumerate(trainers):  # what: StableTune's preset, or the peer's row
-        run_dir = args.out / f"run-{index}-{kind}"
-        load = os.getloadavg()[0]
-        print(f"{name}: running for {limit / 60:g} min (load average {load:.2f})", file=sys.stderr)
-        if kind == "stabletune":
-            env = thread_env(args.threads)
-            command = stabletune_command(model, data, run_dir, args.snapshot_steps, what)
-            started = run_for(command, env, limit, args.out / f"run-{index}.log")
-            found = snapshots(run_dir / "checkpoints", r"step_(\d+)", started)
-        else:
-            env = thread_env(args.threads, args.peer_pythonpath)
-            command = family_peer_command(args.family, args.peer_script, model, peer_data, run_dir,
-                                          args.snapshot_steps, preset, what)
-            started = run_for(command, env, limit, args.out / f"run-{index}.log")
-            found = snapshots(run_dir, r"checkpoint-(\d+)", started)
-        rows.append({"name": name, "kind": kind, "load": load, "load_end": os.getloadavg()[0], "env": env,
-                     "started_utc": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(
-                         timespec="seconds"), "command": command,
-                     "snapshots": [(s.step, round(s.seconds, 1)) for s in found],
-                     "chosen": [snapshot_within(found, b * 60) for b in budgets]})
+    rows = train_rows(args, trainers, budgets, model, data, peer_data, args.out, preset)
 
     print("Scoring (fresh toy pipeline per LoRA) ...", file=sys.stderr)
     base = score(model, None, data, family=args.family, seeds_per_prompt=args.score_seeds)

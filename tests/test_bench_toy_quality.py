@@ -178,3 +178,108 @@ def test_the_row_without_samples_trains_the_same_preset_sampling_nothing(tmp_pat
     config = build_config({**quiet, "pretrained_model_name_or_path": str(tmp_path), "train_data_dir": str(tmp_path),
                            "output_dir": str(tmp_path / "run")})
     assert config.validation_prompts == [] and config.learning_rate == shipped["learning_rate"]
+
+
+# ------------------------------------------------------------------------------ --concepts: the suite (issue 35.6)
+def test_without_concepts_the_bench_runs_the_demos_purple_and_suite_colours_only_otherwise():
+    assert bench.parse_concepts(None) is None and bench.parse_concepts("") is None
+    assert bench.parse_concepts("orange, teal,blue,magenta") == ["orange", "teal", "blue", "magenta"]
+    with pytest.raises(SystemExit, match="'ring' is not a suite colour .a shape"):
+        bench.parse_concepts("orange,ring")
+    with pytest.raises(SystemExit, match="'mauve' is not a suite colour"):
+        bench.parse_concepts("mauve")
+    with pytest.raises(SystemExit, match="twice"):
+        bench.parse_concepts("blue,blue")
+
+
+def test_a_concepts_preset_is_the_demos_with_validation_prompts_naming_the_concept(tmp_path):
+    """As `demo --concept-word NAME` runs it: only the validation prompts change; purple's are the shipped ones."""
+    from stabletune_core.config import read_toml
+
+    shipped = read_toml(bench.PRESET)
+    orange = read_toml(bench.concept_preset(bench.PRESET, "orange", tmp_path / "orange.toml"))
+    prompts = [p.strip() for p in orange["validation_prompt"].split("|")]
+    assert prompts[:3] == ["a orange circle", "a orange square", "a orange triangle"]
+    assert not any("purple" in p for p in prompts) and len(prompts) == len(shipped["validation_prompt"].split("|"))
+    assert {k: v for k, v in orange.items() if k != "validation_prompt"} == \
+        {k: v for k, v in shipped.items() if k != "validation_prompt"}
+    assert read_toml(bench.concept_preset(bench.PRESET, "purple", tmp_path / "purple.toml")) == shipped
+    quiet = bench.preset_without_samples(bench.PRESET, tmp_path / "quiet.toml")
+    assert read_toml(bench.concept_preset(quiet, "teal", tmp_path / "teal.toml")) == read_toml(quiet)
+
+
+def cell(trainer: str, concept: str, budget: float, after: float, worst: float) -> dict:
+    measured = {"before": 150.0, "after": after, "drift": {"red": worst, "yellow": 0.1, "green": 0.2, "cyan": 0.0},
+                "base_shapes": 1.0}
+    return bench.suite_cell(trainer, concept, budget, bench.Snapshot(10, 5.0, Path(concept)), measured)
+
+
+def test_the_pass_share_is_issue_35_2s_targets_over_every_concept():
+    """A cell passes with its colour within 8 degrees and every kept colour within 3 (concept_suite.passes); a
+    concept without a snapshot within the budget counts as not passing; the means are over the cells measured."""
+    cells = [cell("A", "orange", 1, 7.9, 2.9), cell("A", "teal", 1, 8.1, 0.5), cell("A", "blue", 1, 5.0, 3.1),
+             cell("A", "orange", 2, 6.0, 1.0), cell("A", "teal", 2, 4.0, 2.0),  # blue: no snapshot at 2 min
+             cell("B", "orange", 1, 30.0, 10.0)]
+    assert [c["pass"] for c in cells] == [True, False, False, True, True, False]
+    summary = {(s["trainer"], s["budget_min"]): s
+               for s in bench.suite_summary(cells, ["A", "B"], ["orange", "teal", "blue"], [1, 2])}
+    assert summary[("A", 1)]["pass_share"] == pytest.approx(1 / 3)
+    assert summary[("A", 1)]["mean_concept_error"] == pytest.approx((7.9 + 8.1 + 5.0) / 3)
+    assert summary[("A", 1)]["mean_worst_drift"] == pytest.approx((2.9 + 0.5 + 3.1) / 3)
+    assert summary[("A", 2)]["pass_share"] == pytest.approx(2 / 3) and summary[("A", 2)]["measured"] == 2
+    assert summary[("B", 2)] == {"trainer": "B", "budget_min": 2, "measured": 0, "passed": 0, "concepts": 3,
+                                 "pass_share": 0.0, "mean_concept_error": None, "mean_worst_drift": None}
+    table = bench.suite_tables(cells, list(summary.values()))
+    assert "| A | 1 min | 1/3 (33%) | 7.0 | 2.2 |" in table
+    assert "| A | 2 min | 2/3 (67%) (2 measured) | 5.0 | 1.5 |" in table
+
+
+def test_the_suite_slice_trains_each_concept_and_scores_its_measured_cells(tmp_path, toy_cache, toy_base):
+    """Two suite colours, StableTune's preset (without validation images, to keep the test short), 4 steps, 1 render
+    seed, budgets of 3 s (no snapshot yet) and 5 min: each concept trains on its suite dataset, each cell holds the
+    suite's measures of its own LoRA (measured again here), and the pass share and means come from those cells."""
+    import subprocess
+
+    from stabletune_core.toy.bases import TOY_BASES
+    from stabletune_core.toy.evaluate import render
+    from stabletune_core.toy.judge import concept_reference_in
+    from stabletune_core.toy.world import base_prompts
+
+    suite = load_bench("concept_suite")
+    quiet = bench.preset_without_samples(bench.PRESET, tmp_path / "quiet.toml")
+    out = tmp_path / "out"
+    env = {**os.environ, "STABLETUNE_CACHE": str(toy_cache), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "bench/toy_quality.py", "--concepts", "blue,magenta", "--stabletune-only",
+                           "--preset", str(quiet), "--max-steps", "4", "--snapshot-steps", "2", "--budgets", "0.05,5",
+                           "--threads", "1", "--render-seeds", "1", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["complete"] and results["concepts"] == ["blue", "magenta"] and results["budgets_min"] == [0.05, 5]
+    cells = results["cells"]
+    assert [(c["concept"], c["budget_min"], c["step"]) for c in cells] == [("blue", 5, 4), ("magenta", 5, 4)]
+    for name in ("blue", "magenta"):  # each concept's own suite dataset: its 12 images and the base's priors
+        data = out / "data" / name
+        assert len(list((data / f"1_{name}").glob("*.png"))) == 12 and any((data / "1_known_colours").glob("*.png"))
+        assert f"--train_data_dir {data}" in " ".join(results["runs"][name][0]["command"])
+    # a cell's measures are concept_suite.measure_cell's of that run's LoRA, and its verdict concept_suite.passes'
+    blue = suite.Concept("blue")
+    toy = TOY_BASES["sd1"]
+    base = render(toy.pipeline(toy_base), base_prompts() + blue.prompts(), [1000])
+    lora = next((out / "blue" / "run-0-stabletune" / "output").glob("bench_step_*4.safetensors"))
+    again = suite.measure_cell(blue, lora, toy_base, base, [1000], concept_reference_in(out / "data" / "blue", "blue"),
+                               toy.pipeline)
+    assert cells[0]["after"] == pytest.approx(again["after"], abs=0.5)
+    assert cells[0]["drift"] == pytest.approx(again["drift"], abs=0.5)
+    for c in cells:
+        assert c["pass"] == suite.passes(c)
+    # the summary, recomputed from the measured cells
+    name = results["runs"]["blue"][0]["name"]
+    summary = {s["budget_min"]: s for s in results["summary"]}
+    assert summary[0.05]["measured"] == 0 and summary[0.05]["pass_share"] == 0
+    assert summary[5]["pass_share"] == sum(suite.passes(c) for c in cells) / 2
+    assert summary[5]["mean_concept_error"] == pytest.approx((cells[0]["after"] + cells[1]["after"]) / 2)
+    assert summary[5]["mean_worst_drift"] == pytest.approx(sum(max(c["drift"].values()) for c in cells) / 2)
+    table = (out / "table.md").read_text()
+    assert f"| {name} | 5 min | {summary[5]['passed']}/2 ({summary[5]['pass_share']:.0%}) | " \
+           f"{summary[5]['mean_concept_error']:.1f} | {summary[5]['mean_worst_drift']:.1f} |" in table

@@ -26,10 +26,31 @@ def test_rebuild_matches_the_shipped_manifest(tmp_path):
                     vae_edge_weight=shipped.get("vae_edge_weight", 0.0),
                     vae_polish_edge_weight=shipped.get("vae_polish_edge_weight", 0.0),
                     vae_polish_mean_latents=shipped.get("vae_polish_mean_latents", False),
-                    unet_posterior_spread=shipped.get("unet_posterior_spread", 1.0), log=lambda message: None)
+                    unet_posterior_spread=shipped.get("unet_posterior_spread", 1.0),
+                    vae_posterior_std_scale=shipped.get("vae_posterior_std_scale", 1.0), log=lambda message: None)
     for key in ("final_vae_loss", "final_unet_loss"):
         assert rebuilt[key] == pytest.approx(shipped[key], rel=LOSS_TOLERANCE), key
     assert rebuilt["scores"]["base_right"] >= 0.95  # colour within 6 degrees and right shape, 8 seeds
     assert rebuilt["scores"]["concept_hue_error"] >= 30  # it never saw the concept colour
     if shipped.get("vae_images") == "hue_circle":
         assert rebuilt["codec_floor"]["worst_hue_deg"] <= 3.5  # its codec carries every hue (issue 35.1)
+
+
+def test_the_posterior_spread_scales_and_its_mean_stays_bitwise():
+    """build(vae_posterior_std_scale=s): the shipped VAE's posterior std is s times what it was, its mean (what the
+    denoiser trained on and the codec floor reads) bitwise the same, so the base draws exactly as before."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    from stabletune_core.models.sd.tiny import VAE_CONFIG
+    from stabletune_core.toy.build import TOY_VAE_CONFIG, scale_posterior_std
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**dict(VAE_CONFIG, **TOY_VAE_CONFIG)).eval()
+    x = torch.rand(2, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        before = vae.encode(x).latent_dist
+        scale_posterior_std(vae, 0.1)
+        after = vae.encode(x).latent_dist
+    assert torch.equal(after.mean, before.mean)
+    assert torch.allclose(after.std, 0.1 * before.std, rtol=1e-4)

@@ -220,13 +220,28 @@ def train_unet(unet, scheduler, latents: tuple[torch.Tensor, torch.Tensor], scal
 VAE_IMAGES = ("named", "hue_circle")
 
 
+def scale_posterior_std(vae, scale: float) -> None:
+    """Multiply the VAE posterior's standard deviation by `scale`, leaving its mean bitwise as it was: the
+    log-variance half of `quant_conv`'s bias moves by 2 ln(scale).
+
+    Why: a denoiser trained on the posterior's means (unet_posterior_spread=0) never saw the encoder's spread, yet
+    every SD trainer (StableTune's included) encodes a posterior *sample*; the toy codec's spread was 0.19 of its
+    means' spread, and a LoRA trained on those samples learned the candidate base's purple 18 deg off where the same
+    run on samples with a tenth of that spread learned it 10 deg off (bench/RESULTS.md)."""
+    with torch.no_grad():
+        bias = vae.quant_conv.bias
+        bias[bias.shape[0] // 2:] += 2 * math.log(scale)
+
+
 def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_steps: int = 300,
           unet_steps: int = 3200, unet_batch: int = 64, scenes_per_combo: int = 256, vae_images: str = "named",
           vae_edge_weight: float = 0.0, vae_polish_edge_weight: float = 0.0, vae_polish_mean_latents: bool = False,
-          unet_posterior_spread: float = 1.0, log: Callable[[str], None] = print) -> dict:
+          unet_posterior_spread: float = 1.0, vae_posterior_std_scale: float = 1.0,
+          log: Callable[[str], None] = print) -> dict:
     """Train the toy base and write its shipped files and manifest into `out` (`vae_images`: VAE_IMAGES;
     `vae_edge_weight`: train_vae's `edge_weight`; the polish's `edge_weight` and `mean_latents`: polish_decoder's;
-    `unet_posterior_spread`: train_unet's)."""
+    `unet_posterior_spread`: train_unet's; `vae_posterior_std_scale`: scale_posterior_std's, applied to the
+    shipped VAE after the denoiser trained)."""
     from safetensors.torch import save_file
 
     from ..models.sd.tiny import TEXT_ENCODER_CONFIG, UNET_CONFIG, VAE_CONFIG, build_tiny_components
@@ -274,6 +289,8 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
     ema, unet_loss = train_unet(unet, scheduler, (means, stds), scaling, cond, labels, unet_steps, unet_batch, log,
                                 evaluate, posterior_spread=unet_posterior_spread)
 
+    if vae_posterior_std_scale != 1.0:
+        scale_posterior_std(vae, vae_posterior_std_scale)
     out.mkdir(parents=True, exist_ok=True)
     for name, module in (("unet", ema), ("vae", vae), ("text_encoder", text_encoder)):
         state = {k: v.detach().to(torch.float16).contiguous() for k, v in module.state_dict().items()}
@@ -292,6 +309,7 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
         "vae_images": vae_images, "vae_mean_colour_weight": mean_colour_weight,
         "vae_edge_weight": vae_edge_weight, "unet_steps": unet_steps,
         "unet_posterior_spread": unet_posterior_spread,
+        **({"vae_posterior_std_scale": vae_posterior_std_scale} if vae_posterior_std_scale != 1.0 else {}),
         "unet_batch": unet_batch, "scenes_per_combo": scenes_per_combo, "min_snr_gamma": MIN_SNR_GAMMA,
         "final_vae_loss": round(vae_loss, 5), "final_vae_polish_loss": round(polish_loss, 5),
         "final_unet_loss": round(unet_loss, 5), "codec_floor": codec_floor,

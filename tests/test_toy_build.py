@@ -54,3 +54,37 @@ def test_the_posterior_spread_scales_and_its_mean_stays_bitwise():
         after = vae.encode(x).latent_dist
     assert torch.equal(after.mean, before.mean)
     assert torch.allclose(after.std, 0.1 * before.std, rtol=1e-4)
+
+
+def _colour_word_similarity(text_encoder, tokenizer) -> dict[tuple[str, str], float]:
+    """Cosine similarity of each pair of colour words' features at the word's own position ("a WORD circle")."""
+    import itertools
+
+    import torch
+
+    words = ["red", "yellow", "green", "purple", "blue", "orange", "magenta", "teal", "lime"]
+    features = {}
+    for word in words:
+        ids = tokenizer(f"a {word} circle", padding="max_length", max_length=tokenizer.model_max_length,
+                        return_tensors="pt").input_ids
+        with torch.no_grad():
+            features[word] = text_encoder(ids)[0][0, 2]
+    return {(a, b): float(torch.nn.functional.cosine_similarity(features[a], features[b], dim=0))
+            for a, b in itertools.combinations(words, 2)}
+
+
+def test_loud_token_embeddings_set_the_colour_words_apart():
+    """build(text_embedding_std=1): the frozen random CLIP's colour words reach the denoiser as different features,
+    as a trained encoder's do; at its initialisation (std 0.02) they are nearly one feature, so a LoRA that moves
+    the new word moves its neighbour (purple and red, bench/RESULTS.md)."""
+    from stabletune_core.models.sd.tiny import build_tiny_components
+    from stabletune_core.models.tokenizer import build_clip_tokenizer
+    from stabletune_core.toy.build import BUILD_SEED, loud_token_embeddings
+
+    tokenizer = build_clip_tokenizer()
+    text_encoder = build_tiny_components(BUILD_SEED)["text_encoder"].eval()
+    quiet = _colour_word_similarity(text_encoder, tokenizer)
+    assert min(quiet.values()) > 0.7 and quiet[("red", "purple")] > 0.9
+    loud_token_embeddings(text_encoder, BUILD_SEED, 1.0)
+    loud = _colour_word_similarity(text_encoder, tokenizer)
+    assert max(loud.values()) < 0.6, max(loud, key=loud.get)

@@ -159,6 +159,22 @@ def text_states(text_encoder, tokenizer, captions: list[str]) -> torch.Tensor:
     return text_encoder(ids)[0]
 
 
+#: Token embeddings of a toy base's frozen random text encoder (the flow toys' Qwen3; the SD toy's CLIP with
+#: build(text_embedding_std=...)). The tests' random Qwen3 draws them at
+#: std 0.02 (Qwen3's initializer_range): its hidden states are then ~0.02 wide and mostly what its random attention
+#: mixed in, so the prompt reached the transformer as a faint, diffuse signal; a first Klein build (1800 steps) drew
+#: "a red circle" and "a red square" alike and "a purple circle" yellow. Token embeddings of std 1 carry each word's
+#: identity through the residual stream at its own position, as loud as a trained encoder's hidden states are.
+TEXT_EMBEDDING_STD = 1.0
+
+
+def loud_token_embeddings(text_encoder, seed: int, std: float = TEXT_EMBEDDING_STD) -> None:
+    """Redraw a frozen random text encoder's token embeddings at `std` (deterministic from `seed`)."""
+    embeddings = text_encoder.get_input_embeddings().weight
+    with torch.no_grad():
+        embeddings.copy_(std * torch.randn(embeddings.shape, generator=torch.Generator().manual_seed(seed + 13)))
+
+
 def train_unet(unet, scheduler, latents: tuple[torch.Tensor, torch.Tensor], scaling: float, cond: torch.Tensor,
                labels: torch.Tensor, steps: int, batch: int, log: Callable[[str], None],
                evaluate: Callable[[object, int], None] | None = None,
@@ -236,12 +252,14 @@ def scale_posterior_std(vae, scale: float) -> None:
 def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_steps: int = 300,
           unet_steps: int = 3200, unet_batch: int = 64, scenes_per_combo: int = 256, vae_images: str = "named",
           vae_edge_weight: float = 0.0, vae_polish_edge_weight: float = 0.0, vae_polish_mean_latents: bool = False,
-          unet_posterior_spread: float = 1.0, vae_posterior_std_scale: float = 1.0,
+          unet_posterior_spread: float = 1.0, vae_posterior_std_scale: float = 1.0, text_embedding_std: float = 0.0,
           log: Callable[[str], None] = print) -> dict:
     """Train the toy base and write its shipped files and manifest into `out` (`vae_images`: VAE_IMAGES;
     `vae_edge_weight`: train_vae's `edge_weight`; the polish's `edge_weight` and `mean_latents`: polish_decoder's;
     `unet_posterior_spread`: train_unet's; `vae_posterior_std_scale`: scale_posterior_std's, applied to the
-    shipped VAE after the denoiser trained)."""
+    shipped VAE after the denoiser trained; `text_embedding_std`: the frozen CLIP's token embeddings redrawn at that
+    std, loud_token_embeddings; 0 keeps its initialisation's 0.02, where every colour word's features at its
+    position are 0.79-0.95 cosine-alike, purple and red 0.95)."""
     from safetensors.torch import save_file
 
     from ..models.sd.tiny import TEXT_ENCODER_CONFIG, UNET_CONFIG, VAE_CONFIG, build_tiny_components
@@ -254,6 +272,8 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
 
     parts = build_tiny_components(BUILD_SEED)
     unet, text_encoder, scheduler = parts["unet"], parts["text_encoder"], parts["scheduler"]
+    if text_embedding_std:
+        loud_token_embeddings(text_encoder, BUILD_SEED, text_embedding_std)
     vae_config = dict(VAE_CONFIG, **TOY_VAE_CONFIG)
     torch.manual_seed(BUILD_SEED + 1)
     vae = AutoencoderKL(**vae_config)
@@ -310,6 +330,7 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
         "vae_edge_weight": vae_edge_weight, "unet_steps": unet_steps,
         "unet_posterior_spread": unet_posterior_spread,
         **({"vae_posterior_std_scale": vae_posterior_std_scale} if vae_posterior_std_scale != 1.0 else {}),
+        **({"text_embedding_std": text_embedding_std} if text_embedding_std else {}),
         "unet_batch": unet_batch, "scenes_per_combo": scenes_per_combo, "min_snr_gamma": MIN_SNR_GAMMA,
         "final_vae_loss": round(vae_loss, 5), "final_vae_polish_loss": round(polish_loss, 5),
         "final_unet_loss": round(unet_loss, 5), "codec_floor": codec_floor,

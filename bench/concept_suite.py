@@ -17,6 +17,12 @@ encode-decode round trip (no LoRA on the denoiser can do better than the codec d
 
     STABLETUNE_CACHE=/tmp/cs/cache OMP_NUM_THREADS=1 python bench/concept_suite.py --out /tmp/cs
     python bench/concept_suite.py --out /tmp/cs --concepts blue,orange --seeds 1      # a slice
+    python bench/concept_suite.py --out /tmp/cs-f3 --weights /path/to/candidate --prior 4 --set learning_rate=2e-3
+
+`--weights` measures a candidate toy base (a folder as `python -m stabletune_core.toy build` writes it) instead of
+the shipped one; `--prior` sets the base's prior images per prompt and `--set KEY=VALUE` (a TOML value, repeatable)
+changes the preset's recipe: a recipe is judged over the suite, never on one concept. Rows record the recipe and
+base they measured, so one OUT may hold several.
 
 Writes OUT/rows.jsonl (one line per concept x seed, reused by a later run of the same OUT) and OUT/table.md, the
 markdown table for bench/RESULTS.md, and prints it. The codec floor around the whole hue circle: bench/codec_floor.py.
@@ -24,6 +30,7 @@ markdown table for bench/RESULTS.md, and prints it. The codec floor around the w
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import sys
@@ -133,25 +140,44 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prior_images(out: Path, model: Path, family: str) -> Path:
-    """The base's own images of what it keeps, as the demo's (rendered once per OUT)."""
+def prior_images(out: Path, model: Path, family: str, per_prompt: int | None = None) -> Path:
+    """The base's own images of what it keeps, as the demo's (`per_prompt` renders of each base prompt, by default
+    the toy base's): rendered once per OUT, base and count."""
     from stabletune_core.demo import prior_prompts_and_seeds, write_base_images
     from stabletune_core.toy.bases import TOY_BASES
 
-    folder = out / "priors"
+    toy = TOY_BASES[family]
+    per_prompt = per_prompt or toy.prior_images_per_prompt
+    folder = out / ("priors" if per_prompt == toy.prior_images_per_prompt and model == toy.model()
+                    else f"priors-{per_prompt}-{model.name}")
     if not (folder / "done").is_file():
-        toy = TOY_BASES[family]
-        prompts, seeds = prior_prompts_and_seeds(toy.prior_images_per_prompt)
+        prompts, seeds = prior_prompts_and_seeds(per_prompt)
         write_base_images(model, folder, prompts, seeds, pipeline=toy.pipeline)
         (folder / "done").write_text("")
     return folder
+
+
+def recipe_overrides(settings: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` pairs as preset values: VALUE is read as TOML (2e-3, true, ["a", "b"]), else a string."""
+    import tomllib
+
+    overrides = {}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--set {setting!r} is not KEY=VALUE: write e.g. --set learning_rate=2e-3")
+        try:
+            overrides[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            overrides[key.strip()] = value
+    return overrides
 
 
 def concept_dataset(out: Path, concept: Concept, priors: Path) -> Path:
     """OUT/data/NAME: the concept's 12 drawn images (1_NAME) and a copy of the prior images (1_known_colours)."""
     from stabletune_core.toy.world import write_dataset
 
-    data = out / "data" / concept.name
+    data = out / "data" / (concept.name if priors.name == "priors" else f"{concept.name}-{priors.name}")
     if not data.is_dir():
         write_dataset(data / f"1_{concept.name}", concept.scenes())
         shutil.copytree(priors, data / "1_known_colours", ignore=shutil.ignore_patterns("done"))
@@ -206,6 +232,11 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's)")
     parser.add_argument("--render-seeds", type=int, default=8, help="render seeds per prompt, from 1000")
     parser.add_argument("--family", choices=["sd1"], default="sd1", help="the toy base (the SD 1.x one)")
+    parser.add_argument("--weights", type=Path, default=None,
+                        help="a candidate toy base's weights folder (default: the shipped base)")
+    parser.add_argument("--prior", type=int, default=None, help="prior images per base prompt (default: the base's)")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe change on the preset (TOML value), repeatable")
     args = parser.parse_args(argv)
     unknown = [c for c in args.concepts.split(",") if c not in (*SUITE_COLORS, *SUITE_SHAPES)]
     if unknown:
@@ -213,6 +244,7 @@ def main(argv: list[str] | None = None) -> str:
 
     import torch
 
+    from stabletune_core.toy import materialize
     from stabletune_core.toy.bases import TOY_BASES
     from stabletune_core.toy.evaluate import render
     from stabletune_core.toy.judge import concept_reference_in
@@ -221,8 +253,12 @@ def main(argv: list[str] | None = None) -> str:
     torch.set_num_threads(1)  # the toy model is dispatch-bound (train/threads.py)
     args.out.mkdir(parents=True, exist_ok=True)
     toy = TOY_BASES[args.family]
-    model = toy.model()
-    priors = prior_images(args.out, model, args.family)
+    overrides = recipe_overrides(args.settings)
+    model = materialize(args.weights) if args.weights else toy.model()
+    priors = prior_images(args.out, model, args.family, args.prior)
+    recipe = {"base": model.name, "prior": args.prior or toy.prior_images_per_prompt, **overrides}
+    tag = "" if recipe == {"base": toy.model().name, "prior": toy.prior_images_per_prompt} else \
+        "-" + hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:8]
     render_seeds = list(range(1000, 1000 + args.render_seeds))
     concepts = [Concept(name) for name in args.concepts.split(",")]
     base = render(toy.pipeline(model), base_prompts() + [p for c in concepts for p in c.prompts()], render_seeds)
@@ -232,7 +268,8 @@ def main(argv: list[str] | None = None) -> str:
     if rows_file.is_file():
         for line in rows_file.read_text().splitlines():
             row = json.loads(line)
-            done[(row["concept"], row["seed"], row["steps"], row["render_seeds"])] = row
+            done[(row["concept"], row["seed"], row["steps"], row["render_seeds"],
+                  json.dumps(row.get("recipe", {}), sort_keys=True))] = row
     rows = []
     for concept in concepts:
         data = concept_dataset(args.out, concept, priors)
@@ -240,12 +277,13 @@ def main(argv: list[str] | None = None) -> str:
         floor = codec_floor(concept, [draw_scene(s) for s in concept.scenes()], round_trip)
         for seed in range(1, args.seeds + 1):
             started = time.perf_counter()
-            lora, steps = train_cell(args.out, concept, seed, data, model, args.family, args.steps)
-            key = (concept.name, seed, steps, args.render_seeds)
+            lora, steps = train_cell(args.out, concept, seed, data, model, args.family, args.steps, overrides, tag)
+            key = (concept.name, seed, steps, args.render_seeds, json.dumps(recipe, sort_keys=True))
             if key not in done:
                 torch.set_num_threads(1)
                 row = {"concept": concept.name, "kind": concept.kind, "seed": seed, "steps": steps,
-                       "render_seeds": args.render_seeds, "codec_floor": round(floor, 4), "reference": reference,
+                       "render_seeds": args.render_seeds, "recipe": recipe, "codec_floor": round(floor, 4),
+                       "reference": reference,
                        **measure_cell(concept, lora, model, base, render_seeds, reference, toy.pipeline),
                        "seconds": round(time.perf_counter() - started)}
                 done[key] = save_row(rows_file, row)

@@ -98,3 +98,35 @@ def test_the_suite_command_runs_a_slice_and_writes_its_table(suite, tmp_path, to
     floor = sum(hue_distance(judge(round_trip(image)).hue, reference) for image in images) / len(images)
     assert row["codec_floor"] == pytest.approx(floor, abs=1e-3) and cells["codec floor"] == f"{floor:.1f} deg"
     assert (out / "runs" / "blue-seed1" / "output" / "blue_lora.safetensors").is_file()
+
+
+def test_a_recipe_change_is_read_as_toml_and_a_bad_one_is_one_sentence(suite):
+    assert suite.recipe_overrides(["learning_rate=2e-3", "train_text_encoder=false", 'unet_lora_targets=["to_k"]',
+                                   "lr_scheduler=constant"]) == {
+        "learning_rate": 2e-3, "train_text_encoder": False, "unet_lora_targets": ["to_k"], "lr_scheduler": "constant"}
+    with pytest.raises(SystemExit, match="is not KEY=VALUE"):
+        suite.recipe_overrides(["learning_rate"])
+
+
+def test_a_recipe_is_measured_beside_the_shipped_one_in_the_same_folder(suite, tmp_path, toy_cache, toy_base):
+    """`--prior` and `--set` change the recipe (issue 35.2: a recipe judged over the suite): the row records it,
+    its run trains with it in its own folder, and the shipped recipe's row in the same OUT is kept."""
+    out = tmp_path / "suite"
+    env = {**os.environ, "STABLETUNE_CACHE": str(toy_cache), "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "bench/concept_suite.py", "--out", str(out), "--concepts", "teal", "--seeds", "1",
+            "--steps", "2", "--render-seeds", "1"]
+    for extra in ([], ["--prior", "1", "--set", "learning_rate=2e-3"]):
+        done = subprocess.run(base + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    assert [r["recipe"]["prior"] for r in rows] == [2, 1] and "learning_rate" not in rows[0]["recipe"]
+    assert rows[1]["recipe"]["learning_rate"] == 2e-3 and rows[0]["recipe"]["base"] == rows[1]["recipe"]["base"]
+    runs = sorted(p.name for p in (out / "runs").iterdir())
+    assert runs[0] == "teal-seed1" and len(runs) == 2
+    import tomllib
+
+    trained = tomllib.loads((out / "runs" / runs[1] / "config.toml").read_text())
+    assert trained["learning_rate"] == 2e-3 and Path(trained["train_data_dir"]).name == "teal-priors-1-" + \
+        Path(trained["pretrained_model_name_or_path"]).name
+    assert len(list((Path(trained["train_data_dir"]) / "1_known_colours").glob("*.png"))) == 12  # 1 a base prompt
+    assert len(list((out / "data" / "teal" / "1_known_colours").glob("*.png"))) == 24

@@ -26,10 +26,65 @@ def test_rebuild_matches_the_shipped_manifest(tmp_path):
                     vae_edge_weight=shipped.get("vae_edge_weight", 0.0),
                     vae_polish_edge_weight=shipped.get("vae_polish_edge_weight", 0.0),
                     vae_polish_mean_latents=shipped.get("vae_polish_mean_latents", False),
-                    unet_posterior_spread=shipped.get("unet_posterior_spread", 1.0), log=lambda message: None)
+                    unet_posterior_spread=shipped.get("unet_posterior_spread", 1.0),
+                    vae_posterior_std_scale=shipped.get("vae_posterior_std_scale", 1.0), log=lambda message: None)
     for key in ("final_vae_loss", "final_unet_loss"):
         assert rebuilt[key] == pytest.approx(shipped[key], rel=LOSS_TOLERANCE), key
     assert rebuilt["scores"]["base_right"] >= 0.95  # colour within 6 degrees and right shape, 8 seeds
     assert rebuilt["scores"]["concept_hue_error"] >= 30  # it never saw the concept colour
     if shipped.get("vae_images") == "hue_circle":
         assert rebuilt["codec_floor"]["worst_hue_deg"] <= 3.5  # its codec carries every hue (issue 35.1)
+
+
+def test_the_posterior_spread_scales_and_its_mean_stays_bitwise():
+    """build(vae_posterior_std_scale=s): the shipped VAE's posterior std is s times what it was, its mean (what the
+    denoiser trained on and the codec floor reads) bitwise the same, so the base draws exactly as before."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    from stabletune_core.models.sd.tiny import VAE_CONFIG
+    from stabletune_core.toy.build import TOY_VAE_CONFIG, scale_posterior_std
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**dict(VAE_CONFIG, **TOY_VAE_CONFIG)).eval()
+    x = torch.rand(2, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        before = vae.encode(x).latent_dist
+        scale_posterior_std(vae, 0.1)
+        after = vae.encode(x).latent_dist
+    assert torch.equal(after.mean, before.mean)
+    assert torch.allclose(after.std, 0.1 * before.std, rtol=1e-4)
+
+
+def _colour_word_similarity(text_encoder, tokenizer) -> dict[tuple[str, str], float]:
+    """Cosine similarity of each pair of colour words' features at the word's own position ("a WORD circle")."""
+    import itertools
+
+    import torch
+
+    words = ["red", "yellow", "green", "purple", "blue", "orange", "magenta", "teal", "lime"]
+    features = {}
+    for word in words:
+        ids = tokenizer(f"a {word} circle", padding="max_length", max_length=tokenizer.model_max_length,
+                        return_tensors="pt").input_ids
+        with torch.no_grad():
+            features[word] = text_encoder(ids)[0][0, 2]
+    return {(a, b): float(torch.nn.functional.cosine_similarity(features[a], features[b], dim=0))
+            for a, b in itertools.combinations(words, 2)}
+
+
+def test_loud_token_embeddings_set_the_colour_words_apart():
+    """build(text_embedding_std=1): the frozen random CLIP's colour words reach the denoiser as different features,
+    as a trained encoder's do; at its initialisation (std 0.02) they are nearly one feature, so a LoRA that moves
+    the new word moves its neighbour (purple and red, bench/RESULTS.md)."""
+    from stabletune_core.models.sd.tiny import build_tiny_components
+    from stabletune_core.models.tokenizer import build_clip_tokenizer
+    from stabletune_core.toy.build import BUILD_SEED, loud_token_embeddings
+
+    tokenizer = build_clip_tokenizer()
+    text_encoder = build_tiny_components(BUILD_SEED)["text_encoder"].eval()
+    quiet = _colour_word_similarity(text_encoder, tokenizer)
+    assert min(quiet.values()) > 0.7 and quiet[("red", "purple")] > 0.9
+    loud_token_embeddings(text_encoder, BUILD_SEED, 1.0)
+    loud = _colour_word_similarity(text_encoder, tokenizer)
+    assert max(loud.values()) < 0.6, max(loud, key=loud.get)

@@ -33,15 +33,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .build import BUILD_SEED, pixels, train_vae, write_manifest
+from .build import BUILD_SEED, loud_token_embeddings, pixels, train_vae, write_manifest  # noqa: F401 (the builders' import)
 from .world import BASE_COLORS, SHAPES, base_scenes, draw_scene
 
-#: Token embeddings of the frozen random Qwen3, for every family's toy base. The tests' random Qwen3 draws them at
-#: std 0.02 (Qwen3's initializer_range): its hidden states are then ~0.02 wide and mostly what its random attention
-#: mixed in, so the prompt reached the transformer as a faint, diffuse signal; a first Klein build (1800 steps) drew
-#: "a red circle" and "a red square" alike and "a purple circle" yellow. Token embeddings of std 1 carry each word's
-#: identity through the residual stream at its own position, as loud as a trained encoder's hidden states are.
-TEXT_EMBEDDING_STD = 1.0
 CFG_DROPOUT = 0.1  # empty captions, for classifier-free guidance (the pipelines' negative prompt is "")
 #: The family's objective with logit-normal sigmas (diffusers' Klein script's --weighting_scheme logit_normal): more
 #: draws mid-schedule, where the shape is decided. Trials on the toy Klein at 32 text tokens, 3000 steps of 32,
@@ -83,14 +77,6 @@ class FlowToy:
     materialize: Callable[[Path], Path]  # shipped fp16 weights -> the diffusers folder users load
     load_pipeline: Callable[[Path], Any]  # the pipeline the judge renders with, over that folder
     shipped_files: tuple[str, ...] = ("transformer.safetensors", "vae.safetensors", "text_encoder.safetensors")
-
-
-def loud_token_embeddings(text_encoder, seed: int) -> None:
-    """Redraw the frozen random Qwen3's token embeddings at TEXT_EMBEDDING_STD (deterministic from `seed`)."""
-    embeddings = text_encoder.get_input_embeddings().weight
-    with torch.no_grad():
-        embeddings.copy_(TEXT_EMBEDDING_STD * torch.randn(embeddings.shape,
-                                                          generator=torch.Generator().manual_seed(seed + 13)))
 
 
 @torch.no_grad()

@@ -160,11 +160,12 @@ def text_states(text_encoder, tokenizer, captions: list[str]) -> torch.Tensor:
 
 
 #: Token embeddings of a toy base's frozen random text encoder (the flow toys' Qwen3; the SD toy's CLIP with
-#: build(text_embedding_std=...)). The tests' random Qwen3 draws them at
-#: std 0.02 (Qwen3's initializer_range): its hidden states are then ~0.02 wide and mostly what its random attention
-#: mixed in, so the prompt reached the transformer as a faint, diffuse signal; a first Klein build (1800 steps) drew
-#: "a red circle" and "a red square" alike and "a purple circle" yellow. Token embeddings of std 1 carry each word's
-#: identity through the residual stream at its own position, as loud as a trained encoder's hidden states are.
+#: build(text_embedding_std=...)). The tests' random Qwen3 draws them at std 0.02 (Qwen3's initializer_range): its
+#: hidden states are then ~0.02 wide and mostly what its random attention mixed in, so the prompt reached the
+#: transformer as a faint, diffuse signal; a first Klein build (1800 steps) drew "a red circle" and "a red square"
+#: alike and "a purple circle" yellow. Token embeddings of std 1 carry each word's identity through the residual
+#: stream at its own position, as loud as a trained encoder's hidden states are (about 50 times a real CLIP's
+#: token embeddings: an embedding learning rate sized for CLIP moves them that much less, bench/RESULTS.md).
 TEXT_EMBEDDING_STD = 1.0
 
 

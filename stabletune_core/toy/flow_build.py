@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .build import BUILD_SEED, loud_token_embeddings, pixels, train_vae, write_manifest  # noqa: F401 (the builders' import)
+from .build import BUILD_SEED, pixels, train_vae, write_manifest
 from .world import BASE_COLORS, SHAPES, base_scenes, draw_scene
 
 CFG_DROPOUT = 0.1  # empty captions, for classifier-free guidance (the pipelines' negative prompt is "")

@@ -14,8 +14,8 @@ import functools
 import torch
 
 from . import klein as toy_klein
-from .build import BUILD_SEED
-from .flow_build import FlowToy, Recipe, loud_token_embeddings
+from .build import BUILD_SEED, loud_token_embeddings
+from .flow_build import FlowToy, Recipe
 from .flow_build import build as build_flow_toy
 
 WEIGHTS = toy_klein.WEIGHTS

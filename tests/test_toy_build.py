@@ -27,7 +27,10 @@ def test_rebuild_matches_the_shipped_manifest(tmp_path):
                     vae_polish_edge_weight=shipped.get("vae_polish_edge_weight", 0.0),
                     vae_polish_mean_latents=shipped.get("vae_polish_mean_latents", False),
                     unet_posterior_spread=shipped.get("unet_posterior_spread", 1.0),
-                    vae_posterior_std_scale=shipped.get("vae_posterior_std_scale", 1.0), log=lambda message: None)
+                    vae_posterior_std_scale=shipped.get("vae_posterior_std_scale", 1.0),
+                    text_embedding_std=shipped.get("text_embedding_std", 0.0),
+                    text_mixing_scale=shipped.get("text_mixing_scale", 1.0),
+                    text_position_scale=shipped.get("text_position_scale", 1.0), log=lambda message: None)
     for key in ("final_vae_loss", "final_unet_loss"):
         assert rebuilt[key] == pytest.approx(shipped[key], rel=LOSS_TOLERANCE), key
     assert rebuilt["scores"]["base_right"] >= 0.95  # colour within 6 degrees and right shape, 8 seeds
@@ -88,3 +91,23 @@ def test_loud_token_embeddings_set_the_colour_words_apart():
     loud_token_embeddings(text_encoder, BUILD_SEED, 1.0)
     loud = _colour_word_similarity(text_encoder, tokenizer)
     assert max(loud.values()) < 0.6, max(loud, key=loud.get)
+
+
+def test_quiet_text_mixing_sets_the_colour_words_apart_at_clips_embedding_scale():
+    """build(text_mixing_scale=0.01, text_position_scale=0.1): the frozen random CLIP's layers and position
+    embeddings are quieted, so each colour word reaches the denoiser as its own feature while the token embeddings
+    keep CLIP's 0.02 (an embedding learning rate sized for a real CLIP moves a pivotal token as much as there)."""
+    import torch
+
+    from stabletune_core.models.sd.tiny import build_tiny_components
+    from stabletune_core.models.tokenizer import build_clip_tokenizer
+    from stabletune_core.toy.build import BUILD_SEED, quiet_text_mixing
+
+    tokenizer = build_clip_tokenizer()
+    text_encoder = build_tiny_components(BUILD_SEED)["text_encoder"].eval()
+    embeddings = text_encoder.get_input_embeddings().weight.detach().clone()
+    quiet_text_mixing(text_encoder, 0.01, 0.1)
+    apart = _colour_word_similarity(text_encoder, tokenizer)
+    assert max(apart.values()) < 0.5 and apart[("red", "purple")] < 0.3, max(apart, key=apart.get)
+    assert torch.equal(text_encoder.get_input_embeddings().weight, embeddings)
+    assert abs(float(embeddings.std()) - 0.02) < 0.001

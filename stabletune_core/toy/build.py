@@ -176,6 +176,22 @@ def loud_token_embeddings(text_encoder, seed: int, std: float = TEXT_EMBEDDING_S
         embeddings.copy_(std * torch.randn(embeddings.shape, generator=torch.Generator().manual_seed(seed + 13)))
 
 
+def quiet_text_mixing(text_encoder, mixing_scale: float, position_scale: float) -> None:
+    """Scale a frozen random CLIP's attention and MLP outputs by `mixing_scale` and its position embeddings by
+    `position_scale`, so that each token's hidden state is mostly its own embedding, at CLIP's own scale (0.02).
+
+    Why: a random CLIP's layers add ~50x more to the residual stream than its 0.02-wide embeddings hold, so every
+    word's hidden state is mostly what its random attention mixed in (colour words 0.79-0.95 cosine-alike).
+    Loud embeddings (loud_token_embeddings) fix that but sit 50x wider than a real CLIP's, which makes an embedding
+    learning rate sized for CLIP move a pivotal token 50x less. Quieting the layers keeps CLIP's embedding scale."""
+    with torch.no_grad():
+        text_encoder.embeddings.position_embedding.weight.mul_(position_scale)
+        for layer in text_encoder.encoder.layers:
+            for out in (layer.self_attn.out_proj, layer.mlp.fc2):
+                out.weight.mul_(mixing_scale)
+                out.bias.mul_(mixing_scale)
+
+
 def train_unet(unet, scheduler, latents: tuple[torch.Tensor, torch.Tensor], scaling: float, cond: torch.Tensor,
                labels: torch.Tensor, steps: int, batch: int, log: Callable[[str], None],
                evaluate: Callable[[object, int], None] | None = None,
@@ -256,13 +272,15 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
           unet_steps: int = 3200, unet_batch: int = 64, scenes_per_combo: int = 256, vae_images: str = "named",
           vae_edge_weight: float = 0.0, vae_polish_edge_weight: float = 0.0, vae_polish_mean_latents: bool = False,
           unet_posterior_spread: float = 1.0, vae_posterior_std_scale: float = 1.0, text_embedding_std: float = 0.0,
+          text_mixing_scale: float = 1.0, text_position_scale: float = 1.0,
           log: Callable[[str], None] = print) -> dict:
     """Train the toy base and write its shipped files and manifest into `out` (`vae_images`: VAE_IMAGES;
     `vae_edge_weight`: train_vae's `edge_weight`; the polish's `edge_weight` and `mean_latents`: polish_decoder's;
     `unet_posterior_spread`: train_unet's; `vae_posterior_std_scale`: scale_posterior_std's, applied to the
     shipped VAE after the denoiser trained; `text_embedding_std`: the frozen CLIP's token embeddings redrawn at that
     std, loud_token_embeddings; 0 keeps its initialisation's 0.02, where every colour word's features at its
-    position are 0.79-0.95 cosine-alike, purple and red 0.95)."""
+    position are 0.79-0.95 cosine-alike, purple and red 0.95; `text_mixing_scale`, `text_position_scale`:
+    quiet_text_mixing's, 1 leaves the CLIP as initialised)."""
     from safetensors.torch import save_file
 
     from ..models.sd.tiny import TEXT_ENCODER_CONFIG, UNET_CONFIG, VAE_CONFIG, build_tiny_components
@@ -277,6 +295,8 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
     unet, text_encoder, scheduler = parts["unet"], parts["text_encoder"], parts["scheduler"]
     if text_embedding_std:
         loud_token_embeddings(text_encoder, BUILD_SEED, text_embedding_std)
+    if (text_mixing_scale, text_position_scale) != (1.0, 1.0):
+        quiet_text_mixing(text_encoder, text_mixing_scale, text_position_scale)
     vae_config = dict(VAE_CONFIG, **TOY_VAE_CONFIG)
     torch.manual_seed(BUILD_SEED + 1)
     vae = AutoencoderKL(**vae_config)
@@ -334,6 +354,8 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
         "unet_posterior_spread": unet_posterior_spread,
         **({"vae_posterior_std_scale": vae_posterior_std_scale} if vae_posterior_std_scale != 1.0 else {}),
         **({"text_embedding_std": text_embedding_std} if text_embedding_std else {}),
+        **({"text_mixing_scale": text_mixing_scale, "text_position_scale": text_position_scale}
+           if (text_mixing_scale, text_position_scale) != (1.0, 1.0) else {}),
         "unet_batch": unet_batch, "scenes_per_combo": scenes_per_combo, "min_snr_gamma": MIN_SNR_GAMMA,
         "final_vae_loss": round(vae_loss, 5), "final_vae_polish_loss": round(polish_loss, 5),
         "final_unet_loss": round(unet_loss, 5), "codec_floor": codec_floor,

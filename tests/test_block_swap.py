@@ -87,7 +87,7 @@ def assert_same_training_and_blocks_back_out(plain_run: Path, swap_run: Path, pl
     for block in swap.blocks:  # out means empty: a use would fail instead of computing with stale weights
         assert all(f.current().numel() == 0 for f in block.frozen)
         assert all(p.numel() > 0 for p in block.module.parameters() if p.requires_grad)  # the LoRA stays put
-    event = [e for e in RunReader(swap_run).events() if e.get("kind") == "placement"]
+    event = [e for e in RunReader(swap_run).events() if e.get("kind") == "placement" and "blocks_swapped" in e]
     assert event and event[0]["blocks_swapped"] == count
 
 
@@ -124,6 +124,23 @@ def test_z_image_swapped_run_is_bitwise_the_plain_run_and_each_block_moves_only_
     # the backward pass recomputes them in exactly the reverse order (the context refiners before the noise refiners)
     assert [i for i, _ in uses] == [0, 1, 2, 3, 4, 5, 5, 4, 3, 2, 1, 0] * STEPS
     assert swap.brought_in == {i: 2 * STEPS for i in range(6)}
+
+
+def test_z_image_quantised_base_with_swap_in_bf16_is_bitwise_the_quantised_base_alone(z_image_folder, shapes_dataset,
+                                                                                       tmp_path, one_thread):
+    """nf4 codes and fp32 scales stay as stored in the swapped blocks, the rest in the run's bf16; 3 swapped: the
+    last context refiner and both main layers (the swap crosses the refiners' boundary)."""
+    quantised = dict(base_storage="nf4", mixed_precision="bf16")
+    _, alone = family_run("z_image", z_image_folder, shapes_dataset, tmp_path / "alone", **quantised)
+    session, swapped = family_run("z_image", z_image_folder, shapes_dataset, tmp_path / "swap", blocks_to_swap=3,
+                                  **quantised)
+    swap: BlockSwap = session.bundle.extra["block_swap"]
+    assert_same_training_and_blocks_back_out(tmp_path / "alone", tmp_path / "swap", alone, swapped, swap, 3)
+    assert [b.module for b in swap.blocks] == [session.bundle.denoiser.context_refiner[1],
+                                               *session.bundle.denoiser.layers]
+    homes = {f.name: f.home.dtype for b in swap.blocks for f in b.frozen}
+    assert homes["codes"] == torch.uint8 and homes["scale"] == torch.float32
+    assert torch.bfloat16 in {f.home.dtype for b in swap.blocks for f in b.frozen if f.follows_dtype}
 
 
 def test_a_block_that_is_out_cannot_compute():

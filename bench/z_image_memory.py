@@ -13,10 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 STORAGES = ("full", "int8", "nf4", "fp8")
-#: (resolution, base storage, gradient checkpointing, text cached)
-SETTINGS = [(1024, "full", True, True), (1024, "full", True, False), (1024, "full", False, True),
-            (1024, "int8", True, True), (1024, "nf4", True, True), (512, "full", True, True),
-            (512, "int8", True, True), (512, "nf4", True, True)]
+#: (resolution, base storage, gradient checkpointing, text cached, blocks swapped)
+SETTINGS = [(1024, "full", True, True, 0), (1024, "full", True, False, 0), (1024, "full", False, True, 0),
+            (1024, "int8", True, True, 0), (1024, "int8", True, True, 11), (1024, "int8", True, True, 22),
+            (1024, "nf4", True, True, 0), (1024, "nf4", True, True, 34), (512, "full", True, True, 0),
+            (512, "int8", True, True, 0), (512, "nf4", True, True, 0)]
 CARDS = (8, 12, 16, 24)
 
 
@@ -50,10 +51,12 @@ def plan_table() -> list[str]:
 
     rows = ["| resolution | base storage | grad. ckpt | text cached | weights on GPU | activations | total | "
             "set-up (caching) | fits " + " / ".join(map(str, CARDS)) + " GiB |", "|---:|---|---|---|---:|---:|---:|---:|---|"]
-    for resolution, storage, checkpointing, cached in SETTINGS:
+    for resolution, storage, checkpointing, cached, swapped in SETTINGS:
         e = estimate_z_image_training_memory(resolution=resolution, base_storage=storage,
-                                             gradient_checkpointing=checkpointing, cache_text_embeddings=cached)
+                                             gradient_checkpointing=checkpointing, cache_text_embeddings=cached,
+                                             blocks_to_swap=swapped)
         fits = " / ".join("yes" if e.fits(card) else "no" for card in CARDS)
+        storage = f"{storage}, {swapped} blocks swapped" if swapped else storage
         rows.append(f"| {resolution} | {storage} | {'on' if checkpointing else 'off'} | {'yes' if cached else 'no'} | "
                     f"{gib(e.weights)} | {gib(e.activations)} | {e.total / GIB:.1f} | {e.setup / GIB:.1f} | {fits} |")
     return rows
@@ -64,7 +67,7 @@ def presets_table() -> list[str]:
     from stabletune_core.models.memory_plan import plan_memory
 
     rows = ["| preset | the plan's line |", "|---|---|"]
-    for card in (12, 16, 24):
+    for card in (8, 12, 16, 24):
         values = read_toml(ROOT / "presets" / f"z_image-{card}gb.toml")
         config = build_config({**values, "pretrained_model_name_or_path": "z", "train_data_dir": "d"})
         rows.append(f"| z_image-{card}gb | {plan_memory(config, family='z_image').sentence} |")

@@ -24,6 +24,7 @@ from test_z_image import folders  # noqa: F401 (the module-scoped tiny model)
 
 ROOT = Path(__file__).resolve().parent.parent
 CARDS = (12, 16, 24)
+PRESET_CARDS = (8, *CARDS)
 
 
 def meta_transformer():
@@ -72,8 +73,15 @@ def independent_bytes(model: torch.nn.Module, storage: str) -> int:
                                                ("fp8", 6_163_368_320), ("nf4", 3_463_639_168)])
 def test_weight_bytes_per_storage_are_exact_on_the_meta_device(storage, expected):
     stored = stored_transformer(storage)
-    assert stored.total == independent_bytes(meta_transformer(), storage) == expected
-    assert len(stored.blocks) == 30 and stored.resident(0) == stored.total
+    model = meta_transformer()
+    assert stored.total == independent_bytes(model, storage) == expected
+    # the blocks block swap moves, in run order, each exact: 2 noise refiners, 2 context refiners, 30 main layers
+    blocks = [*model.noise_refiner, *model.context_refiner, *model.layers]
+    assert stored.blocks == tuple(independent_bytes(block, storage) for block in blocks) and len(stored.blocks) == 34
+    assert stored.resident(0) == stored.total
+    # swapped: the rest stays, and the two largest swapped blocks (computing, being copied in) are on the device too
+    assert stored.resident(11) == stored.total - sum(stored.blocks[-11:]) + 2 * stored.blocks[-1]
+    assert stored.resident(34) == stored.total - sum(stored.blocks) + 2 * max(stored.blocks)
     # Qwen3-4B, the encoder Klein 4B reads: the one config both families price (not a copy)
     from stabletune_core.models.flux2_klein.memory import stored_text_encoder as klein_text_encoder
 
@@ -110,10 +118,37 @@ def test_the_plan_picks_the_cheapest_settings_that_fit_12_16_and_24_gb():
                                           gradient_checkpointing=True), family="z_image").estimate.fits(12)
     assert not plan_memory(z_image_config(vram_gb=80, cache_text_embeddings=True, gradient_checkpointing=False),
                            family="z_image").estimate.fits(16)
-    assert "blocks_to_swap" not in twelve.update  # no block swap on Z-Image yet (z_image/memory.py says why)
+    assert "blocks_to_swap" not in twelve.update  # int8 fits 12 GB: no block is swapped
 
 
-@pytest.mark.parametrize("card", CARDS)
+def test_the_plan_swaps_blocks_when_the_base_storage_alone_does_not_fit():
+    """8 GB at 1024 px: int8 alone needs 9.5 GiB, so the plan keeps int8 and swaps blocks (int8 with blocks swapped
+    comes before nf4, as for Klein), the fewest that fit; 6 GB swaps more; a base_storage the user set is kept."""
+    eight, six = (plan_memory(z_image_config(vram_gb=card), family="z_image") for card in (8, 6))
+    assert eight.update == {"cache_text_embeddings": True, "gradient_checkpointing": True, "base_storage": "int8",
+                            "blocks_to_swap": 11}
+    assert six.update["base_storage"] == "int8" and six.update["blocks_to_swap"] == 22
+    for plan, card in ((eight, 8), (six, 6)):
+        assert plan.estimate.fits(card) and f", {plan.update['blocks_to_swap']} blocks swapped." in plan.sentence
+        fewer = estimate_z_image_training_memory(base_storage="int8", blocks_to_swap=plan.update["blocks_to_swap"] - 1)
+        assert not fewer.fits(card)  # the fewest blocks that fit
+    assert not estimate_z_image_training_memory(base_storage="int8").fits(8)
+    kept = plan_memory(z_image_config(vram_gb=6, base_storage="nf4"), family="z_image")
+    assert "base_storage" not in kept.update and 0 < kept.update["blocks_to_swap"] < 22
+
+
+def test_blocks_to_swap_is_read_on_z_image_with_gradient_checkpointing():
+    """It was refused on Z-Image in one sentence until a swapped run was shown bitwise the plain one
+    (tests/test_block_swap.py); it still needs gradient checkpointing, as on Klein."""
+    assert z_image_config(blocks_to_swap=4, gradient_checkpointing=True).blocks_to_swap == 4
+    with pytest.raises((ConfigError, ValueError)) as refused:
+        z_image_config(blocks_to_swap=4)
+    assert "needs gradient_checkpointing" in str(refused.value)
+    with_swap = estimate_z_image_training_memory(base_storage="int8", blocks_to_swap=4)
+    assert with_swap.weights < estimate_z_image_training_memory(base_storage="int8").weights
+
+
+@pytest.mark.parametrize("card", PRESET_CARDS)
 def test_each_card_preset_loads_validates_and_its_plan_fits(card):
     preset = ROOT / "presets" / f"z_image-{card}gb.toml"
     values = read_toml(preset)
@@ -126,15 +161,12 @@ def test_each_card_preset_loads_validates_and_its_plan_fits(card):
     assert said in plan.sentence and said in preset.read_text()  # the preset's comment is the plan's number
 
 
-def test_a_vram_gb_too_small_is_one_sentence_and_swap_stays_refused():
+def test_a_vram_gb_too_small_is_one_sentence():
     with pytest.raises(ConfigError) as caught:
-        plan_memory(z_image_config(vram_gb=4), family="z_image")
+        plan_memory(z_image_config(vram_gb=3), family="z_image")
     (sentence,) = caught.value.problems
-    assert sentence.startswith("vram_gb 4 is below anything this run fits in: the smallest plan (")
-    assert "base nf4" in sentence and one_sentence(sentence.replace("; ", " "))
-    with pytest.raises((ConfigError, ValueError)) as refused:
-        z_image_config(blocks_to_swap=4)
-    assert "blocks_to_swap" in str(refused.value)
+    assert sentence.startswith("vram_gb 3 is below anything this run fits in: the smallest plan (")
+    assert "base nf4, 34 blocks swapped" in sentence and one_sentence(sentence.replace("; ", " "))
 
 
 def test_a_run_with_vram_gb_too_small_fails_in_one_sentence_before_the_model_loads(folders, tmp_path,  # noqa: F811
@@ -165,7 +197,7 @@ def test_the_model_tab_shows_the_plan_for_z_image(folders):  # noqa: F811
                                          family="z_image").sentence
     assert answer["plan"].startswith("Memory plan for 12 GiB: chose text embeddings cached, bf16, gradient "
                                      "checkpointing, base int8.")  # the form's mixed_precision "no" left to the plan
-    assert "base_storage full " in answer["costs"] and "blocks_to_swap" not in answer["costs"]
+    assert "base_storage full " in answer["costs"] and "blocks_to_swap 0 (now) " in answer["costs"]
     assert answer["gib"] == round(answer["gib"], 2) and answer["gib"] > 12  # the settings as they stand: bf16
     assert names_planned_family({"pretrained_model_name_or_path": str(folders["base"])})  # auto: detected
 

@@ -30,8 +30,8 @@ def single_file(folders, tmp_path_factory) -> Path:
 
 
 def test_z_image_presets_are_valid_and_train_z_image():
-    assert [p.stem for p in Z_IMAGE_PRESETS] == ["z_image-12gb", "z_image-16gb", "z_image-24gb", "z_image-base",
-                                                "z_image-turbo-adapter"]
+    assert [p.stem for p in Z_IMAGE_PRESETS] == ["z_image-12gb", "z_image-16gb", "z_image-24gb", "z_image-8gb",
+                                                "z_image-base", "z_image-turbo-adapter"]
     for preset in Z_IMAGE_PRESETS:
         values = read_toml(preset)
         config = build_config(values)

@@ -49,9 +49,9 @@ _FLOW_GUIDANCE = {"flux2_klein": KLEIN_VALIDATION_GUIDANCE, "z_image": Z_IMAGE_V
 #: The families a training adapter (a LoRA merged into the base while training, models/z_image/adapter.py) is read
 #: for: Z-Image, whose Turbo is step-distilled.
 TRAINING_ADAPTER_FAMILIES = frozenset({"z_image"})
-#: Knobs of FLUX.2 Klein that Z-Image does not read yet (its separate files, block swap; vram_gb it reads: it has a
-#: memory plan, as every family of MEMORY_PLAN_FAMILIES).
-_KLEIN_ONLY = ("text_encoder_path", "vae_path", "tokenizer_path", "blocks_to_swap", "vram_gb")
+#: Knobs of FLUX.2 Klein that Z-Image does not read yet (its separate files; vram_gb it reads: it has a memory plan, as
+#: every family of MEMORY_PLAN_FAMILIES; blocks_to_swap it reads too: tests/test_block_swap.py proves its swap).
+_KLEIN_ONLY = ("text_encoder_path", "vae_path", "tokenizer_path", "vram_gb")
 
 #: Knobs of the SD families' DDPM UNet that mean nothing on a flow-matching transformer: (knob, what it does there).
 _SD_ONLY = (
@@ -75,7 +75,7 @@ _SD_ONLY = (
 #: Knobs of the flow-matching objective, and of FLUX.2 Klein's separate files, that mean nothing on an SD model.
 _FLOW_ONLY = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow_shift", "max_sequence_length",
               "text_encoder_path", "vae_path", "tokenizer_path", "blocks_to_swap", "vram_gb")
-#: Knobs of how FLUX.2 Klein's transformer is kept in memory (block swap, the memory plan: not for the SD UNets yet).
+#: Knobs of how a flow transformer is kept in memory (block swap, the memory plan: not for the SD UNets yet).
 MEMORY_KNOBS = ("blocks_to_swap", "vram_gb")
 #: The families with a memory model, so a memory plan (vram_gb; models/memory_plan.py FAMILY_MEMORY_MODELS): SDXL
 #: has one (models/sd/sdxl_memory.py) but no block swap. Declared once, in family_files.py (the UI reads it too).

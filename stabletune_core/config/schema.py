@@ -250,16 +250,17 @@ class TrainConfigSchema(BaseModel):
     vram_gb: Optional[float] = knob(
         None, "FLUX.2 Klein, SDXL and Z-Image: plan the run for a GPU with this many GiB (e.g. 6, 8, 12, 16): before "
         "any model loads, the cheapest settings that fit by the memory model are chosen, in this order: text embeddings cached, "
-        "bf16, gradient checkpointing, base_storage int8, blocks swapped (Klein only), base_storage nf4, then a "
+        "bf16, gradient checkpointing, base_storage int8, blocks swapped (Klein and Z-Image), base_storage nf4, then a "
         "smaller micro-batch with more accumulation. Knobs you set yourself are kept. The plan and its estimate are one "
         "console line and go into the run's config.toml. Empty = on a GPU, plan for its free memory as measured at "
         "the start, less 0.5 GiB (when nothing fits by the estimate the smallest plan is tried, never refused); on a "
         "CPU, no plan. Set a number to plan for another card (a number below anything that fits is refused in one "
         "sentence).", "precision", gt=0, le=1024)
     blocks_to_swap: int = knob(
-        0, "FLUX.2 Klein: keep the frozen weights of this many transformer blocks (the last ones) in CPU memory and "
-        "bring each onto the GPU only while it runs, forward and backward, the next one copied while the current one "
-        "computes. Saves about one block's weights per block swapped (4B: 25 blocks, 9B: 32) at some speed; needs "
+        0, "FLUX.2 Klein and Z-Image: keep the frozen weights of this many transformer blocks (the last ones) in CPU "
+        "memory and bring each onto the GPU only while it runs, forward and backward, the next one copied while the "
+        "current one computes. Saves about one block's weights per block swapped (Klein 4B: 25 blocks, 9B: 32; "
+        "Z-Image: 34, its 30 main layers first, then its 4 refiners) at some speed; needs "
         "gradient_checkpointing. The LoRA and its optimizer stay on the GPU. 0 = off.", "precision", ge=0, le=256)
 
     # ---- guards --------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ Cheapest means least cost to speed and quality first. The ladder, each rung keep
 3. gradient checkpointing (about 20-30 % slower, the same numbers);
 4. base_storage int8 (the frozen weights in 8 bits, close to bf16 in quality);
 5. int8 with 1, 2, ... blocks swapped (copies overlap the compute; the more blocks, the more PCIe traffic; Klein
-   only: SDXL's UNet has no block swap, see sdxl_memory.py, and Z-Image's is not proven yet, see z_image/memory.py);
+   and Z-Image: SDXL's UNet has no block swap, see sdxl_memory.py);
 6. base_storage nf4 with 0, 1, ... blocks swapped (4 bits: the larger quality cost);
 7. then the micro-batch is halved (gradient accumulation doubled, so the effective batch stays) and the ladder
    climbed again.
@@ -191,7 +191,7 @@ PRICED_CHOICES: tuple[tuple[str, tuple[Any, ...]], ...] = (
 
 def choice_costs(config: Any, family: str) -> str:
     """One line of what each memory choice needs at the peak, the other settings as `config` has them (the planned
-    config, for the UI: what the run would use): each base_storage, each few blocks swapped (Klein), gradient
+    config, for the UI: what the run would use): each base_storage, each few blocks swapped (Klein, Z-Image), gradient
     checkpointing and the text cache on and off; the current value of each marked."""
     model = FAMILY_MEMORY_MODELS[family]()
     estimate_sentence, blocks = model.sentence, model.swappable_blocks(config)

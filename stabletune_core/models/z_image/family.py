@@ -79,6 +79,18 @@ class Distillation:
         return None
 
 
+def swappable_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """What block swap moves (models/block_swap.py), in the order the transformer runs them: the two noise refiners
+    (image tokens), the two context refiners (caption tokens), then the 30 main layers over both. Swap keeps the last
+    N, so the main layers go first; the refiners are as wide as a main layer (3840, the noise refiners with the same
+    adaLN modulation, so nearly as heavy), so they are blocks too and N may reach 34. Each runs once per forward
+    through the transformer's own gradient checkpointing, as Klein's blocks do, and the backward pass recomputes them
+    in exactly the reverse order (the context refiners before the noise refiners: tests/test_block_swap.py counts
+    it), so the shared hooks and their prefetch direction serve unchanged. The memory model prices these same blocks
+    (memory.py stored_transformer)."""
+    return [*model.noise_refiner, *model.context_refiner, *model.layers]
+
+
 def detect_distillation(source: str | Path) -> Distillation:
     """Turbo and Base ship the same model_index, transformer, scheduler and VAE configs (only the weights differ),
     so the name decides: Tongyi-MAI names the distilled model ``Z-Image-Turbo`` (ComfyUI's repack
@@ -276,8 +288,7 @@ class ZImage:
         return lora_target_modules(model, targets)
 
     def swappable_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
-        """The main layers, in the order they run (the refiners are small and stay put)."""
-        return list(model.layers)
+        return swappable_blocks(model)
 
     # -------------------------------------------------------------- pipeline
     def make_pipeline(self, bundle: ModelBundle, scheduler=None):

@@ -13,9 +13,13 @@ its 30 main layers over both. A caption is cut to its own tokens (not padded to 
 multiple of 32), so the estimate, which runs before any caption is read, prices the longest one the run can read:
 max_sequence_length tokens.
 
-No block swap yet: the family names its main layers as the blocks to swap (family.py swappable_blocks), but no run
-has been shown bitwise equal with them swapped, so config/families.py refuses blocks_to_swap on Z-Image and the plan
-never swaps; the released model fits 12 GB at 1024 px with int8 without it, by this model.
+Block swap (blocks_to_swap, models/block_swap.py) moves the blocks family.py swappable_blocks names, in run order:
+the 2 noise refiners, the 2 context refiners and the 30 main layers, the last N kept in CPU memory (so the main
+layers go first). Each block's bytes per storage are exact (stored_transformer: 362 MB in bf16, 181 MB in int8, a
+context refiner a little less: no adaLN modulation); the device holds the rest plus the two largest swapped blocks
+(the one computing and the one being copied in), as for Klein. tests/test_block_swap.py shows a tiny Z-Image run
+with every block swapped bitwise the run without, so the plan may swap them: at 1024 px it fits 12 GB with int8
+and none swapped, 8 GB with int8 and 11 swapped (presets/z_image-8gb.toml), 6 GB with int8 and 22.
 """
 from __future__ import annotations
 
@@ -56,9 +60,11 @@ def vae_parameters(folder: Path = Z_IMAGE_CONFIGS) -> int:
 def stored_transformer(storage: str = "full", dtype_bytes: int = 2, folder: Path = Z_IMAGE_CONFIGS
                        ) -> StoredTransformer:
     """The transformer in `storage` (base_storage: full, int8, nf4, fp8), the unquantised tensors `dtype_bytes` wide;
-    its blocks are the main layers (what the family would swap)."""
+    its blocks are the ones block swap moves, in run order (family.py swappable_blocks: refiners, then main layers)."""
+    from .family import swappable_blocks
+
     model = _meta_transformer(folder)
-    return stored_transformer_of(model, list(model.layers), storage, dtype_bytes)
+    return stored_transformer_of(model, swappable_blocks(model), storage, dtype_bytes)
 
 
 def text_encoder_config(folder: Path = Z_IMAGE_CONFIGS) -> Path:
@@ -127,6 +133,7 @@ def z_image_memory_sentence(config: Any, folder: Path = Z_IMAGE_CONFIGS) -> tupl
     return estimate_words(model, config, estimate, precision, "Qwen3 kept loaded"), estimate
 
 
-#: What the memory plan asks of Z-Image: the released sizes' estimate, and no block swap yet (the module docstring
-#: says why).
-MEMORY_MODEL = FamilyMemoryModel(sentence=z_image_memory_sentence, swappable_blocks=lambda config: 0)
+#: What the memory plan asks of Z-Image: the released sizes' estimate (every Z-Image has them), and every block of
+#: theirs may be swapped (34: the 4 refiners and the 30 main layers).
+MEMORY_MODEL = FamilyMemoryModel(sentence=z_image_memory_sentence,
+                                 swappable_blocks=lambda config: len(stored_transformer().blocks))

@@ -29,7 +29,9 @@ def test_rebuild_matches_the_shipped_manifest(tmp_path):
                     unet_posterior_spread=shipped.get("unet_posterior_spread", 1.0),
                     vae_posterior_std_scale=shipped.get("vae_posterior_std_scale", 1.0),
                     text_embedding_std=shipped.get("text_embedding_std", 0.0),
-                    text_residual_scale=shipped.get("text_residual_scale", 1.0), log=lambda message: None)
+                    text_residual_scale=shipped.get("text_residual_scale", 1.0),
+                    text_attention_scale=shipped.get("text_attention_scale", 1.0),
+                    text_position_scale=shipped.get("text_position_scale", 1.0), log=lambda message: None)
     for key in ("final_vae_loss", "final_unet_loss"):
         assert rebuilt[key] == pytest.approx(shipped[key], rel=LOSS_TOLERANCE), key
     assert rebuilt["scores"]["base_right"] >= 0.95  # colour within 6 degrees and right shape, 8 seeds
@@ -116,3 +118,29 @@ def test_the_text_residual_stream_scales_to_clips_embedding_scale_and_its_featur
     assert abs(float(text_encoder.get_input_embeddings().weight.std()) - 0.02) < 0.001
     apart = _colour_word_similarity(text_encoder, tokenizer)
     assert max(apart.values()) < 0.6, max(apart, key=apart.get)
+
+
+def test_quiet_text_attention_sets_the_colour_words_apart_at_clips_scale():
+    """build(text_attention_scale=0.03, text_position_scale=0.1): without most of the random attention's mixing
+    each colour word's hidden state is its own MLP feature (purple and red 0.95 cosine-alike before), the token
+    embeddings keep CLIP's 0.02 and the stream stays about as loud as the initial encoder's."""
+    import torch
+
+    from stabletune_core.models.sd.tiny import build_tiny_components
+    from stabletune_core.models.tokenizer import build_clip_tokenizer
+    from stabletune_core.toy.build import BUILD_SEED, quiet_text_attention
+
+    tokenizer = build_clip_tokenizer()
+    text_encoder = build_tiny_components(BUILD_SEED)["text_encoder"].eval()
+    embeddings = text_encoder.get_input_embeddings().weight.detach().clone()
+    ids = tokenizer(["a purple circle"], padding="max_length", max_length=tokenizer.model_max_length,
+                    return_tensors="pt").input_ids
+    with torch.no_grad():
+        loud_before = float(text_encoder(ids, output_hidden_states=True).hidden_states[-1].std())
+    quiet_text_attention(text_encoder, 0.03, 0.1)
+    apart = _colour_word_similarity(text_encoder, tokenizer)
+    assert apart[("red", "purple")] < 0.3 and sum(apart.values()) / len(apart) < 0.4, max(apart, key=apart.get)
+    with torch.no_grad():
+        loud_after = float(text_encoder(ids, output_hidden_states=True).hidden_states[-1].std())
+    assert loud_after > loud_before / 3  # the stream stays loud: the MLPs still write into it
+    assert torch.equal(text_encoder.get_input_embeddings().weight, embeddings)

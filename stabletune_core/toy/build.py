@@ -199,6 +199,23 @@ def scale_text_residual_stream(text_encoder, scale: float) -> None:
             module.eps *= scale * scale
 
 
+def quiet_text_attention(text_encoder, attention_scale: float, position_scale: float) -> None:
+    """Scale a CLIP's attention writes (out_proj) by `attention_scale` and its position embeddings by
+    `position_scale`; its MLPs stay as drawn.
+
+    Why: at initialisation the random attention adds to every token what it mixed from the others, so every colour
+    word's feature is mostly the same mixture (0.79-0.95 cosine-alike). Each MLP is a function of its own token, so
+    without the attention's mixing (and with positions too faint to dominate) each word's hidden state is a random
+    feature of its own 0.02-wide embedding, written into the stream about as loud as the initial encoder's (std
+    ~0.36 against 0.73): the words are apart as a trained encoder's are, the embeddings keep CLIP's scale and a
+    text-encoder LoRA's writes keep their size beside the stream."""
+    with torch.no_grad():
+        text_encoder.embeddings.position_embedding.weight.mul_(position_scale)
+        for layer in text_encoder.encoder.layers:
+            layer.self_attn.out_proj.weight.mul_(attention_scale)
+            layer.self_attn.out_proj.bias.mul_(attention_scale)
+
+
 def train_unet(unet, scheduler, latents: tuple[torch.Tensor, torch.Tensor], scaling: float, cond: torch.Tensor,
                labels: torch.Tensor, steps: int, batch: int, log: Callable[[str], None],
                evaluate: Callable[[object, int], None] | None = None,
@@ -279,7 +296,7 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
           unet_steps: int = 3200, unet_batch: int = 64, scenes_per_combo: int = 256, vae_images: str = "named",
           vae_edge_weight: float = 0.0, vae_polish_edge_weight: float = 0.0, vae_polish_mean_latents: bool = False,
           unet_posterior_spread: float = 1.0, vae_posterior_std_scale: float = 1.0, text_embedding_std: float = 0.0,
-          text_residual_scale: float = 1.0,
+          text_residual_scale: float = 1.0, text_attention_scale: float = 1.0, text_position_scale: float = 1.0,
           log: Callable[[str], None] = print) -> dict:
     """Train the toy base and write its shipped files and manifest into `out` (`vae_images`: VAE_IMAGES;
     `vae_edge_weight`: train_vae's `edge_weight`; the polish's `edge_weight` and `mean_latents`: polish_decoder's;
@@ -287,7 +304,7 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
     shipped VAE after the denoiser trained; `text_embedding_std`: the frozen CLIP's token embeddings redrawn at that
     std, loud_token_embeddings; 0 keeps its initialisation's 0.02, where every colour word's features at its
     position are 0.79-0.95 cosine-alike, purple and red 0.95; `text_residual_scale`: scale_text_residual_stream's,
-    after the redraw)."""
+    after the redraw; `text_attention_scale`, `text_position_scale`: quiet_text_attention's)."""
     from safetensors.torch import save_file
 
     from ..models.sd.tiny import TEXT_ENCODER_CONFIG, UNET_CONFIG, VAE_CONFIG, build_tiny_components
@@ -302,6 +319,8 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
     unet, text_encoder, scheduler = parts["unet"], parts["text_encoder"], parts["scheduler"]
     if text_embedding_std:
         loud_token_embeddings(text_encoder, BUILD_SEED, text_embedding_std)
+    if (text_attention_scale, text_position_scale) != (1.0, 1.0):
+        quiet_text_attention(text_encoder, text_attention_scale, text_position_scale)
     text_encoder_config = TEXT_ENCODER_CONFIG
     if text_residual_scale != 1.0:
         scale_text_residual_stream(text_encoder, text_residual_scale)
@@ -365,6 +384,8 @@ def build(out: Path, *, vae_steps: int = 600, vae_batch: int = 16, vae_polish_st
         **({"vae_posterior_std_scale": vae_posterior_std_scale} if vae_posterior_std_scale != 1.0 else {}),
         **({"text_embedding_std": text_embedding_std} if text_embedding_std else {}),
         **({"text_residual_scale": text_residual_scale} if text_residual_scale != 1.0 else {}),
+        **({"text_attention_scale": text_attention_scale, "text_position_scale": text_position_scale}
+           if (text_attention_scale, text_position_scale) != (1.0, 1.0) else {}),
         "unet_batch": unet_batch, "scenes_per_combo": scenes_per_combo, "min_snr_gamma": MIN_SNR_GAMMA,
         "final_vae_loss": round(vae_loss, 5), "final_vae_polish_loss": round(polish_loss, 5),
         "final_unet_loss": round(unet_loss, 5), "codec_floor": codec_floor,

@@ -1,10 +1,11 @@
 """The memory model against a measurement (issue 36 item 5, the CPU half): for each plan the tiny models can take,
 a few real training steps on the CPU (the engine's run, in this process) with every live tensor's bytes counted, the
-peak beside the estimate of the same settings (models/flux2_klein/memory.py, models/sd/sdxl_memory.py priced from the tiny
-model's own configs).
+peak beside the estimate of the same settings (models/flux2_klein/memory.py, models/sd/sdxl_memory.py,
+models/z_image/memory.py priced from the tiny model's own configs).
 
-Plans: base_storage full / int8 / nf4, gradient checkpointing on / off, text embeddings cached or not, and for the
-tiny Klein 0 or 2 of its 4 blocks swapped (swap needs checkpointing). fp8 needs a GPU.
+Plans: base_storage full / int8 / nf4, gradient checkpointing on / off, text embeddings cached or not, and blocks
+swapped where the family has them (swap needs checkpointing): 0 or 2 of the tiny Klein's 4, 0, 3 or all 6 of the tiny
+Z-Image's (3: a context refiner and both main layers). fp8 needs a GPU.
 
 What is measured: the bytes of every tensor storage alive, counted by a TorchDispatchMode (LiveTensorBytes) from
 the ops that make or read each tensor and released when torch frees the storage; its peak over the whole run (set-up
@@ -17,7 +18,7 @@ tensors made under it and those handed to track_external, and the engine loads i
 this script cannot hand them over (safetensors' tensors are not made by an op); counting every op's inputs as well
 as its outputs catches each weight at its first use, which is before the first training step's peak.
 
-    python bench/cpu_peak.py                       # every plan, both tiny models, a markdown table on stdout
+    python bench/cpu_peak.py                       # every plan, every tiny model, a markdown table on stdout
     python bench/cpu_peak.py --family flux2_klein --steps 2 --json rows.json
 """
 from __future__ import annotations
@@ -28,6 +29,8 @@ import json
 import sys
 import tempfile
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,22 +90,72 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+def _build_klein(out: Path) -> Path:
+    from stabletune_core.models.flux2_klein.tiny import build_tiny_klein
+
+    return build_tiny_klein(out, seed=0)
+
+
+def _build_sdxl(out: Path) -> Path:
+    from stabletune_core.models.sd.tiny import build_tiny_sdxl
+
+    return build_tiny_sdxl(out, seed=0)
+
+
+def _build_z_image(out: Path) -> Path:
+    from stabletune_core.models.z_image.tiny import build_tiny_z_image
+
+    return build_tiny_z_image(out, seed=0)
+
+
+def _estimate_klein(config, model: Path):
+    from stabletune_core.models.flux2_klein.memory import config_memory_sentence
+
+    return config_memory_sentence(config, from_configs=True)[1]
+
+
+def _estimate_sdxl(config, model: Path):
+    from stabletune_core.models.sd.sdxl_memory import sdxl_memory_sentence
+
+    return sdxl_memory_sentence(config, model)[1]
+
+
+def _estimate_z_image(config, model: Path):
+    from stabletune_core.models.z_image.memory import z_image_memory_sentence
+
+    return z_image_memory_sentence(config, Path(model))[1]
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    """A family the bench measures: its name in the table, how its tiny model is built, how the memory model prices
+    a run of it from the tiny model's own configs, and the blocks swapped in the plans with checkpointing."""
+
+    label: str
+    build: Callable[[Path], Path]
+    estimate: Callable[[Any, Path], Any]
+    swaps: tuple[int, ...] = (0,)
+
+
+FAMILIES = {
+    "flux2_klein": TinyFamily("tiny Klein", _build_klein, _estimate_klein, swaps=(0, 2)),
+    "sdxl": TinyFamily("tiny SDXL", _build_sdxl, _estimate_sdxl),
+    "z_image": TinyFamily("tiny Z-Image", _build_z_image, _estimate_z_image, swaps=(0, 3, 6)),
+}
+
+
 def plans(family: str) -> list[dict[str, Any]]:
     """Every plan the tiny model can take on the CPU."""
     rows = []
     for storage, checkpointing, cached in itertools.product(("full", "int8", "nf4"), (True, False), (True, False)):
-        swaps = (0, 2) if family == "flux2_klein" and checkpointing else (0,)
+        swaps = FAMILIES[family].swaps if checkpointing else (0,)
         rows += [dict(base_storage=storage, gradient_checkpointing=checkpointing, cache_text_embeddings=cached,
                       blocks_to_swap=swapped) for swapped in swaps]
     return rows
 
 
 def build_models(out: Path, families: list[str]) -> dict[str, Path]:
-    from stabletune_core.models.sd.tiny import build_tiny_sdxl
-    from stabletune_core.models.flux2_klein.tiny import build_tiny_klein
-
-    builders = {"flux2_klein": build_tiny_klein, "sdxl": build_tiny_sdxl}
-    return {family: builders[family](out / f"tiny-{family}", seed=0) for family in families}
+    return {family: FAMILIES[family].build(out / f"tiny-{family}") for family in families}
 
 
 def plan_config(model: Path, data: Path, out: Path, plan: dict[str, Any], steps: int):
@@ -115,13 +168,7 @@ def plan_config(model: Path, data: Path, out: Path, plan: dict[str, Any], steps:
 
 def estimate(config, family: str, model: Path):
     """The memory model's estimate of this run, the tiny model priced from its own configs."""
-    if family == "flux2_klein":
-        from stabletune_core.models.flux2_klein.memory import config_memory_sentence
-
-        return config_memory_sentence(config, from_configs=True)[1]
-    from stabletune_core.models.sd.sdxl_memory import sdxl_memory_sentence
-
-    return sdxl_memory_sentence(config, model)[1]
+    return FAMILIES[family].estimate(config, model)
 
 
 def tensors_only(guess) -> int:
@@ -178,7 +225,7 @@ def table(rows: list[dict[str, Any]]) -> str:
              "activations by the estimate (KiB) | measured peak (KiB) | measured / estimate | measured: set-up / "
              "training steps (KiB) | steps: measured / estimate |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {'tiny Klein' if r['family'] == 'flux2_klein' else 'tiny SDXL'} | {plan_name(r)} | "
+        lines.append(f"| {FAMILIES[r['family']].label} | {plan_name(r)} | "
                      f"{r['estimate_bytes'] / KIB ** 2:.0f} | {r['estimate_tensor_bytes'] / KIB:.0f} | "
                      f"{r['weights_bytes'] / KIB:.0f} / {r['lora_bytes'] / KIB:.0f} / {r['activation_bytes'] / KIB:.0f}"
                      f" | {r['measured_peak_bytes'] / KIB:.0f} | {r['ratio']:.2f} | "
@@ -189,13 +236,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=("flux2_klein", "sdxl", "both"), default="both")
+    parser.add_argument("--family", choices=(*FAMILIES, "all"), default="all")
     parser.add_argument("--steps", type=int, default=3, help="training steps per plan")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     from stabletune_core.demo import draw_demo_dataset
 
-    families = ["flux2_klein", "sdxl"] if args.family == "both" else [args.family]
+    families = list(FAMILIES) if args.family == "all" else [args.family]
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

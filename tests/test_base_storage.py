@@ -181,3 +181,30 @@ def test_a_resume_never_changes_the_bases_storage_silently(tmp_path):
     assert adapter_mismatch(adapter_settings(int8), int8, "step_000004") is None
     older = {k: v for k, v in adapter_settings(full).items() if k != "base_storage"}
     assert adapter_mismatch(older, full, "step_000004") is None
+
+
+@pytest.mark.parametrize("storage", ["int8", "nf4"])
+def test_dequantising_a_layer_holds_its_output_and_one_chunks_scratch(storage, monkeypatch):
+    """A quantised layer dequantises in chunks: beside its codes and its output in the run's dtype it holds one
+    chunk's scratch (quantize.SCRATCH_BYTES a weight), which the memory model prices (memory.dequantised_bytes).
+    In one pass nf4 held ~25 bytes a weight (int64 indices, fp32 values): 3.7 GiB for Klein 9B's largest layer.
+    The values are bitwise those of one pass."""
+    import torch
+
+    from bench_scripts import load_bench
+    from stabletune_core.models import quantize
+    from stabletune_core.models.memory import dequantised_bytes
+
+    weight = torch.randn(1024, 1024)
+    codes, scale = quantize.quantise(weight, storage)
+    whole = quantize.dequantise(codes, scale, storage, (1024, 1024), torch.bfloat16)
+    monkeypatch.setattr(quantize, "DEQUANTISE_CHUNK", 1 << 16)
+    counter = load_bench("cpu_peak").LiveTensorBytes()
+    with counter:
+        chunked = quantize.dequantise(codes, scale, storage, (1024, 1024), torch.bfloat16)
+    assert torch.equal(chunked, whole)
+    held = counter.peak - codes.untyped_storage().nbytes() - scale.untyped_storage().nbytes()
+    output = 1024 * 1024 * 2
+    scratch = (1 << 16) * quantize.SCRATCH_BYTES[storage]
+    assert output < held <= output + scratch + 4096, (held, output, scratch)
+    assert dequantised_bytes(storage, 1024 * 1024, 2) == 2 * output + scratch

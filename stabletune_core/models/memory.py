@@ -104,8 +104,14 @@ def largest_linear(model: Any) -> int:
 
 def dequantised_bytes(storage: str, model_largest_linear: int, width: int) -> int:
     """What a quantised base adds to the step's activations: the layer computing holds its weight dequantised (and
-    its backward another copy); nothing for storage "full"."""
-    return DEQUANTISED_COPIES * model_largest_linear * width if storage != "full" else 0
+    its backward another copy), plus one chunk's scratch while it dequantises (models/quantize.py dequantise);
+    nothing for storage "full"."""
+    if storage == "full":
+        return 0
+    from .quantize import DEQUANTISE_CHUNK, SCRATCH_BYTES
+
+    scratch = min(model_largest_linear, DEQUANTISE_CHUNK) * SCRATCH_BYTES[storage]
+    return DEQUANTISED_COPIES * model_largest_linear * width + scratch
 
 
 def lora_parameter_count(model: Any, targets: Iterable[str], rank: int) -> int:

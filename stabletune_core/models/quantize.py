@@ -80,15 +80,37 @@ def quantise(weight: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Te
     raise ValueError(f"unknown base storage '{storage}'")
 
 
+#: Weights dequantised at a time. The whole layer's fp32 values (and nf4's 8-byte indices) held at once cost ~25
+#: bytes a weight for nf4 and ~9 for int8, measured (bench/cpu_peak.py's dispatch counter): for Klein 9B's largest
+#: layer 3.7 GiB beside the 0.6 GiB of its two bf16 copies. In chunks, the scratch is a constant (SCRATCH_BYTES
+#: per weight of one chunk, at most ~72 MiB) and the layer costs its output in the run's dtype; models/memory.py
+#: prices both. The values are bitwise those of one pass: each element is computed alone.
+DEQUANTISE_CHUNK = 1 << 23
+#: Scratch bytes per weight of a chunk: int8/fp8 their fp32 values; nf4 its unpacked codes (1), their int32
+#: indices (4) and fp32 values (4).
+SCRATCH_BYTES = {"int8": 4, "fp8": 4, "nf4": 9}
+
+
 def dequantise(codes: torch.Tensor, scale: torch.Tensor, storage: str, shape: tuple[int, int],
                dtype: torch.dtype) -> torch.Tensor:
-    """The weight `quantise` stored, as a `shape` tensor of `dtype` (computed in fp32)."""
+    """The weight `quantise` stored, as a `shape` tensor of `dtype` (computed in fp32, DEQUANTISE_CHUNK weights at
+    a time)."""
     if storage in ("int8", "fp8"):
-        return (codes.float() * scale).to(dtype)
-    high, low = (codes >> 4).long(), (codes & 0x0F).long()
-    indices = torch.stack((high, low), dim=1).view(-1, NF4_BLOCK)
-    values = NF4_CODE.to(codes.device)[indices] * scale
-    return values.view(-1)[: shape[0] * shape[1]].view(shape).to(dtype)
+        out = torch.empty(shape, dtype=dtype, device=codes.device)
+        rows = max(1, DEQUANTISE_CHUNK // shape[1])
+        for start in range(0, shape[0], rows):
+            out[start:start + rows] = codes[start:start + rows].float().mul_(scale[start:start + rows])
+        return out
+    blocks = scale.shape[0]
+    packed = codes.view(blocks, NF4_BLOCK // 2)
+    out = torch.empty(blocks, NF4_BLOCK, dtype=dtype, device=codes.device)
+    code_book = NF4_CODE.to(codes.device)
+    step = max(1, DEQUANTISE_CHUNK // NF4_BLOCK)
+    for start in range(0, blocks, step):
+        part = packed[start:start + step]
+        indices = torch.stack((part >> 4, part & 0x0F), dim=-1).view(-1, NF4_BLOCK).int()  # uint8 would be a mask
+        out[start:start + step] = code_book[indices].mul_(scale[start:start + step])
+    return out.view(-1)[: shape[0] * shape[1]].view(shape)
 
 
 class _FrozenLinearFunction(torch.autograd.Function):

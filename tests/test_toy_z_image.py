@@ -124,17 +124,12 @@ def test_demo_teaches_the_toy_z_image_the_concept_and_keeps_its_colours(z_image_
     check_console_summary(console)
 
 
-@pytest.mark.xfail(reason="issue 39.5's targets are not met yet: the shipped demo measures purple 3.65 deg off "
-                          "(met) but green drift 3.63 and cyan 3.06 deg, shapes 76 % (the toy Z-Image base draws its "
-                          "squares round: 79 % shapes before any LoRA)", strict=False)
 def test_demo_meets_issue_39_5s_targets_over_8_seeds(z_image_report, one_thread):
     """Issue 39.5: purple within 6 degrees of its training images, every kept colour within 3 degrees of the base,
     base shapes 90 % right, over 8 seeds per prompt."""
     check_report(z_image_report, concept_max_deg=CONCEPT_AFTER_MAX_DEG)
 
 
-@pytest.mark.xfail(reason="the run's own summary reads purple 4 deg off but cyan drift 3.4 deg and shapes 70 %: "
-                          "'not yet'", strict=False)
 def test_the_z_image_demos_own_summary_passes_at_its_validation_seeds(z_image_demo):
     """What the user reads: the run's own summary, on its validation prompts and seeds (2 per prompt), meets the
     targets too and says pass."""

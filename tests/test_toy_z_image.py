@@ -115,12 +115,13 @@ def z_image_report(z_image_demo, base_images, z_image_lora_pipe) -> dict:
 
 
 def test_demo_teaches_the_toy_z_image_the_concept_and_keeps_its_colours(z_image_demo, z_image_report, one_thread):
-    """`demo --family z_image` brings purple from ~139 degrees off its training images to within the issue's 6
-    degrees (asserted at the SD and Klein demos' 8), keeps every base colour near the base's own image, measured on 8 seeds with the exported LoRA in
-    diffusers' ZImagePipeline; the run says it in degrees. The bounds are what the shipped demo holds now (purple
-    3.65 deg off, worst drift 3.63 deg (green), shapes 76 %), not yet issue 39.5's (the next test)."""
+    """`demo --family z_image` brings purple from ~139 degrees off its training images to within the SD and Klein
+    demos' 8 degrees and keeps every base colour near the base's own image, measured on 8 seeds with the exported LoRA
+    in diffusers' ZImagePipeline; the run says it in degrees. These bounds are the SD and Klein demos' (the shipped
+    demo on the rebuilt base: purple 5.49 deg off, worst drift 1.97 deg (green), shapes 100 %); the next test holds
+    it to issue 39.5's."""
     run, console = z_image_demo
-    check_report(z_image_report, concept_max_deg=8.0, drift_max_deg=4.5, shapes_min=0.65)
+    check_report(z_image_report, concept_max_deg=8.0)
     check_console_summary(console)
 
 

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--vae-polish-steps", type=int, default=300, help="Decoder-only polish steps (sd1).")
     build.add_argument("--unet-steps", "--transformer-steps", type=int, default=None,
                        help="Denoiser steps (default: each family's recipe, 3200 for sd1, 10000 for flux2_klein, "
-                            "6000 for z_image).")
+                            "8500 for z_image).")
     build.add_argument("--family", default="sd1", help="Which toy base: 'sd1' (SD 1.x), 'flux2_klein' or 'z_image'.")
     score = commands.add_parser("score", help="Score a toy-base model folder (and optionally a LoRA on it).")
     score.add_argument("model", type=Path, nargs="?", default=None)

@@ -58,6 +58,16 @@ class Recipe:
     eval_seeds: int = 8
     ema_max_decay: float = 0.998
     evaluate_every: int = 2500  # the EMA's quick evaluations in the log (2 seeds a prompt)
+    #: The training table's shift (OBJECTIVE_OPTIONS' flow_shift): None is the family scheduler's own (Klein: 1, as
+    #: it shifts dynamically at sampling; Z-Image: its static 3). logit_mean moves the logit-normal draw (> 0: towards
+    #: clean latents, where a shape's corners are drawn).
+    flow_shift: float | None = None
+    logit_mean: float = 0.0
+
+    def objective_options(self) -> SimpleNamespace:
+        """OBJECTIVE_OPTIONS with this recipe's shift and logit mean."""
+        return SimpleNamespace(**{**vars(OBJECTIVE_OPTIONS), "flow_shift": self.flow_shift,
+                                  "logit_mean": self.logit_mean})
 
 
 @dataclass(frozen=True)
@@ -191,7 +201,8 @@ def build(out: Path, toy: FlowToy, *, log: Callable[[str], None] = print, **numb
     ema, transformer_loss = train_transformer(bundle, latents, text, labels, recipe.transformer_steps,
                                               recipe.transformer_batch, log, lr=recipe.transformer_lr,
                                               ema_max_decay=recipe.ema_max_decay, evaluate=evaluate,
-                                              evaluate_every=recipe.evaluate_every)
+                                              evaluate_every=recipe.evaluate_every,
+                                              objective_options=recipe.objective_options())
 
     out.mkdir(parents=True, exist_ok=True)
     for name, module in (("transformer", ema), ("vae", vae), ("text_encoder", parts["text_encoder"])):
@@ -210,7 +221,7 @@ def build(out: Path, toy: FlowToy, *, log: Callable[[str], None] = print, **numb
         "transformer_steps": recipe.transformer_steps, "transformer_batch": recipe.transformer_batch,
         "transformer_lr": recipe.transformer_lr, "scenes_per_combo": recipe.scenes_per_combo,
         "ema_max_decay": recipe.ema_max_decay, "max_sequence_length": toy.text_length,
-        "objective": vars(OBJECTIVE_OPTIONS), "cfg_dropout": CFG_DROPOUT,
+        "objective": vars(recipe.objective_options()), "cfg_dropout": CFG_DROPOUT,
         "final_vae_loss": round(vae_loss, 5), "codec_hue_error_deg": round(codec, 2),
         "final_transformer_loss": round(transformer_loss, 5),
     }

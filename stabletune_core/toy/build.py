@@ -184,9 +184,12 @@ def scale_text_residual_stream(text_encoder, scale: float) -> None:
     equal (bench/RESULTS.md: 2.4e-4 relative after the fp16 round trip).
 
     Why: loud_token_embeddings (std 1) keeps each word's identity, but 50x wider than a real CLIP's 0.02, so an
-    embedding learning rate sized for CLIP moved a pivotal token 50x less and a text-encoder LoRA's writes were 50x
-    quieter beside the stream than on a real model. With scale 0.02 the embeddings sit at CLIP's scale and the
-    denoiser reads the same features. The eps goes into the shipped config (the caller's job)."""
+    embedding learning rate sized for CLIP moves a pivotal token 50x less for its size. With scale 0.02 the
+    embeddings sit at CLIP's scale and the denoiser reads the same features. Measured (bench/RESULTS.md, candidate
+    R1): the SD demo passes as on the loud encoder and the pivotal test's token gets closer (64.5 -> 53.2 deg), but
+    a text-encoder LoRA's writes are not scaled, so beside this stream they are 50x louder: test_reg_images' class
+    drifts 19.8 deg even with class images. Not the shipped base's setting. The eps goes into the shipped config
+    (the caller's job)."""
     with torch.no_grad():
         for table in (text_encoder.embeddings.token_embedding, text_encoder.embeddings.position_embedding):
             table.weight.mul_(scale)
@@ -208,7 +211,10 @@ def quiet_text_attention(text_encoder, attention_scale: float, position_scale: f
     without the attention's mixing (and with positions too faint to dominate) each word's hidden state is a random
     feature of its own 0.02-wide embedding, written into the stream about as loud as the initial encoder's (std
     ~0.36 against 0.73): the words are apart as a trained encoder's are, the embeddings keep CLIP's scale and a
-    text-encoder LoRA's writes keep their size beside the stream."""
+    text-encoder LoRA's writes keep their size beside the stream. Measured (bench/RESULTS.md, candidate M1, 0.03 and
+    0.1): its base draws every base prompt right and the pivotal test passes, but the SD demo's LoRA leaves purple
+    71 deg off (86 without the text-encoder LoRA): apart words alone do not make a concept learnable. Not the
+    shipped base's setting."""
     with torch.no_grad():
         text_encoder.embeddings.position_embedding.weight.mul_(position_scale)
         for layer in text_encoder.encoder.layers:
